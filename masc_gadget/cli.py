@@ -1,0 +1,92 @@
+"""The ``masc`` console command.
+
+Subcommands are plugins (entry-point group ``masc.commands``): each package that owns a
+subcommand exposes ``register(subparsers, common)``, adds its parser(s) with
+``parents=[common]`` and sets ``func`` to a callable taking the parsed namespace. This module
+only dispatches, configures logging and turns bad input into a one-line error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from importlib import metadata
+
+from masc_gadget import __version__
+from masc_gadget.config import Config, ConfigError, load_config
+
+COMMANDS_GROUP = "masc.commands"
+log = logging.getLogger("masc")
+
+
+class CommandError(Exception):
+    """Bad input to a subcommand: printed as one line, exit status 2."""
+
+
+def common_options() -> argparse.ArgumentParser:
+    """Options every subcommand takes: --config, --set, --log-level, --debug."""
+    common = argparse.ArgumentParser(add_help=False)
+    group = common.add_argument_group("common options")
+    group.add_argument("--config", metavar="FILE.yaml", help="YAML config overriding the defaults")
+    group.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value (repeatable), e.g. --set sequence.b0_t=1.5",
+    )
+    group.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    group.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    return common
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The validated config named by ``--config`` with ``--set`` overrides applied."""
+    return load_config(getattr(args, "config", None), getattr(args, "overrides", []))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="masc",
+        description="MASC: metal-aware k-space sampling and correction for accelerated MRI.",
+    )
+    parser.add_argument("--version", action="version", version=f"masc {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    common = common_options()
+    for ep in sorted(metadata.entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        ep.load()(subparsers, common)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    prog = "masc " + " ".join(
+        x for x in (getattr(args, "command", None), getattr(args, "action", None)) if x
+    )
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except (CommandError, ConfigError, FileNotFoundError, FileExistsError, ValueError, OSError) as err:
+        if args.debug:
+            raise
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""Typed configuration: one dataclass per component, YAML only overrides its defaults.
+
+A configuration file is a mapping from *section* names to the fields of that section's
+dataclass, e.g.::
+
+    sequence:
+      b0_t: 3.0
+      matrix: [64, 64]
+
+Sections are plugins: each package declares its dataclasses under the ``masc.config_sections``
+entry-point group, so this module never imports the packages that build on it. Unknown
+sections, unknown keys and values of the wrong type are :class:`ConfigError` naming the key
+and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+SECTIONS_GROUP = "masc.config_sections"
+
+
+class ConfigError(ValueError):
+    """A configuration file or override does not match the typed defaults."""
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is not None:
+        args = ", ".join(_type_name(a) for a in typing.get_args(tp))
+        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
+    if tp is type(None):
+        return "null"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in tp)
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it converted (lists to tuples...)."""
+    if tp is Any:
+        return value
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ConfigError(f"{where}: must be {_type_name(tp)}, got {value!r}")
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, where)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(f"{where}: must be {_type_name(tp)}, got {value!r}")
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: must be a list ({_type_name(tp)}), got {value!r}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(
+                    f"{where}: must have {len(args)} items ({_type_name(tp)}), got {len(value)}"
+                )
+            items = [_coerce(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value))]
+        else:
+            item_tp = args[0] if args else Any
+            items = [_coerce(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin in (dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: must be a mapping, got {value!r}")
+        key_tp, val_tp = args if args else (Any, Any)
+        return {
+            _coerce(key_tp, k, f"{where}.{k}"): _coerce(val_tp, v, f"{where}.{k}")
+            for k, v in value.items()
+        }
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        return from_dict(tp, value, where)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise ConfigError(f"{where}: must be {_type_name(tp)}, got {value!r}") from None
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}: must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: must be a string, got {value!r}")
+    if isinstance(tp, type):
+        if isinstance(value, tp):
+            return value
+        raise ConfigError(f"{where}: must be {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def from_dict(cls: type, data: Mapping[str, Any] | None, where: str = "") -> Any:
+    """Build dataclass ``cls`` from its defaults overridden by ``data``.
+
+    Raises ConfigError naming ``where.key`` for unknown keys and wrong types, and re-raises
+    the dataclass's own ``__post_init__`` ValueErrors as ConfigError with the section name.
+    """
+    data = {} if data is None else data
+    prefix = f"{where}." if where else ""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where or cls.__name__}: must be a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown key {prefix}{unknown[0]}; allowed keys of {where or cls.__name__}: "
+            + ", ".join(sorted(fields))
+        )
+    kwargs = {name: _coerce(hints[name], value, f"{prefix}{name}") for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"{where or cls.__name__}: {err}") from None
+
+
+def to_dict(obj: Any) -> Any:
+    """JSON/YAML-able plain data of a dataclass (tuples become lists, enums their values)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, Mapping):
+        return {str(k): to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    return obj
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """``["sequence.b0_t=1.5", "dataset.subjects=4"]`` -> nested dict; values parsed as YAML."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or "." not in key:
+            raise ConfigError(
+                f"override {item!r} must look like section.key=value (e.g. sequence.b0_t=1.5)"
+            )
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {item!r}: value is not valid YAML ({err})") from None
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} conflicts with an earlier override")
+        node[parts[-1]] = value
+    return out
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(dict(out[key]), value)
+        else:
+            out[key] = value
+    return out
+
+
+def config_sections() -> dict[str, type]:
+    """Section name -> dataclass, from the installed ``masc.config_sections`` entry points."""
+    sections = {}
+    for ep in metadata.entry_points(group=SECTIONS_GROUP):
+        sections[ep.name] = ep.load()
+    return sections
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A validated configuration: every known section, defaults filled in."""
+
+    sections: Mapping[str, Any]
+    source: str | None = None
+
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return self.sections[name]
+        except KeyError:
+            raise ConfigError(
+                f"no config section {name!r}; known sections: " + ", ".join(sorted(self.sections))
+            ) from None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name in ("sections", "source"):
+            raise AttributeError(name)
+        try:
+            return self.sections[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: to_dict(value) for name, value in self.sections.items()}
+
+
+def build_config(
+    data: Mapping[str, Any] | None = None,
+    overrides: Iterable[str] = (),
+    sections: Mapping[str, type] | None = None,
+    source: str | None = None,
+) -> Config:
+    """Validate ``data`` (+ ``key=value`` overrides) against all sections."""
+    sections = dict(config_sections() if sections is None else sections)
+    data = {} if data is None else data
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source or 'config'}: top level must be a mapping of sections")
+    merged = _merge(dict(data), parse_overrides(overrides))
+    unknown = sorted(set(merged) - set(sections))
+    if unknown:
+        raise ConfigError(
+            f"unknown config section {unknown[0]!r}; known sections: " + ", ".join(sorted(sections))
+        )
+    built = {name: from_dict(cls, merged.get(name), name) for name, cls in sections.items()}
+    return Config(built, source)
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Iterable[str] = (),
+    sections: Mapping[str, type] | None = None,
+) -> Config:
+    """Read a YAML config (or only defaults when ``path`` is None) and apply overrides."""
+    data: Any = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    return build_config(data, overrides, sections, None if path is None else str(path))

@@ -1,0 +1,402 @@
+"""Paired metal / clean datasets: one subject through the whole physics pipeline, and the
+dataset folder layout of DESIGN.md ("Data").
+
+A dataset is a folder with ``manifest.json`` and ``{train,val,test}/<subject>.h5``. Each
+subject file holds the ISMRMRD groups ``metal`` and ``clean`` (header + one acquisition per PE
+line per slice), the fast arrays ``kspace/{metal,clean}`` (complex64 [slice, pe, ro]),
+``images/{metal,clean}`` (float32 [slice, y, x]), ``implant_mask`` (uint8 [slice, y, x]),
+``field_map_hz`` (float32 [slice, y, x], off-resonance with the implant at each slice centre),
+and every simulation parameter as attributes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, Literal
+
+import h5py
+import numpy as np
+import torch
+
+from masc_gadget import __version__
+from masc_gadget.config import Config, build_config, to_dict
+from sim_scanner import mrd
+from sim_scanner.grid import Grid
+from sim_scanner.implant import (
+    draw_implant,
+    implant_chi_ppm,
+    postop_labels,
+    rasterize_implant,
+)
+from sim_scanner.phantom import draw_anatomy, rasterize_anatomy, tissue_maps
+from sim_scanner.physics import (
+    FAT_CHEMICAL_SHIFT_PPM,
+    dipole_field_hz,
+    fit_shim,
+    object_grid,
+    synthesize_kspace,
+    tse_signal,
+)
+from sim_scanner.tissues import Tissue, tissue_properties
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "val", "test")
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+SIM_SECTIONS = ("dataset", "phantom", "implant", "sequence", "physics")
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """What to simulate and how to split it (config section ``dataset``)."""
+
+    name: str = "masc-hip"
+    """Dataset name, written to the manifest."""
+    subjects: int = 200
+    """Number of subjects (paper: 200)."""
+    split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)
+    """Fractions of subjects in train / val / test (paper: 160 / 20 / 20); splits are by subject."""
+    seed: int = 0
+    """Master seed; subject i is simulated from SeedSequence([seed, i]) whatever the total count."""
+    workers: int = 1
+    """Parallel worker processes."""
+    compression: Literal["none", "lzf", "gzip"] = "lzf"
+    """HDF5 compression of the fast arrays."""
+
+    def __post_init__(self) -> None:
+        if self.subjects < 1:
+            raise ValueError(f"subjects must be >= 1, got {self.subjects}")
+        if len(self.split_fractions) != 3 or min(self.split_fractions) < 0:
+            raise ValueError(f"split_fractions must be three fractions >= 0, got {self.split_fractions}")
+        if not math.isclose(sum(self.split_fractions), 1.0, abs_tol=1e-6):
+            raise ValueError(f"split_fractions must sum to 1, got {list(self.split_fractions)}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+
+
+def subject_id(index: int) -> str:
+    return f"sub-{index:04d}"
+
+
+def assign_splits(cfg: DatasetConfig) -> dict[str, list[str]]:
+    """Subject ids per split: a seeded permutation, cut by the fractions (each non-empty split
+    fraction gets at least one subject when there are enough subjects)."""
+    n = cfg.subjects
+    counts = [int(round(f * n)) for f in cfg.split_fractions]
+    for i, f in enumerate(cfg.split_fractions):
+        if f > 0 and counts[i] == 0 and n >= sum(1 for x in cfg.split_fractions if x > 0):
+            counts[i] = 1
+    while sum(counts) > n:
+        counts[int(np.argmax(counts))] -= 1
+    while sum(counts) < n:
+        counts[0] += 1
+    order = np.random.default_rng(np.random.SeedSequence([cfg.seed, 2**31 - 1])).permutation(n)
+    splits, start = {}, 0
+    for name, count in zip(SPLITS, counts):
+        splits[name] = [subject_id(int(i)) for i in sorted(order[start : start + count])]
+        start += count
+    return splits
+
+
+@dataclass
+class SubjectData:
+    """One simulated subject, everything that goes into its file."""
+
+    subject_id: str
+    kspace_metal: np.ndarray
+    kspace_clean: np.ndarray
+    images_metal: np.ndarray
+    images_clean: np.ndarray
+    implant_mask: np.ndarray
+    field_map_hz: np.ndarray
+    slice_centres_mm: list[float]
+    fov_centre_mm: tuple[float, float]
+    anatomy: dict[str, Any] = field(default_factory=dict)
+    implant: dict[str, Any] = field(default_factory=dict)
+
+
+def ifft2c_np(kspace: np.ndarray) -> np.ndarray:
+    """Centred orthonormal inverse 2D FFT over the last two axes (numpy)."""
+    axes = (-2, -1)
+    return np.fft.fftshift(np.fft.ifft2(np.fft.ifftshift(kspace, axes=axes), norm="ortho"), axes=axes)
+
+
+def _to_image_grid(volume: np.ndarray, grid: Grid, s: int, margin_cols: int, planes: list[int], n_pe: int,
+                   n_ro: int, reduce: str) -> np.ndarray:
+    """Average (or max) s x s blocks of the FOV part of ``volume`` at the given planes."""
+    out = []
+    for p in planes:
+        sl = volume[p][:, margin_cols : margin_cols + n_ro * s].reshape(n_pe, s, n_ro, s)
+        out.append(sl.mean(axis=(1, 3)) if reduce == "mean" else sl.max(axis=(1, 3)))
+    return np.stack(out).astype(np.float32)
+
+
+def simulate_subject(index: int, config: Config, progress=None) -> SubjectData:
+    """Simulate subject ``index`` of the dataset described by ``config`` (bit-reproducible)."""
+    dcfg, pcfg, icfg, seq, phys = (config[name] for name in SIM_SECTIONS)
+    rng = np.random.default_rng(np.random.SeedSequence([dcfg.seed, index]))
+    anatomy = draw_anatomy(pcfg, rng)
+    implant = draw_implant(icfg, anatomy, rng)
+    hip = anatomy.hips[implant.side]
+    head = hip.head_centre_mm
+    fov_centre = (0.0, float(head[2])) if seq.fov_centre == "hip" else (0.0, 0.0)
+    stack_centre = float(head[0]) + seq.slab_offset_mm
+    grid = object_grid(seq, phys, fov_centre, stack_centre)
+    slice_centres = [stack_centre + off for off in seq.slice_offsets_mm()]
+
+    labels_pre = rasterize_anatomy(anatomy, grid, pcfg)
+    components = rasterize_implant(implant, grid)
+    labels_post = postop_labels(labels_pre, components, implant, anatomy, grid)
+    maps_post = tissue_maps(labels_post, anatomy, grid, seq.b0_t, pcfg)
+    chi_metal = maps_post.chi_ppm.copy()
+    for comp, chi in implant_chi_ppm(implant).items():
+        chi_metal[components == int(comp)] = chi
+    if icfg.clean_mode == "no_implant":
+        labels_clean = labels_pre
+        maps_clean = tissue_maps(labels_pre, anatomy, grid, seq.b0_t, pcfg)
+    else:
+        labels_clean, maps_clean = labels_post, maps_post
+
+    chi_air = tissue_properties(seq.b0_t)[Tissue.AIR].chi_ppm
+    field_clean, field_metal = dipole_field_hz(
+        [maps_clean.chi_ppm - chi_air, chi_metal - chi_air],
+        grid.voxel_mm, seq.b0_t, phys.field_padding, phys.device,
+    )
+    signal_clean = tse_signal(maps_clean.pd, maps_clean.t1_ms, maps_clean.t2_ms, seq.tr_ms, seq.te_ms)
+    signal_metal = tse_signal(maps_post.pd, maps_post.t1_ms, maps_post.t2_ms, seq.tr_ms, seq.te_ms)
+    shim = fit_shim(field_clean, signal_clean > 0, grid, phys.shim)
+    field_clean -= shim
+    field_metal -= shim
+    fmap_metal = field_metal.copy()
+    if phys.fat_chemical_shift:
+        shift = FAT_CHEMICAL_SHIFT_PPM * 1e-6 * seq.larmor_hz
+        field_clean[labels_clean == Tissue.FAT] += shift
+        field_metal[labels_post == Tissue.FAT] += shift
+    del chi_metal, maps_post, maps_clean
+
+    k_metal = synthesize_kspace(signal_metal, field_metal, grid, seq, phys, slice_centres, progress)
+    k_clean = synthesize_kspace(signal_clean, field_clean, grid, seq, phys, slice_centres, progress)
+    if phys.snr > 0:
+        ref = np.abs(ifft2c_np(k_clean))
+        sigma = float(ref[ref > 0.1 * ref.max()].mean()) / phys.snr
+        noise = (rng.standard_normal(k_metal.shape) + 1j * rng.standard_normal(k_metal.shape)) * (
+            sigma / math.sqrt(2)
+        )
+        k_metal = (k_metal + noise).astype(np.complex64)
+        if phys.noise_in_clean:
+            k_clean = (k_clean + noise).astype(np.complex64)
+
+    s = phys.inplane_oversampling
+    margin_cols = (grid.shape[2] - seq.n_readout * s) // 2
+    z = grid.axis_mm(0)
+    centre_planes = [int(np.argmin(np.abs(z - zc))) for zc in slice_centres]
+    fmap = _to_image_grid(fmap_metal, grid, s, margin_cols, centre_planes, seq.n_pe, seq.n_readout, "mean")
+    masks = []
+    for zc in slice_centres:
+        planes = np.nonzero(np.abs(z - zc) < seq.slice_thickness_mm / 2)[0]
+        occupied = (components[planes] > 0).any(axis=0)[None].astype(np.uint8)
+        masks.append(_to_image_grid(occupied, grid, s, margin_cols, [0], seq.n_pe, seq.n_readout, "max")[0])
+    return SubjectData(
+        subject_id=subject_id(index),
+        kspace_metal=k_metal,
+        kspace_clean=k_clean,
+        images_metal=np.abs(ifft2c_np(k_metal)).astype(np.float32),
+        images_clean=np.abs(ifft2c_np(k_clean)).astype(np.float32),
+        implant_mask=np.stack(masks).astype(np.uint8),
+        field_map_hz=fmap,
+        slice_centres_mm=[float(v) for v in slice_centres],
+        fov_centre_mm=fov_centre,
+        anatomy=dict(anatomy.params),
+        implant=implant.to_dict(),
+    )
+
+
+def write_subject(data: SubjectData, path: Path, config: Config, split: str) -> None:
+    """Write one subject file atomically (temporary name, then rename)."""
+    seq = config["sequence"]
+    dcfg = config["dataset"]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        for group, kspace in (("metal", data.kspace_metal), ("clean", data.kspace_clean)):
+            header = mrd.build_header(
+                seq,
+                subject_id=data.subject_id,
+                slice_centres_mm=data.slice_centres_mm,
+                fov_centre_mm=data.fov_centre_mm,
+                measurement_id=f"{dcfg.name}/{data.subject_id}/{group}",
+                extra_user_parameters={"masc_partner": group},
+            )
+            acqs = mrd.acquisitions_from_kspace(kspace, seq, data.slice_centres_mm, data.fov_centre_mm)
+            mrd.write_mrd_group(tmp, group, header, acqs)
+        comp = None if dcfg.compression == "none" else dcfg.compression
+        with h5py.File(tmp, "a") as f:
+            opts = {"compression": comp} if comp else {}
+            f.create_dataset("kspace/metal", data=data.kspace_metal, **opts)
+            f.create_dataset("kspace/clean", data=data.kspace_clean, **opts)
+            f.create_dataset("images/metal", data=data.images_metal, **opts)
+            f.create_dataset("images/clean", data=data.images_clean, **opts)
+            f.create_dataset("implant_mask", data=data.implant_mask, **opts)
+            f.create_dataset("field_map_hz", data=data.field_map_hz, **opts)
+            attrs = f.attrs
+            attrs["subject_id"] = data.subject_id
+            attrs["split"] = split
+            attrs["format_version"] = FORMAT_VERSION
+            attrs["masc_version"] = __version__
+            attrs["seed"] = dcfg.seed
+            attrs["slice_centres_mm"] = np.asarray(data.slice_centres_mm)
+            attrs["fov_centre_mm"] = np.asarray(data.fov_centre_mm)
+            for key, value in to_dict(seq).items():
+                attrs[f"sequence.{key}"] = value
+            for key, value in to_dict(config["physics"]).items():
+                attrs[f"physics.{key}"] = value
+            attrs["implant.side"] = data.implant.get("side", "")
+            for key in ("stem", "head", "liner", "cup"):
+                mat = data.implant.get("materials", {}).get(key)
+                if mat is not None:
+                    attrs[f"implant.{key}_material"] = mat
+            attrs["config_json"] = json.dumps({k: to_dict(config[k]) for k in SIM_SECTIONS})
+            attrs["anatomy_json"] = json.dumps(data.anatomy)
+            attrs["implant_json"] = json.dumps(data.implant)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _sim_config_dict(config: Config) -> dict[str, Any]:
+    return {k: to_dict(config[k]) for k in SIM_SECTIONS}
+
+
+def _worker(index: int, config_dict: dict[str, Any], path: str, split: str, threads: int) -> str:
+    torch.set_num_threads(threads)
+    config = build_config(config_dict)
+    data = simulate_subject(index, config)
+    write_subject(data, Path(path), config, split)
+    return data.subject_id
+
+
+def _comparable(sim: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a config that change the simulated data (not workers / device / count)."""
+    sim = json.loads(json.dumps(sim))
+    for key in ("workers", "subjects", "name"):
+        sim["dataset"].pop(key, None)
+    sim["physics"].pop("device", None)
+    return sim
+
+
+def write_manifest(out: Path, config: Config, splits: dict[str, list[str]]) -> dict[str, Any]:
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "name": config["dataset"].name,
+        "seed": config["dataset"].seed,
+        "splits": splits,
+        "subjects": sorted(s for ids in splits.values() for s in ids),
+        "config": _sim_config_dict(config),
+        "versions": {
+            "masc": __version__,
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "torch": torch.__version__,
+            "h5py": h5py.__version__,
+        },
+        "layout": {
+            "kspace": "complex64 [slice, pe, ro]; image = |centred orthonormal 2D IFFT|",
+            "images": "float32 magnitude [slice, y, x]",
+            "implant_mask": "uint8 [slice, y, x], 1 where the pixel contains implant",
+            "field_map_hz": "float32 [slice, y, x], off-resonance with the implant, slice centre",
+            "mrd_groups": ["metal", "clean"],
+        },
+    }
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, out / MANIFEST)
+    return manifest
+
+
+def read_manifest(folder: str | Path) -> dict[str, Any]:
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} is not a MASC dataset: {MANIFEST} is missing")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+
+
+def subject_path(folder: str | Path, subject: str, manifest: dict[str, Any] | None = None) -> Path:
+    """Path of ``subject``'s file in dataset ``folder`` (ValueError naming the known subjects)."""
+    manifest = manifest or read_manifest(folder)
+    for split, ids in manifest["splits"].items():
+        if subject in ids:
+            return Path(folder) / split / f"{subject}.h5"
+    known = manifest.get("subjects", [])
+    raise ValueError(
+        f"subject {subject!r} is not in {folder}; known subjects: "
+        + ", ".join(known[:10]) + (" ..." if len(known) > 10 else "")
+    )
+
+
+def simulate_dataset(config: Config, out: str | Path, progress: bool = True) -> dict[str, Any]:
+    """Simulate every subject of ``config`` into ``out``; finished subjects are skipped, so an
+    interrupted run resumes. Returns the manifest."""
+    from tqdm.auto import tqdm
+
+    out = Path(out)
+    dcfg = config["dataset"]
+    splits = assign_splits(dcfg)
+    manifest_path = out / MANIFEST
+    if manifest_path.exists():
+        old = read_manifest(out)
+        if _comparable(old.get("config", {})) != _comparable(_sim_config_dict(config)) or old.get(
+            "splits"
+        ) != splits:
+            raise ValueError(
+                f"{out} already holds a dataset simulated with other parameters; "
+                "choose another --out or delete it"
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    for split in SPLITS:
+        (out / split).mkdir(exist_ok=True)
+        for stale in (out / split).glob("*.h5.tmp"):
+            stale.unlink()
+    manifest = write_manifest(out, config, splits)
+
+    todo = []
+    for split, ids in splits.items():
+        for sid in ids:
+            path = out / split / f"{sid}.h5"
+            if not path.exists():
+                todo.append((int(sid.split("-")[1]), path, split))
+    done = dcfg.subjects - len(todo)
+    if done:
+        log.info("%d of %d subjects already simulated in %s; skipping them", done, dcfg.subjects, out)
+    log.info("simulating %d subjects into %s with %d worker(s)", len(todo), out, dcfg.workers)
+    bar = tqdm(total=len(todo), unit="subject", desc="simulate", disable=not progress)
+    try:
+        if dcfg.workers == 1 or len(todo) <= 1:
+            for index, path, split in todo:
+                data = simulate_subject(index, config)
+                write_subject(data, path, config, split)
+                bar.update()
+        else:
+            threads = max(1, (os.cpu_count() or 1) // dcfg.workers)
+            sim = _sim_config_dict(config)
+            with ProcessPoolExecutor(dcfg.workers, mp_context=get_context("spawn")) as pool:
+                futures = [pool.submit(_worker, i, sim, str(p), s) for i, p, s in todo]
+                for future in as_completed(futures):
+                    future.result()
+                    bar.update()
+    finally:
+        bar.close()
+    log.info("dataset %s complete: %s", out, ", ".join(f"{k} {len(v)}" for k, v in splits.items()))
+    return manifest

@@ -1,0 +1,79 @@
+"""Preview figure of one simulated subject: clean, metal, difference, implant mask, field map."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from sim_scanner.dataset import read_manifest, subject_path
+
+
+def pick_slices(implant_mask: np.ndarray, count: int) -> list[int]:
+    """``count`` slices spread over the stack, favouring those that contain implant."""
+    n = implant_mask.shape[0]
+    count = max(1, min(count, n))
+    with_metal = np.nonzero(implant_mask.reshape(n, -1).any(axis=1))[0]
+    pool = with_metal if len(with_metal) >= count else np.arange(n)
+    picks = np.linspace(0, len(pool) - 1, count).round().astype(int)
+    return sorted({int(pool[i]) for i in picks})
+
+
+def write_preview(folder: str | Path, subject: str | None, out: str | Path, n_slices: int = 4) -> Path:
+    """Render the preview PNG of ``subject`` (default: the first test subject) to ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    manifest = read_manifest(folder)
+    if subject is None:
+        for split in ("test", "val", "train"):
+            if manifest["splits"].get(split):
+                subject = manifest["splits"][split][0]
+                break
+    path = subject_path(folder, subject, manifest)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} has not been simulated yet (run masc simulate dataset)")
+    with h5py.File(path, "r") as f:
+        clean = f["images/clean"][()]
+        metal = f["images/metal"][()]
+        mask = f["implant_mask"][()]
+        fmap = f["field_map_hz"][()]
+        bw = float(f.attrs.get("sequence.readout_bw_hz_per_px", 710.0))
+        b0 = float(f.attrs.get("sequence.b0_t", 3.0))
+        centres = np.asarray(f.attrs["slice_centres_mm"])
+        materials = f.attrs.get("implant.stem_material", "?")
+    slices = pick_slices(mask, n_slices)
+    vmax = float(np.percentile(clean, 99.5)) or 1.0
+    flim = 5 * bw
+    cols = ["clean (ground truth)", "metal", "|metal - clean|", "implant mask", "field map (Hz)"]
+    fig, axes = plt.subplots(len(slices), len(cols), figsize=(3.0 * len(cols), 3.0 * len(slices)),
+                             squeeze=False, constrained_layout=True)
+    for row, k in enumerate(slices):
+        panels = [
+            (clean[k], dict(cmap="gray", vmin=0, vmax=vmax)),
+            (metal[k], dict(cmap="gray", vmin=0, vmax=vmax)),
+            (np.abs(metal[k] - clean[k]), dict(cmap="magma", vmin=0, vmax=vmax)),
+            (mask[k], dict(cmap="gray", vmin=0, vmax=1)),
+            (fmap[k], dict(cmap="RdBu_r", vmin=-flim, vmax=flim)),
+        ]
+        for col, (img, kw) in enumerate(panels):
+            ax = axes[row, col]
+            im = ax.imshow(img, origin="upper", interpolation="nearest", **kw)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if row == 0:
+                ax.set_title(cols[col], fontsize=10)
+            if col == 0:
+                ax.set_ylabel(f"slice {k}  z={centres[k]:+.0f} mm", fontsize=9)
+            if col == 4 and row == len(slices) - 1:
+                fig.colorbar(im, ax=axes[:, 4], shrink=0.6, label=f"Hz (±5 px at {bw:g} Hz/px)")
+    fig.suptitle(f"{manifest.get('name', '')} {subject}: {b0:g} T, {materials} implant, "
+                 f"readout L-R (x), phase encoding A-P (y)", fontsize=11)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out

@@ -1,0 +1,1 @@
+"""Environments, PPO, co-adaptive training, baselines, evaluation and figures."""
