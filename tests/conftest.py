@@ -1,0 +1,46 @@
+"""Shared fixtures: a tiny simulated dataset written once per test session."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    from masc_gadget.config import load_config
+
+    return load_config(CONFIGS / "tiny.yaml")
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory, tiny_config):
+    """The tiny dataset (4 subjects), simulated with two worker processes."""
+    from masc_gadget.config import load_config
+    from sim_scanner.dataset import simulate_dataset
+
+    out = tmp_path_factory.mktemp("tiny") / "data"
+    config = load_config(CONFIGS / "tiny.yaml", ["dataset.workers=2"])
+    simulate_dataset(config, out, progress=False)
+    return out
+
+
+@pytest.fixture
+def device():
+    """CPU always; CUDA too where present (tests parametrise over it themselves)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def global_rng_guard():
+    """Fails the test if library code touched numpy's or torch's global RNG."""
+    np_state = np.random.get_state()
+    torch_state = torch.random.get_rng_state()
+    yield
+    after = np.random.get_state()
+    assert np_state[0] == after[0] and np.array_equal(np_state[1], after[1]) and np_state[2:] == after[2:], \
+        "numpy global RNG state changed"
+    assert torch.equal(torch_state, torch.random.get_rng_state()), "torch global RNG state changed"
