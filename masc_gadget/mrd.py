@@ -1,0 +1,293 @@
+"""ISMRMRD (MRD v1) headers and acquisition fields, as the gadget and the scanner read them.
+
+Protocol-side helpers only: numpy and ismrmrd (plus ``xsdata``, the XML binding that ismrmrd >= 1.14
+is built on); never torch.
+
+Header parsing is lenient where real peers differ and strict where it matters:
+
+* strings may end in NULs and whitespace (clients NUL-terminate them): stripped;
+* ``<version>`` is dropped when the library cannot take it (older / newer ISMRMRD tools write
+  values such as ``2.0`` that do not convert), and :func:`serialize_header` never writes it,
+  because newer ISMRMRD libraries reject a version they do not know on re-serialisation;
+* a header without the ISMRMRD namespace is read as if it had it;
+* elements from a newer schema that this library does not know are ignored, with a warning;
+* values that do not convert (``<x>abc</x>`` for an integer) and anything that is not an
+  ``ismrmrdHeader`` raise ``ValueError("ISMRMRD header does not parse: ...")``. (An *empty*
+  element with a schema default, ``<x></x>``, takes that default: xsdata's behaviour.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import types
+import typing
+import xml.etree.ElementTree as ET
+from typing import NamedTuple
+
+import ismrmrd
+import ismrmrd.xsd
+
+log = logging.getLogger(__name__)
+
+ISMRMRD_NAMESPACE = "http://www.ismrm.org/ISMRMRD"
+"""XML namespace of the ISMRMRD v1 header."""
+
+_context = (
+    None  # xsdata XmlContext, built on first use and shared (it is a cache of class metadata)
+)
+
+
+def _local(tag: str) -> str:
+    return tag.rsplit("}", 1)[-1]
+
+
+def _clean_text(xml: str | bytes | bytearray | memoryview) -> str | bytes:
+    """Strip NULs and whitespace from both ends; reject empty or non-text input."""
+    if isinstance(xml, (bytearray, memoryview)):
+        xml = bytes(xml)
+    if isinstance(xml, bytes):
+        text: str | bytes = xml.strip(b"\x00 \t\r\n")
+    elif isinstance(xml, str):
+        text = xml.strip("\x00 \t\r\n\ufeff")
+    else:
+        raise ValueError(
+            f"ISMRMRD header does not parse: expected str or bytes, got {type(xml).__name__}"
+        )
+    if not text:
+        raise ValueError("ISMRMRD header does not parse: the header is empty")
+    return text
+
+
+def _xsdata_parse(text: str | bytes, *, fail_on_unknown: bool) -> ismrmrd.xsd.ismrmrdHeader:
+    """Parse with ismrmrd's own binding; unconvertible values are errors, not silent strings."""
+    global _context
+    from xsdata.formats.dataclass.context import XmlContext
+    from xsdata.formats.dataclass.parsers import XmlParser
+    from xsdata.formats.dataclass.parsers.config import ParserConfig
+
+    if _context is None:
+        _context = XmlContext()
+    parser = XmlParser(
+        config=ParserConfig(
+            fail_on_unknown_properties=fail_on_unknown, fail_on_converter_warnings=True
+        ),
+        context=_context,
+    )
+    if isinstance(text, bytes):
+        header = parser.from_bytes(text, ismrmrd.xsd.ismrmrdHeader)
+    else:
+        header = parser.from_string(text, ismrmrd.xsd.ismrmrdHeader)
+    errors: list[str] = []
+    _check_types(header, ismrmrd.xsd.ismrmrdHeader, "ismrmrdHeader", errors)
+    if errors:
+        raise ValueError("; ".join(errors[:5]))
+    return header
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, object]:
+    return typing.get_type_hints(cls)
+
+
+def _check_types(value: object, hint: object, path: str, errors: list[str]) -> None:
+    """Collect values that do not have their schema type (xsdata can leave '' or a wrong type)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:
+            _check_types(value, options[0], path, errors)
+        elif not any(isinstance(value, typing.get_origin(a) or a) for a in options):
+            errors.append(f"{path} has an unexpected value {value!r}")
+        return
+    if origin is list:
+        if not isinstance(value, list):
+            errors.append(f"{path} must be a list, got {value!r}")
+            return
+        for i, item in enumerate(value):
+            _check_types(item, args[0], f"{path}[{i}]", errors)
+        return
+    if not isinstance(hint, type):
+        return
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, hint):
+            errors.append(f"{path} must be a <{hint.__name__}> element, got {value!r}")
+            return
+        hints = _hints(hint)
+        for f in dataclasses.fields(hint):
+            _check_types(getattr(value, f.name), hints[f.name], f"{path}.{f.name}", errors)
+        return
+    if hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, hint)
+    if not ok:
+        errors.append(f"{path} must be {hint.__name__}, got {value!r}")
+
+
+def _repair(root: ET.Element) -> list[str]:
+    """Drop a non-integer ``<version>``; put unqualified elements in the ISMRMRD namespace."""
+    repairs = []
+    for child in list(root):
+        text = child.text or ""
+        plain_integer = len(child) == 0 and text.strip().lstrip("+-").isdigit()
+        if _local(child.tag) == "version" and not plain_integer:
+            root.remove(child)
+            repairs.append(f"dropped <version>{(child.text or '').strip()}</version>")
+    if not root.tag.startswith("{"):
+        for element in root.iter():
+            if isinstance(element.tag, str) and not element.tag.startswith("{"):
+                element.tag = f"{{{ISMRMRD_NAMESPACE}}}{element.tag}"
+        repairs.append("added the ISMRMRD namespace")
+    return repairs
+
+
+def parse_header(xml: str | bytes) -> ismrmrd.xsd.ismrmrdHeader:
+    """Parse an ISMRMRD XML header leniently (see the module docstring).
+
+    Raises ``ValueError("ISMRMRD header does not parse: ...")`` for anything that is not a
+    usable ``ismrmrdHeader``.
+    """
+    text = _clean_text(xml)
+    try:
+        root = ET.fromstring(text)
+    except ET.ParseError as error:
+        raise ValueError(f"ISMRMRD header does not parse: not well-formed XML ({error})") from None
+    if _local(root.tag) != "ismrmrdHeader":
+        raise ValueError(
+            "ISMRMRD header does not parse: root element must be <ismrmrdHeader>, "
+            f"got <{_local(root.tag)}>"
+        )
+    try:
+        return _xsdata_parse(text, fail_on_unknown=True)
+    except (ValueError, TypeError) as error:  # xsdata's errors are ValueErrors
+        first_error = error
+    repairs = _repair(root)
+    repaired = ET.tostring(root, encoding="unicode")
+    unknown_error = first_error
+    if repairs:
+        try:
+            header = _xsdata_parse(repaired, fail_on_unknown=True)
+        except (ValueError, TypeError) as error:
+            unknown_error = error
+        else:
+            log.debug("ISMRMRD header parsed after repairs: %s", "; ".join(repairs))
+            return header
+    try:
+        header = _xsdata_parse(repaired, fail_on_unknown=False)
+    except (ValueError, TypeError):
+        raise ValueError(f"ISMRMRD header does not parse: {first_error}") from None
+    log.warning(
+        "ISMRMRD header has elements this library does not know, ignored: %s", unknown_error
+    )
+    return header
+
+
+def serialize_header(header: ismrmrd.xsd.ismrmrdHeader) -> str:
+    """The header as ISMRMRD XML text (UTF-8 declaration, no ``<version>``).
+
+    Round-trips through :func:`parse_header` and ``ismrmrd.xsd.CreateFromDocument``.
+    ``<version>`` is left out because ISMRMRD libraries reject versions they do not know.
+    """
+    if not isinstance(header, ismrmrd.xsd.ismrmrdHeader):
+        raise ValueError(f"expected an ismrmrd.xsd.ismrmrdHeader, got {type(header).__name__}")
+    return ismrmrd.xsd.ToXML(dataclasses.replace(header, version=None), encoding="UTF-8")
+
+
+class EncodingGeometry(NamedTuple):
+    """What the gadget needs from a header's first encoding (2D Cartesian, one line per PE step)."""
+
+    n_readout: int
+    """Samples per readout (encoded matrix x)."""
+    n_pe: int
+    """Phase-encoding lines (encoded matrix y)."""
+    n_slices: int
+    """Slices (encoding limit ``slice`` maximum + 1; 1 without a limit)."""
+    fov_mm: tuple[float, float, float]
+    """Encoded field of view (readout, PE, slice thickness), mm."""
+    pe_centre: int
+    """The k-space centre line (``kspace_encoding_step_1`` centre; n_pe // 2 without a limit)."""
+
+
+def encoding_geometry(header: ismrmrd.xsd.ismrmrdHeader | str | bytes) -> EncodingGeometry:
+    """Matrix, slices, FOV and centre line of ``header`` (a parsed header or its XML)."""
+    if not isinstance(header, ismrmrd.xsd.ismrmrdHeader):
+        header = parse_header(header)
+    if not header.encoding:
+        raise ValueError("ISMRMRD header has no <encoding>")
+    encoding = header.encoding[0]
+    space = encoding.encodedSpace
+    if space is None or space.matrixSize is None:
+        raise ValueError("ISMRMRD header has no <encoding><encodedSpace><matrixSize>")
+    if space.fieldOfView_mm is None:
+        raise ValueError("ISMRMRD header has no <encoding><encodedSpace><fieldOfView_mm>")
+    n_readout, n_pe = int(space.matrixSize.x), int(space.matrixSize.y)
+    if n_readout < 1 or n_pe < 1:
+        raise ValueError(
+            f"ISMRMRD header encodedSpace matrixSize must be >= 1, got x={n_readout}, y={n_pe}"
+        )
+    fov = space.fieldOfView_mm
+    fov_mm = (float(fov.x), float(fov.y), float(fov.z))
+    if min(fov_mm) <= 0:
+        raise ValueError(
+            f"ISMRMRD header encodedSpace fieldOfView_mm must be > 0, got {list(fov_mm)}"
+        )
+    limits = encoding.encodingLimits
+    n_slices = 1
+    pe_centre = n_pe // 2
+    if limits is not None:
+        if limits.slice is not None:
+            n_slices = int(limits.slice.maximum) + 1
+        if limits.kspace_encoding_step_1 is not None:
+            pe_centre = int(limits.kspace_encoding_step_1.center)
+    if n_slices < 1:
+        raise ValueError(f"ISMRMRD header slice limit must give >= 1 slice, got {n_slices}")
+    if not 0 <= pe_centre < n_pe:
+        raise ValueError(
+            f"ISMRMRD header kspace_encoding_step_1 center must be in [0, {n_pe}), got {pe_centre}"
+        )
+    return EncodingGeometry(n_readout, n_pe, n_slices, fov_mm, pe_centre)
+
+
+def line_of(acq: ismrmrd.Acquisition) -> int:
+    """The phase-encoding line of an acquisition (``idx.kspace_encode_step_1``)."""
+    return int(acq.idx.kspace_encode_step_1)
+
+
+def slice_of(acq: ismrmrd.Acquisition) -> int:
+    """The slice of an acquisition (``idx.slice``)."""
+    return int(acq.idx.slice)
+
+
+def flag_mask(*flags: int) -> int:
+    """The ``flags`` bit mask of ISMRMRD flag numbers (``ismrmrd.ACQ_*``, 1-based)."""
+    mask = 0
+    for flag in flags:
+        if not 1 <= int(flag) <= 64:
+            raise ValueError(f"ISMRMRD flags are numbered 1..64, got {flag}")
+        mask |= 1 << (int(flag) - 1)
+    return mask
+
+
+def user_parameters(
+    header: ismrmrd.xsd.ismrmrdHeader | str | bytes,
+) -> dict[str, float | int | str]:
+    """The header's ``userParameterLong`` / ``Double`` / ``String`` values by name."""
+    if not isinstance(header, ismrmrd.xsd.ismrmrdHeader):
+        header = parse_header(header)
+    params = header.userParameters
+    if params is None:
+        return {}
+    values: dict[str, float | int | str] = {}
+    for item in params.userParameterLong:
+        values[item.name] = int(item.value)
+    for item in params.userParameterDouble:
+        values[item.name] = float(item.value)
+    for item in params.userParameterString:
+        values[item.name] = str(item.value)
+    return values
