@@ -167,13 +167,18 @@ def simulate_subject(index: int, config: Config, progress=None) -> SubjectData:
         labels_clean, maps_clean = labels_post, maps_post
 
     chi_air = tissue_properties(seq.b0_t)[Tissue.AIR].chi_ppm
-    field_clean, field_metal = dipole_field_hz(
-        [maps_clean.chi_ppm - chi_air, chi_metal - chi_air],
-        grid.voxel_mm, seq.b0_t, phys.field_padding, phys.device,
-    )
+    chi_maps = [maps_post.chi_ppm - chi_air, chi_metal - chi_air]
+    if icfg.clean_mode == "no_implant":
+        chi_maps.append(maps_clean.chi_ppm - chi_air)
+    fields = dipole_field_hz(chi_maps, grid.voxel_mm, seq.b0_t, phys.field_padding, phys.device)
+    field_tissue, field_metal = fields[0], fields[1]
+    field_clean = fields[2] if len(fields) > 2 else field_tissue.copy()
     signal_clean = tse_signal(maps_clean.pd, maps_clean.t1_ms, maps_clean.t2_ms, seq.tr_ms, seq.te_ms)
     signal_metal = tse_signal(maps_post.pd, maps_post.t1_ms, maps_post.t2_ms, seq.tr_ms, seq.te_ms)
-    shim = fit_shim(field_clean, signal_clean > 0, grid, phys.shim)
+    # the scanner's shim: fitted to the tissue field of the post-operative anatomy (the implant's
+    # own field is far beyond what shim coils can correct), applied to both partners
+    shim = fit_shim(field_tissue, signal_metal > 0, grid, phys.shim)
+    del fields, field_tissue, chi_maps
     field_clean -= shim
     field_metal -= shim
     fmap_metal = field_metal.copy()
@@ -392,7 +397,7 @@ def simulate_dataset(config: Config, out: str | Path, progress: bool = True) -> 
             threads = max(1, (os.cpu_count() or 1) // dcfg.workers)
             sim = _sim_config_dict(config)
             with ProcessPoolExecutor(dcfg.workers, mp_context=get_context("spawn")) as pool:
-                futures = [pool.submit(_worker, i, sim, str(p), s) for i, p, s in todo]
+                futures = [pool.submit(_worker, i, sim, str(p), s, threads) for i, p, s in todo]
                 for future in as_completed(futures):
                     future.result()
                     bar.update()
