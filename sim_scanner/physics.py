@@ -51,9 +51,10 @@ class PhysicsConfig:
     readout_margin_mm: float = 60.0
     """Object extent beyond the FOV along the readout, so that spins displaced into the FOV from
     outside it are simulated (signal displaced out of the FOV is filtered out, as by the ADC)."""
-    field_padding: float = 0.5
+    field_padding: float = 0.25
     """Zero padding of the susceptibility map on each side, as a fraction of its extent, for the
-    Fourier dipole convolution (limits wrap-around of the periodic convolution)."""
+    Fourier dipole convolution (limits wrap-around of the periodic convolution; for a sphere
+    filling a quarter of the grid the largest error is ~0.5 % of the peak at 0.25, 0.2 % at 0.5)."""
     slice_profile_transition: float = 0.2
     """Width of the raised-cosine edges of the slice profile, as a fraction of the thickness."""
     shim: Literal["none", "f0", "linear"] = "linear"
@@ -122,14 +123,18 @@ def dipole_kernel(shape: tuple[int, int, int], voxel_mm: tuple[float, float, flo
     Shape (nz, ny, nx // 2 + 1) for use with ``rfftn``; includes the Lorentz-sphere correction,
     so a uniform sphere sees no shift inside and the classic dipole field outside.
     """
-    kz = torch.fft.fftfreq(shape[0], d=voxel_mm[0], device=device, dtype=torch.float64)
-    ky = torch.fft.fftfreq(shape[1], d=voxel_mm[1], device=device, dtype=torch.float64)
-    kx = torch.fft.rfftfreq(shape[2], d=voxel_mm[2], device=device, dtype=torch.float64)
-    kz2 = (kz**2)[:, None, None]
-    k2 = kz2 + (ky**2)[None, :, None] + (kx**2)[None, None, :]
-    kernel = 1.0 / 3.0 - kz2 / torch.where(k2 > 0, k2, torch.ones_like(k2))
+    kz2 = torch.fft.fftfreq(shape[0], d=voxel_mm[0], device=device, dtype=torch.float64) ** 2
+    ky2 = torch.fft.fftfreq(shape[1], d=voxel_mm[1], device=device, dtype=torch.float64) ** 2
+    kx2 = torch.fft.rfftfreq(shape[2], d=voxel_mm[2], device=device, dtype=torch.float64) ** 2
+    # float32 in place: the padded grid of a paper-scale subject has ~10^8 frequencies
+    kernel = (ky2[:, None] + kx2[None, :]).to(torch.float32).expand(shape[0], -1, -1).clone()
+    kz2_32 = kz2.to(torch.float32)[:, None, None]
+    kernel += kz2_32
+    kernel[0, 0, 0] = 1.0
+    torch.div(kz2_32.expand_as(kernel), kernel, out=kernel)
+    kernel.neg_().add_(1.0 / 3.0)
     kernel[0, 0, 0] = 0.0
-    return kernel.to(torch.float32)
+    return kernel
 
 
 def dipole_field_hz(

@@ -159,3 +159,19 @@ def test_clean_mode_no_implant_restores_anatomy(tiny_config):
     np.testing.assert_array_equal(void.kspace_metal, restored.kspace_metal)
     inside = void.implant_mask.astype(bool)
     assert restored.images_clean[inside].mean() > void.images_clean[inside].mean()
+
+
+@pytest.mark.gpu
+def test_cuda_simulation_matches_cpu(tiny_config):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from masc_gadget.config import build_config
+
+    sections = tiny_config.to_dict()
+    sections["physics"]["device"] = "cuda"
+    gpu = simulate_subject(0, build_config(sections))
+    cpu = simulate_subject(0, tiny_config)
+    scale = np.abs(cpu.kspace_metal).max()
+    np.testing.assert_allclose(gpu.kspace_metal, cpu.kspace_metal, atol=1e-4 * scale)
+    np.testing.assert_allclose(gpu.kspace_clean, cpu.kspace_clean, atol=1e-4 * scale)
