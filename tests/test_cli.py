@@ -59,3 +59,13 @@ def test_bad_input_is_a_one_line_error(argv, message, tiny_dataset, tmp_path, ca
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_dataset_command(tmp_path, capsys):
+    out = tmp_path / "d"
+    rc = main(["simulate", "dataset", "--config", str(CONFIGS / "tiny.yaml"), "--subjects", "1",
+               "--set", "dataset.split_fractions=[0.0, 0.0, 1.0]", "--out", str(out)])
+    assert rc == 0
+    assert "dataset written to" in capsys.readouterr().out
+    assert [p.name for p in out.glob("*/*.h5")] == ["sub-0000.h5"]
+    assert (out / "test" / "sub-0000.h5").is_file()
