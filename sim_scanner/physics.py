@@ -308,7 +308,6 @@ def synthesize_kspace(
     dev = resolve_device(physics.device)
     n_ro, n_pe = seq.n_readout, seq.n_pe
     nz, ny, nx = grid.shape
-    px = seq.pixel_mm[0]
     th = seq.slice_thickness_mm
     dz = grid.voxel_mm[0]
 

@@ -1,7 +1,6 @@
 """Paired datasets: layout of DESIGN.md, ISMRMRD groups, determinism, resume, atomic writes."""
 
 import json
-import os
 
 import h5py
 import ismrmrd
@@ -175,3 +174,20 @@ def test_cuda_simulation_matches_cpu(tiny_config):
     scale = np.abs(cpu.kspace_metal).max()
     np.testing.assert_allclose(gpu.kspace_metal, cpu.kspace_metal, atol=1e-4 * scale)
     np.testing.assert_allclose(gpu.kspace_clean, cpu.kspace_clean, atol=1e-4 * scale)
+
+
+def test_noise_at_configured_snr(tiny_config):
+    from masc_gadget.config import build_config
+
+    sections = tiny_config.to_dict()
+    sections["physics"]["snr"] = 20.0
+    noisy = simulate_subject(2, build_config(sections))
+    clean = simulate_subject(2, tiny_config)
+    np.testing.assert_array_equal(noisy.kspace_clean, clean.kspace_clean)  # ground truth stays noiseless
+    noise = noisy.kspace_metal - clean.kspace_metal
+    ref = clean.images_clean
+    sigma = ref[ref > 0.1 * ref.max()].mean() / 20.0
+    assert np.sqrt(np.mean(np.abs(noise) ** 2)) == pytest.approx(sigma, rel=0.1)
+    sections["physics"]["noise_in_clean"] = True
+    both = simulate_subject(2, build_config(sections))
+    np.testing.assert_allclose(both.kspace_clean - clean.kspace_clean, noise, atol=1e-6)
