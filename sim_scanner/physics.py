@@ -28,6 +28,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from masc_gadget.device import resolve_device
 from sim_scanner.grid import Grid
 from sim_scanner.sequence import GAMMA_BAR_HZ_PER_T, SequenceConfig
 
@@ -84,16 +85,6 @@ class PhysicsConfig:
             )
         if self.snr < 0:
             raise ValueError(f"snr must be >= 0 (0 = no noise), got {self.snr}")
-
-
-def resolve_device(name: str) -> torch.device:
-    """``"auto"`` -> CUDA when present, else CPU; ``"cuda"`` without CUDA is an error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available; use cpu or auto")
-    return device
 
 
 # --------------------------------------------------------------------------- field maps

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
+from masc_gadget.device import resolve_device
 from sim_scanner.grid import Grid
 from sim_scanner.physics import (
     PhysicsConfig,
     dipole_field_hz,
     fit_shim,
     object_grid,
-    resolve_device,
     slice_profile,
     sphere_field_analytic_hz,
     sphere_susceptibility,

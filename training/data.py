@@ -1,0 +1,110 @@
+"""Loading simulated datasets (the folder layout of DESIGN.md "Data") into batched tensors."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "val", "test")
+
+
+@dataclass
+class SliceSet:
+    """Every slice of one split, stacked (N slices).
+
+    ``kspace_metal`` / ``kspace_clean``: (N, PE, RO) complex64, what a scanner records with and
+    without the implant's field; ``target``: (N, H, W) float32 clean fully sampled image (the
+    ground truth, H = PE, W = RO); ``metal_image``: (N, H, W) fully sampled metal image;
+    ``implant_mask``: (N, H, W) uint8; ``subjects`` / ``slices``: where each slice comes from.
+    """
+
+    kspace_metal: torch.Tensor
+    kspace_clean: torch.Tensor
+    target: torch.Tensor
+    metal_image: torch.Tensor
+    implant_mask: torch.Tensor
+    subjects: list[str]
+    slices: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.target.shape[0])
+
+    @property
+    def n_pe(self) -> int:
+        return int(self.kspace_metal.shape[1])
+
+    def subset(self, index: np.ndarray | list[int] | slice) -> "SliceSet":
+        idx = np.arange(len(self))[index]
+        t = torch.as_tensor(idx, dtype=torch.long)
+        return SliceSet(
+            self.kspace_metal[t], self.kspace_clean[t], self.target[t], self.metal_image[t],
+            self.implant_mask[t], [self.subjects[i] for i in idx], self.slices[idx],
+        )
+
+    def label(self, i: int) -> str:
+        return f"{self.subjects[i]}/{int(self.slices[i])}"
+
+
+def split_files(data_dir: str | Path, split: str) -> list[Path]:
+    """Subject files of ``split`` (sorted), with errors that say what is wrong."""
+    data_dir = Path(data_dir)
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if not (data_dir / "manifest.json").is_file():
+        raise FileNotFoundError(
+            f"{data_dir} is not a MASC dataset (no manifest.json); create one with masc simulate dataset"
+        )
+    files = sorted((data_dir / split).glob("*.h5"))
+    if not files:
+        raise ValueError(f"{data_dir} has no subjects in split {split!r}")
+    return files
+
+
+def load_split(data_dir: str | Path, split: str, max_slices: int = 0) -> SliceSet:
+    """Read the fast arrays of every subject of ``split`` (first ``max_slices`` slices if > 0)."""
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in ("km", "kc", "t", "m", "mask")}
+    subjects: list[str] = []
+    slices: list[np.ndarray] = []
+    shape = None
+    for path in split_files(data_dir, split):
+        try:
+            with h5py.File(path, "r") as f:
+                km = f["kspace/metal"][()]
+                kc = f["kspace/clean"][()]
+                tgt = f["images/clean"][()]
+                met = f["images/metal"][()]
+                mask = f["implant_mask"][()]
+        except (OSError, KeyError) as err:
+            raise ValueError(f"{path} is not a readable MASC subject file: {err}") from None
+        if shape is None:
+            shape = km.shape[1:]
+        elif km.shape[1:] != shape:
+            raise ValueError(f"{path} has matrix {km.shape[1:]}, other subjects {shape}")
+        parts["km"].append(km)
+        parts["kc"].append(kc)
+        parts["t"].append(tgt)
+        parts["m"].append(met)
+        parts["mask"].append(mask)
+        subjects += [path.stem] * km.shape[0]
+        slices.append(np.arange(km.shape[0]))
+        if max_slices and len(subjects) >= max_slices:
+            break
+    n = max_slices if max_slices else len(subjects)
+    cat = {k: np.concatenate(v)[:n] for k, v in parts.items()}
+    log.info("loaded %d slices of split %s from %s", n, split, data_dir)
+    return SliceSet(
+        torch.from_numpy(cat["km"]),
+        torch.from_numpy(cat["kc"]),
+        torch.from_numpy(cat["t"].astype(np.float32)),
+        torch.from_numpy(cat["m"].astype(np.float32)),
+        torch.from_numpy(cat["mask"]),
+        subjects[:n],
+        np.concatenate(slices)[:n],
+    )
