@@ -1,0 +1,387 @@
+"""Sampling policies: which phase-encoding line to acquire next.
+
+A policy looks at an :class:`~masc_gadget.acquisition.AcquisitionState` and returns one line that
+is not acquired yet. It must work from *any* state, not only from the states its own choices
+lead to: online, the scanner is the authority on what was acquired and may acquire lines the
+policy did not ask for. The same objects run offline (:func:`run_episode`, evaluation batched
+over many slices with :meth:`SamplingPolicy.select_batch`) and online in the streaming gadget.
+
+The four conventional baselines of the paper are here (center-out, random, random-lowbias,
+equispaced); learned policies (PPO, DQN) live in other packages and join the registry with
+:func:`register_policy` or the ``masc.policies`` entry-point group.
+
+Randomness is explicit: random policies take a ``numpy.random.Generator`` and never touch
+numpy's global RNG; :func:`slice_rng` gives each slice its own reproducible stream.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from importlib import metadata
+
+import numpy as np
+
+from masc_gadget.acquisition import AcquisitionState, check_episode, initial_lines
+
+POLICIES_GROUP = "masc.policies"
+
+
+def slice_rng(seed: int, *key: int) -> np.random.Generator:
+    """A reproducible random stream for one slice: ``default_rng(SeedSequence([seed, *key]))``.
+
+    ``key`` identifies the slice, e.g. ``slice_rng(cfg.seed, subject, slice_index)``, so that
+    evaluation and the gadget draw the same lines for the same slice whatever the order.
+    """
+    parts = (seed, *key)
+    for part in parts:
+        is_int = isinstance(part, (int, np.integer)) and not isinstance(part, (bool, np.bool_))
+        if not is_int or part < 0:
+            raise ValueError(f"seed and key must be non-negative integers, got {list(parts)}")
+    return np.random.default_rng(np.random.SeedSequence([int(p) for p in parts]))
+
+
+def center_out_rank(n_pe: int) -> np.ndarray:
+    """(n_pe,) int64 rank of each line in centre-out order c, c+1, c-1, c+2, c-2, ...
+    (c = n_pe // 2, the k-space centre); lower ranks are closer to the centre."""
+    offset = np.arange(n_pe, dtype=np.int64) - n_pe // 2
+    return 2 * np.abs(offset) - (offset > 0)
+
+
+def farthest_free_line(mask: np.ndarray) -> int:
+    """The free line farthest from every acquired line (circular distance: the two k-space edges
+    are neighbours on the DFT grid); ties go to the line nearest the centre (centre-out order)."""
+    mask = np.asarray(mask, dtype=bool)
+    n_pe = mask.size
+    free = np.flatnonzero(~mask)
+    acquired = np.flatnonzero(mask)
+    if free.size == 0:
+        raise ValueError(f"no free line left: all {n_pe} PE lines are acquired")
+    rank = center_out_rank(n_pe)[free]
+    if acquired.size == 0:
+        return int(free[np.argmin(rank)])
+    dist = np.abs(free[:, None] - acquired[None, :])
+    dist = np.minimum(dist, n_pe - dist).min(axis=1)
+    return int(free[np.lexsort((rank, -dist))[0]])
+
+
+def _require_rng(rng: np.random.Generator | None, name: str) -> np.random.Generator:
+    if rng is None:
+        raise ValueError(
+            f"policy {name!r} is random and needs an explicit numpy.random.Generator "
+            "(rng=slice_rng(seed, slice_index)); numpy's global RNG is never used"
+        )
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(
+            f"policy {name!r}: rng must be a numpy.random.Generator, got {type(rng).__name__}"
+        )
+    return rng
+
+
+class SamplingPolicy(abc.ABC):
+    """Chooses the next PE line of an episode from its current state.
+
+    Subclasses implement :meth:`choose`; :meth:`select` checks the state before and the choice
+    after. Learned policies set ``needs_image = True`` (they read ``state.image``) and override
+    :meth:`select_batch` to decide for many slices in one forward pass.
+    """
+
+    name: str = ""
+    """Registry name, e.g. "center-out"."""
+    needs_image: bool = False
+    """Whether :meth:`select` reads ``state.image`` (run_episode then calls ``image_fn``)."""
+    deterministic: bool = True
+    """False when choices are drawn from ``rng``, which is then required."""
+
+    @abc.abstractmethod
+    def choose(self, state: AcquisitionState, rng: np.random.Generator | None) -> int:
+        """Return a line not acquired in ``state``; called by :meth:`select` once the state is
+        known to have a free line and a step left (and ``rng`` to be a Generator when random)."""
+
+    def select(self, state: AcquisitionState, rng: np.random.Generator | None = None) -> int:
+        """The next line to acquire, one of ``state.free_lines()``.
+
+        Raises ValueError when no line is free, no step is left, a random policy gets no
+        Generator, or a policy that needs the image gets none.
+        """
+        if state.steps_left <= 0:
+            raise ValueError(
+                f"policy {self.name!r}: no steps left (budget of {state.budget} lines spent)"
+            )
+        if state.mask.all():
+            raise ValueError(
+                f"policy {self.name!r}: no free line left, all {state.n_pe} PE lines are acquired"
+            )
+        if not self.deterministic:
+            rng = _require_rng(rng, self.name)
+        if self.needs_image and state.image is None:
+            raise ValueError(f"policy {self.name!r} needs state.image (the current image)")
+        line = self.choose(state, rng)
+        if not 0 <= line < state.n_pe or state.mask[line]:
+            raise RuntimeError(
+                f"policy {self.name!r} chose line {line}, which is not a free line of {state.n_pe}"
+            )
+        return int(line)
+
+    def select_batch(
+        self,
+        states: Sequence[AcquisitionState],
+        rngs: Sequence[np.random.Generator | None] | None = None,
+    ) -> np.ndarray:
+        """One choice per state: (B,) int64. ``rngs``: one Generator per state (random policies).
+
+        This default loops over :meth:`select`; learned policies override it with one forward
+        pass over the batch.
+        """
+        states = list(states)
+        if rngs is None:
+            rngs = [None] * len(states)
+        elif len(rngs) != len(states):
+            raise ValueError(
+                f"need one rng per state: got {len(rngs)} rngs for {len(states)} states"
+            )
+        return np.array([self.select(s, r) for s, r in zip(states, rngs)], dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class CenterOut(SamplingPolicy):
+    """From the k-space centre outward, alternating sides: c, c+1, c-1, c+2, c-2, ...
+    (c = n_pe // 2), skipping lines already acquired. Deterministic.
+
+    With initial = 2 on 16 lines (7 and 8 acquired) it chooses 9, 10, 6, 11, 5, ...
+    """
+
+    name = "center-out"
+
+    def choose(self, state: AcquisitionState, rng: np.random.Generator | None) -> int:
+        rank = np.where(state.mask, np.iinfo(np.int64).max, center_out_rank(state.n_pe))
+        return int(np.argmin(rank))
+
+
+class Random(SamplingPolicy):
+    """Uniformly at random among the lines not yet acquired. Needs an explicit Generator."""
+
+    name = "random"
+    deterministic = False
+
+    def choose(self, state: AcquisitionState, rng: np.random.Generator | None) -> int:
+        free = state.free_lines()
+        return int(free[rng.integers(free.size)])
+
+
+class RandomLowBias(SamplingPolicy):
+    """At random among the lines not yet acquired, line k drawn with probability proportional
+    to ``exp(-(k - c)^2 / (2 sigma^2))``, ``sigma = sigma_fraction * n_pe`` (c = n_pe // 2), so
+    central (low-frequency) lines are more likely. Needs an explicit Generator.
+    """
+
+    name = "random-lowbias"
+    deterministic = False
+
+    def __init__(self, sigma_fraction: float = 0.15) -> None:
+        if not sigma_fraction > 0:
+            raise ValueError(f"sigma_fraction must be > 0 (of n_pe), got {sigma_fraction}")
+        self.sigma_fraction = float(sigma_fraction)
+
+    def probabilities(self, state: AcquisitionState) -> np.ndarray:
+        """(n_pe,) probability of each line being chosen next; 0 for acquired lines."""
+        offset = (np.arange(state.n_pe) - state.n_pe // 2) / (self.sigma_fraction * state.n_pe)
+        log_w = np.where(state.mask, -np.inf, -0.5 * offset**2)
+        w = np.exp(log_w - log_w.max())  # the best free line has weight 1: no underflow to all 0
+        return w / w.sum()
+
+    def choose(self, state: AcquisitionState, rng: np.random.Generator | None) -> int:
+        p = self.probabilities(state)
+        free = np.flatnonzero(p > 0)
+        return int(rng.choice(free, p=p[free] / p[free].sum()))
+
+    def __repr__(self) -> str:
+        return f"RandomLowBias(sigma_fraction={self.sigma_fraction})"
+
+
+@functools.lru_cache(maxsize=256)
+def _equispaced_targets(n_pe: int, initial: int, budget: int) -> tuple[int, ...]:
+    check_episode(n_pe, initial, budget)
+    block = initial_lines(n_pe, initial)
+    lo, hi = int(block[0]), int(block[-1])
+    # The free lines form a ring from hi, past the k-space edge (lines n_pe-1 and 0 are DFT
+    # neighbours), back to lo: ``ring`` steps long. ``budget`` points cut it into budget + 1
+    # equal gaps; the right half is laid out from hi and mirrored from lo, so the pattern is
+    # symmetric about the centre of the initial block whatever the rounding.
+    ring = n_pe - initial + 1
+    spacing = ring / (budget + 1)  # >= 1 because budget <= n_pe - initial: no two points collide
+    d = np.floor(spacing * np.arange(1, budget // 2 + 1) + 0.5).astype(np.int64)
+    parts = [hi + d, lo - d]
+    if budget % 2:  # the odd point sits opposite the centre, at the k-space edge
+        parts.append(np.array([hi + int(np.floor(ring / 2 + 0.5))]))
+    lines = np.concatenate(parts) % n_pe
+    twice_dist = np.abs(2 * lines - (lo + hi))
+    order = np.lexsort((-lines, twice_dist))  # centre-out, the upper side first on ties
+    return tuple(int(k) for k in lines[order])
+
+
+def equispaced_lines(n_pe: int, initial: int, budget: int) -> np.ndarray:
+    """The ``budget`` lines of the equispaced pattern: (budget,) int64 in centre-out order.
+
+    The lines outside the ``initial`` centre block, with the two k-space edges joined, are cut
+    into ``budget + 1`` gaps as equal as rounding allows (sizes differ by at most 2), symmetric
+    about the centre of the initial block. None of them is an initial line, so the pattern always
+    adds exactly ``budget`` new lines. 10x on 200 lines (2 + 18): 110, 89, 121, 78, ..., 194, 5.
+    """
+    return np.array(_equispaced_targets(int(n_pe), int(initial), int(budget)), dtype=np.int64)
+
+
+class Equispaced(SamplingPolicy):
+    """A fixed equispaced pattern (:func:`equispaced_lines`) over the whole PE range, centred
+    on the k-space centre, with exactly ``budget`` lines on top of the initial centre ones.
+    Deterministic.
+
+    The pattern depends only on (n_pe, number of initial lines, ``step + steps_left``), so it is
+    the same set whatever the order the lines arrive in. :meth:`select` returns the next target
+    not yet acquired, centre-out. A target the scanner acquired on its own counts as done; if
+    every target is acquired while steps are left (the scanner acquired other lines), it returns
+    the free line farthest from every acquired line (:func:`farthest_free_line`).
+    """
+
+    name = "equispaced"
+
+    def targets(self, state: AcquisitionState) -> np.ndarray:
+        """(n_targets,) the pattern of ``state``'s episode, centre-out; n_targets = budget
+        unless a scanner's extra lines leave fewer free lines than that."""
+        initial = min(state.initial_count, state.n_pe)
+        budget = min(state.budget, state.n_pe - initial)
+        return equispaced_lines(state.n_pe, initial, budget)
+
+    def choose(self, state: AcquisitionState, rng: np.random.Generator | None) -> int:
+        targets = self.targets(state)
+        pending = targets[~state.mask[targets]]
+        if pending.size:
+            return int(pending[0])
+        return farthest_free_line(state.mask)
+
+
+PolicyFactory = Callable[..., SamplingPolicy]
+
+POLICIES: dict[str, PolicyFactory] = {
+    CenterOut.name: CenterOut,
+    Random.name: Random,
+    RandomLowBias.name: RandomLowBias,
+    Equispaced.name: Equispaced,
+}
+"""Policy name -> class or factory taking keyword options."""
+
+_plugins_loaded = False
+
+
+def register_policy(name: str, factory: PolicyFactory, *, replace: bool = False) -> None:
+    """Make ``make_policy(name, **kwargs)`` call ``factory(**kwargs)`` (e.g. a learned policy)."""
+    if not name or not isinstance(name, str):
+        raise ValueError(f"policy name must be a non-empty string, got {name!r}")
+    if not callable(factory):
+        raise TypeError(f"policy factory for {name!r} must be callable, got {factory!r}")
+    if name in POLICIES and POLICIES[name] is not factory and not replace:
+        raise ValueError(f"policy {name!r} is already registered; pass replace=True to replace it")
+    POLICIES[name] = factory
+
+
+def _load_plugin_policies() -> None:
+    """Register the factories of the ``masc.policies`` entry points not registered yet (once)."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for ep in metadata.entry_points(group=POLICIES_GROUP):
+        if ep.name not in POLICIES:
+            POLICIES[ep.name] = ep.load()
+
+
+def make_policy(name: str, **kwargs) -> SamplingPolicy:
+    """Build the policy registered as ``name`` with keyword options, e.g.
+    ``make_policy("random-lowbias", sigma_fraction=0.1)``."""
+    if name not in POLICIES:
+        _load_plugin_policies()
+    if name not in POLICIES:
+        raise ValueError(
+            f"unknown policy {name!r}; known policies: " + ", ".join(sorted(POLICIES))
+        )
+    policy = POLICIES[name](**kwargs)
+    if not isinstance(policy, SamplingPolicy):
+        raise TypeError(
+            f"policy factory {name!r} returned {type(policy).__name__}, not a SamplingPolicy"
+        )
+    return policy
+
+
+def run_episode(
+    policy: SamplingPolicy,
+    n_pe: int,
+    initial: int,
+    budget: int,
+    rng: np.random.Generator | None = None,
+    image_fn: Callable[[np.ndarray], np.ndarray] | None = None,
+) -> np.ndarray:
+    """Play one episode: (initial + budget,) int64 lines in acquisition order, the initial
+    centre lines (ascending) first, then the policy's ``budget`` choices.
+
+    ``image_fn(mask) -> image`` maps the (n_pe,) bool mask to the (H, W) current image; it is
+    called before each choice, and only when ``policy.needs_image``.
+    """
+    return run_episodes(
+        policy, n_pe, initial, budget, [rng],
+        None if image_fn is None else (lambda masks: image_fn(masks[0])[None]),
+    )[0]
+
+
+def run_episodes(
+    policy: SamplingPolicy,
+    n_pe: int,
+    initial: int,
+    budget: int,
+    rngs: Sequence[np.random.Generator | None],
+    image_fn: Callable[[np.ndarray], np.ndarray] | None = None,
+) -> np.ndarray:
+    """Play ``len(rngs)`` episodes in lockstep with one :meth:`~SamplingPolicy.select_batch` per
+    step: (B, initial + budget) int64 lines in acquisition order.
+
+    ``image_fn(masks) -> images`` maps (B, n_pe) bool masks to (B, H, W) images; called before
+    each step, only when ``policy.needs_image``. Deterministic policies take ``[None] * B``.
+    """
+    check_episode(n_pe, initial, budget)
+    n = len(rngs)
+    if policy.needs_image and image_fn is None:
+        raise ValueError(f"policy {policy.name!r} needs the image: pass image_fn")
+    states = [AcquisitionState.initial(n_pe, initial, budget) for _ in range(n)]
+    lines = np.empty((n, initial + budget), dtype=np.int64)
+    lines[:, :initial] = initial_lines(n_pe, initial)
+    for t in range(budget):
+        if policy.needs_image and n:
+            images = image_fn(np.stack([s.mask for s in states]))
+            states = [dataclasses.replace(s, image=im) for s, im in zip(states, images)]
+        chosen = policy.select_batch(states, rngs)
+        lines[:, initial + t] = chosen
+        states = [s.after(int(k)) for s, k in zip(states, chosen)]
+    return lines
+
+
+def episode_masks(lines: np.ndarray, n_pe: int, initial: int) -> np.ndarray:
+    """(budget + 1, n_pe) bool masks after the initial lines and after each choice, for
+    per-step curves; ``lines``: (initial + budget,) in acquisition order (:func:`run_episode`)."""
+    lines = np.asarray(lines)
+    if lines.ndim != 1 or not np.issubdtype(lines.dtype, np.integer):
+        raise ValueError(f"lines must be a 1-D integer array, got {lines.dtype} {lines.shape}")
+    if not 1 <= initial <= lines.size:
+        raise ValueError(f"initial must be between 1 and len(lines) ({lines.size}), got {initial}")
+    if lines.size and (lines.min() < 0 or lines.max() >= n_pe):
+        raise ValueError(
+            f"lines must be in [0, {n_pe}) (n_pe = {n_pe}), got {lines.min()}..{lines.max()}"
+        )
+    if np.unique(lines).size != lines.size:
+        raise ValueError("lines must not repeat: an acquired line is never acquired again")
+    budget = lines.size - initial
+    step_of = np.full(n_pe, np.iinfo(np.int64).max, dtype=np.int64)
+    step_of[lines] = np.concatenate([np.zeros(initial, np.int64), np.arange(1, budget + 1)])
+    return step_of[None, :] <= np.arange(budget + 1)[:, None]
