@@ -1,0 +1,144 @@
+"""Evaluation harness on the tiny dataset: outputs, consistency, determinism, statistics."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from masc_gadget.checkpoint import save_checkpoint
+from masc_gadget.config import load_config, to_dict
+from masc_gadget.kspace import zero_filled
+from masc_gadget.metrics import slice_metrics
+from masc_gadget.models.unet import MarModelConfig, build_mar
+from masc_gadget.policies import make_policy, run_episode, slice_rng
+from training.cli import cmd_eval  # noqa: F401  (the CLI module imports cleanly)
+from training.data import load_split
+from training.evaluate import evaluate, render_table, write_outputs
+from training.stats import paired_tests
+
+from masc_gadget.cli import main
+
+from .conftest import CONFIGS
+
+
+@pytest.fixture(scope="module")
+def mar_checkpoint(tmp_path_factory):
+    """An untrained width-4 MAR network whose head is perturbed (so MAR != identity)."""
+    torch.manual_seed(0)
+    cfg = MarModelConfig(width=4)
+    model = build_mar(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.eval()
+    path = tmp_path_factory.mktemp("mar") / "mar.pt"
+    save_checkpoint(path, {"mar": model}, {"kind": "mar", "mar_model": to_dict(cfg), "epoch": 0})
+    return path
+
+
+@pytest.fixture(scope="module")
+def eval_run(tiny_dataset, mar_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval")
+    rc = main(["eval", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset), "--split", "test",
+               "--methods", "center-out,random,equispaced", "--mar", str(mar_checkpoint), "--out", str(out)])
+    assert rc == 0
+    return out
+
+
+def test_writes_all_four_outputs(eval_run):
+    for name in ("results.json", "table.md", "curves.png", "examples.png"):
+        assert (eval_run / name).stat().st_size > 0
+    for name in ("curves.png", "examples.png"):
+        assert (eval_run / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_table_is_rendered_from_the_json(eval_run):
+    results = json.loads((eval_run / "results.json").read_text())
+    assert render_table(results) == (eval_run / "table.md").read_text()
+    table = (eval_run / "table.md").read_text()
+    for block in results["accelerations"].values():
+        for row in block["rows"]:
+            s = row["summary"]["ssim"]
+            assert f"{s['mean']:.4f} ± {s['std']:.4f}" in table
+    assert table.count("**") >= 2 * 5 * len(results["accelerations"])  # a bold best per metric
+
+
+def test_results_structure_and_numbers(eval_run, tiny_dataset, tiny_config):
+    results = json.loads((eval_run / "results.json").read_text())
+    data = load_split(tiny_dataset, "test")
+    assert results["n_slices"] == len(data)
+    assert set(results["accelerations"]) == set(tiny_config["eval"].accelerations)
+    for acc, block in results["accelerations"].items():
+        initial, budget = tiny_config["eval"].accelerations[acc]
+        keys = [row["key"] for row in block["rows"]]
+        assert keys == ["center-out+nomar", "center-out", "random+nomar", "random", "equispaced+nomar", "equispaced"]
+        for row in block["rows"]:
+            lines = np.asarray(row["lines"])
+            assert lines.shape == (len(data), initial + budget)
+            assert all(len(set(l)) == initial + budget for l in lines.tolist())  # never re-acquired
+            for metric in ("ssim", "psnr", "mse", "nmse", "mae"):
+                per = np.asarray(row["per_slice"][metric])
+                assert per.shape == (len(data),)
+                assert row["summary"][metric]["mean"] == pytest.approx(per.mean())
+                assert row["curves"][metric]["mean"][-1] == pytest.approx(per.mean())
+                assert len(row["curves"][metric]["mean"]) == budget + 1
+            assert row["curves"]["n_lines"] == list(range(initial, initial + budget + 1))
+        # no-MAR final SSIM of a random policy equals a direct offline recomputation
+        row = next(r for r in block["rows"] if r["key"] == "random+nomar")
+        for i in range(len(data)):
+            lines = run_episode(make_policy("random"), data.n_pe, initial, budget,
+                                slice_rng(tiny_config["eval"].seed, i))
+            np.testing.assert_array_equal(lines, row["lines"][i])
+            mask = torch.zeros(1, data.n_pe, dtype=torch.bool)
+            mask[0, lines] = True
+            direct = slice_metrics(zero_filled(data.kspace_metal[i : i + 1], mask), data.target[i : i + 1])
+            assert row["per_slice"]["ssim"][i] == pytest.approx(float(direct["ssim"][0]), abs=1e-6)
+        # MAR changes the images; with and without MAR share the acquisition
+        nomar, mar = (next(r for r in block["rows"] if r["key"] == k) for k in ("center-out+nomar", "center-out"))
+        assert nomar["lines"] == mar["lines"]
+        assert nomar["per_slice"]["ssim"] != mar["per_slice"]["ssim"]
+
+
+def test_pvalues_against_reference(eval_run):
+    results = json.loads((eval_run / "results.json").read_text())
+    assert results["reference"] == "center-out"
+    block = next(iter(results["accelerations"].values()))
+    rows = {r["key"]: r for r in block["rows"]}
+    assert rows["center-out"]["tests"] is None
+    expected = paired_tests(np.asarray(rows["random"]["per_slice"]["ssim"]),
+                            np.asarray(rows["center-out"]["per_slice"]["ssim"]))
+    got = rows["random"]["tests"]["ssim"]
+    assert got["p_ttest"] == pytest.approx(expected["p_ttest"], nan_ok=True)
+
+
+def test_deterministic_and_batch_size_independent(tiny_dataset, mar_checkpoint):
+    a, _ = evaluate(load_config(CONFIGS / "tiny.yaml"), tiny_dataset, "test", ["random"], mar_checkpoint,
+                    progress=False)
+    b, _ = evaluate(load_config(CONFIGS / "tiny.yaml", ["eval.batch_size=1"]), tiny_dataset, "test", ["random"],
+                    mar_checkpoint, progress=False)
+    for acc in a["accelerations"]:
+        for ra, rb in zip(a["accelerations"][acc]["rows"], b["accelerations"][acc]["rows"]):
+            assert ra["lines"] == rb["lines"]
+            np.testing.assert_allclose(ra["per_slice"]["ssim"], rb["per_slice"]["ssim"], atol=1e-5)
+
+
+def test_paired_tests_hand_case():
+    a = np.array([0.5, 0.6, 0.7, 0.8, 0.9])
+    b = a - np.array([0.1, 0.12, 0.09, 0.11, 0.1])
+    out = paired_tests(a, b)
+    assert out["p_ttest"] < 0.001 and out["t"] > 0
+    assert out["p_wilcoxon"] == pytest.approx(0.0625)  # exact two-sided, n = 5, all positive
+    assert np.isnan(paired_tests(a, a)["p_ttest"])
+
+
+def test_bad_inputs(tiny_dataset, tmp_path, capsys, mar_checkpoint):
+    assert main(["eval", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset), "--methods", "nope",
+                 "--out", str(tmp_path)]) == 2
+    assert "unknown policy 'nope'" in capsys.readouterr().err
+    assert main(["eval", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset), "--mar",
+                 str(mar_checkpoint), "--reference", "zzz", "--out", str(tmp_path)]) == 2
+    assert "reference 'zzz' is not an evaluated row" in capsys.readouterr().err
+    assert main(["eval", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset),
+                 "--set", "eval.accelerations={big: [10, 40]}", "--out", str(tmp_path)]) == 2
+    assert "must be <= number of PE lines (32)" in capsys.readouterr().err

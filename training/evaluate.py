@@ -1,0 +1,299 @@
+"""Evaluation harness: every sampling method with and without MAR, every test slice, per-step
+curves, paired statistics, the paper's Table 1 layout and figures.
+
+``evaluate`` produces a plain results dict (written as ``results.json``); the table and the
+figures are rendered from it, so the numbers in ``table.md`` are exactly those in the json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from masc_gadget.acquisition import AcquisitionState, initial_lines
+from masc_gadget.checkpoint import load_mar
+from masc_gadget.config import Config, to_dict
+from masc_gadget.device import resolve_device
+from masc_gadget.kspace import zero_filled
+from masc_gadget.metrics import HIGHER_IS_BETTER, METRICS, slice_metrics
+from masc_gadget.policies import SamplingPolicy, make_policy, slice_rng
+from training.data import SliceSet, load_split
+from training.stats import mean_std, paired_tests
+
+log = logging.getLogger(__name__)
+
+DISPLAY_NAMES = {
+    "center-out": "Center-out",
+    "random": "Random",
+    "random-lowbias": "Random-LowBias",
+    "equispaced": "Equispaced",
+    "masc": "MASC",
+}
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation settings (config section ``eval``)."""
+
+    methods: tuple[str, ...] = ("center-out", "random", "random-lowbias", "equispaced")
+    """Sampling methods to compare (policy names)."""
+    accelerations: dict[str, tuple[int, int]] = field(
+        default_factory=lambda: {"10x": (2, 18), "5x": (8, 32)}
+    )
+    """Named (initial, budget) settings; the paper's 10x is 2 + 18 and 5x is 8 + 32 of 200 lines."""
+    reference: str = ""
+    """Row the p-values are computed against, "method" (with MAR) or "method+nomar";
+    empty: the first method with MAR."""
+    batch_size: int = 32
+    """Slices per forward pass."""
+    examples: int = 3
+    """Slices shown in examples.png (those with the most implant)."""
+    seed: int = 0
+    """Seed of the random policies (each slice gets its own stream)."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N or auto."""
+    max_slices: int = 0
+    """Evaluate only the first N slices of the split (0 = all)."""
+
+    def __post_init__(self) -> None:
+        if not self.methods:
+            raise ValueError("methods must name at least one sampling method")
+        if not self.accelerations:
+            raise ValueError("accelerations must contain at least one (initial, budget) setting")
+        for name, (initial, budget) in self.accelerations.items():
+            if initial < 1 or budget < 1:
+                raise ValueError(f"accelerations.{name}: initial and budget must be >= 1, got {initial}, {budget}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.examples < 0 or self.max_slices < 0:
+            raise ValueError("examples and max_slices must be >= 0")
+
+
+@dataclass
+class Trajectories:
+    """Per-step metrics of one method at one acceleration (N slices, T = budget + 1 steps)."""
+
+    lines: np.ndarray  # (N, initial + budget) acquisition order
+    curves: dict[bool, dict[str, np.ndarray]]  # mar? -> metric -> (N, T)
+    finals: dict[bool, torch.Tensor] = field(default_factory=dict)  # mar? -> (E, H, W) example images
+
+
+def run_method(policy: SamplingPolicy, data: SliceSet, initial: int, budget: int,
+               mar: torch.nn.Module | None, seed: int, batch_size: int, device: torch.device,
+               example_index: list[int] = ()) -> Trajectories:
+    """Run ``policy`` on every slice (batched), scoring the zero-filled and the MAR image after
+    the initial lines and after each choice."""
+    n, n_pe = len(data), data.n_pe
+    steps = budget + 1
+    lines = np.zeros((n, initial + budget), dtype=np.int64)
+    settings = [False] + ([True] if mar is not None else [])
+    curves = {m: {k: np.zeros((n, steps)) for k in METRICS} for m in settings}
+    finals: dict[bool, list[tuple[int, torch.Tensor]]] = {m: [] for m in settings}
+    wanted = {int(i): j for j, i in enumerate(example_index)}
+    for start in range(0, n, batch_size):
+        index = list(range(start, min(start + batch_size, n)))
+        kspace = data.kspace_metal[index].to(device)
+        target = data.target[index].to(device)
+        states = [AcquisitionState.initial(n_pe, initial, budget) for _ in index]
+        rngs = [slice_rng(seed, i) for i in index]
+        order = [list(initial_lines(n_pe, initial)) for _ in index]
+        for t in range(steps):
+            mask = torch.from_numpy(np.stack([s.mask for s in states])).to(device)
+            images = {False: zero_filled(kspace, mask)}
+            if mar is not None:
+                images[True] = mar(images[False])
+            for m in settings:
+                for key, value in slice_metrics(images[m], target).items():
+                    curves[m][key][index, t] = value.double().cpu().numpy()
+            if t == budget:
+                for b, i in enumerate(index):
+                    if i in wanted:
+                        for m in settings:
+                            finals[m].append((wanted[i], images[m][b].cpu()))
+                break
+            if policy.needs_image:
+                seen = images[True] if (mar is not None and getattr(policy, "observes_mar", True)) else images[False]
+                seen_np = seen.cpu().numpy()
+                states = [replace(s, image=seen_np[b]) for b, s in enumerate(states)]
+            choices = policy.select_batch(states, rngs)
+            states = [s.after(int(c)) for s, c in zip(states, choices)]
+            for b, c in enumerate(choices):
+                order[b].append(int(c))
+        lines[index] = np.asarray(order)
+    return Trajectories(lines, curves, {m: torch.stack([img for _, img in sorted(v, key=lambda x: x[0])])
+                                        for m, v in finals.items() if v})
+
+
+def pick_examples(data: SliceSet, count: int) -> list[int]:
+    """Slices with the most implant, at most one per subject while possible."""
+    if count <= 0:
+        return []
+    area = data.implant_mask.reshape(len(data), -1).sum(dim=1).numpy()
+    order = np.argsort(-area, kind="stable")
+    chosen, subjects = [], set()
+    for i in order:
+        if data.subjects[i] not in subjects:
+            chosen.append(int(i))
+            subjects.add(data.subjects[i])
+        if len(chosen) == count:
+            return chosen
+    return (chosen + [int(i) for i in order if int(i) not in chosen])[:count]
+
+
+def _row_key(method: str, mar: bool) -> str:
+    return method if mar else f"{method}+nomar"
+
+
+def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str] | None,
+             mar_path: str | Path | None, progress: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Evaluate; returns (results dict for results.json, example images for the figure)."""
+    from tqdm.auto import tqdm
+
+    ecfg: EvalConfig = config["eval"]
+    methods = list(methods or ecfg.methods)
+    policies = {name: make_policy(name) for name in methods}
+    device = resolve_device(ecfg.device)
+    data = load_split(data_dir, split, ecfg.max_slices)
+    mar = None
+    mar_meta: dict[str, Any] = {}
+    if mar_path is not None:
+        mar, mar_meta = load_mar(mar_path, device)
+        mar.eval()
+    else:
+        log.warning("no MAR checkpoint given: evaluating without MAR only")
+    reference = ecfg.reference or (methods[0] if mar is not None else _row_key(methods[0], False))
+    valid = {_row_key(m, x) for m in methods for x in ([False, True] if mar is not None else [False])}
+    if reference not in valid:
+        raise ValueError(f"reference {reference!r} is not an evaluated row; choose one of {', '.join(sorted(valid))}")
+    examples = pick_examples(data, ecfg.examples)
+    results: dict[str, Any] = {
+        "split": split,
+        "data": str(data_dir),
+        "n_slices": len(data),
+        "slices": [data.label(i) for i in range(len(data))],
+        "mar_checkpoint": None if mar_path is None else str(mar_path),
+        "mar_metadata": {k: mar_meta.get(k) for k in ("kind", "epoch", "val", "code_version") if k in mar_meta},
+        "reference": reference,
+        "config": {"eval": to_dict(ecfg)},
+        "accelerations": {},
+    }
+    figures: dict[str, Any] = {"examples": examples, "labels": [data.label(i) for i in examples],
+                               "target": data.target[examples], "metal": data.metal_image[examples], "rows": {}}
+    jobs = [(acc, m) for acc in ecfg.accelerations for m in methods]
+    bar = tqdm(jobs, desc="eval", unit="method", disable=not progress)
+    with torch.no_grad():
+        for acc, method in bar:
+            initial, budget = ecfg.accelerations[acc]
+            if initial + budget > data.n_pe:
+                raise ValueError(f"accelerations.{acc}: initial + budget must be <= number of PE lines "
+                                 f"({data.n_pe}), got {initial} + {budget}")
+            bar.set_postfix(acc=acc, method=method)
+            traj = run_method(policies[method], data, initial, budget, mar, ecfg.seed, ecfg.batch_size,
+                              device, examples)
+            block = results["accelerations"].setdefault(acc, {
+                "initial": initial, "budget": budget, "n_pe": data.n_pe,
+                "factor": data.n_pe / (initial + budget), "rows": [],
+            })
+            for use_mar, curves in traj.curves.items():
+                row = {
+                    "key": _row_key(method, use_mar),
+                    "method": method,
+                    "mar": use_mar,
+                    "per_slice": {k: v[:, -1].tolist() for k, v in curves.items()},
+                    "summary": {k: mean_std(v[:, -1]) for k, v in curves.items()},
+                    "curves": {"n_lines": list(range(initial, initial + budget + 1)),
+                               **{k: {"mean": v.mean(axis=0).tolist(),
+                                      "std": (v.std(axis=0, ddof=1) if len(v) > 1 else 0 * v[0]).tolist()}
+                                  for k, v in curves.items()}},
+                    "lines": traj.lines.tolist(),
+                }
+                block["rows"].append(row)
+                if use_mar in traj.finals:
+                    masks = np.zeros((len(examples), data.n_pe), dtype=bool)
+                    for j, i in enumerate(examples):
+                        masks[j, traj.lines[i]] = True
+                    figures["rows"][(acc, row["key"])] = (traj.finals[use_mar], masks)
+    bar.close()
+    add_tests(results)
+    return results, figures
+
+
+def add_tests(results: dict[str, Any]) -> None:
+    """Paired t-test and Wilcoxon of every row against the reference row, per metric."""
+    for block in results["accelerations"].values():
+        by_key = {row["key"]: row for row in block["rows"]}
+        ref = by_key.get(results["reference"])
+        for row in block["rows"]:
+            if ref is None or row is ref:
+                row["tests"] = None
+                continue
+            row["tests"] = {k: paired_tests(np.asarray(row["per_slice"][k]), np.asarray(ref["per_slice"][k]))
+                            for k in METRICS}
+
+
+def _fmt(metric: str, stats: dict[str, float]) -> str:
+    digits = 2 if metric == "psnr" else 4
+    return f"{stats['mean']:.{digits}f} ± {stats['std']:.{digits}f}"
+
+
+def _fmt_p(p: float) -> str:
+    if p is None or (isinstance(p, float) and math.isnan(p)):
+        return "–"
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def render_table(results: dict[str, Any]) -> str:
+    """The paper's Table 1 layout in Markdown, computed from the results dict only."""
+    out = [f"# Evaluation on split `{results['split']}` ({results['n_slices']} slices)", ""]
+    ref = results["reference"]
+    for acc, block in results["accelerations"].items():
+        out.append(f"## {acc}: {block['initial']} initial + {block['budget']} chosen of "
+                   f"{block['n_pe']} lines ({block['factor']:.1f}x)")
+        out.append("")
+        header = ["Method", "MAR"] + [f"{m.upper()} {'↑' if HIGHER_IS_BETTER[m] else '↓'}" for m in METRICS]
+        header += ["p (t-test, SSIM)", "p (Wilcoxon, SSIM)"]
+        out.append("| " + " | ".join(header) + " |")
+        out.append("|" + "|".join(["---"] * 2 + ["---:"] * (len(header) - 2)) + "|")
+        best = {}
+        for m in METRICS:
+            means = [row["summary"][m]["mean"] for row in block["rows"]]
+            finite = [v for v in means if not math.isnan(v)]
+            if finite:
+                best[m] = max(finite) if HIGHER_IS_BETTER[m] else min(finite)
+        for row in block["rows"]:
+            cells = [DISPLAY_NAMES.get(row["method"], row["method"]), "✓" if row["mar"] else "✗"]
+            for m in METRICS:
+                text = _fmt(m, row["summary"][m])
+                cells.append(f"**{text}**" if row["summary"][m]["mean"] == best.get(m) else text)
+            tests = row.get("tests")
+            if tests is None:
+                cells += ["reference", "reference"] if row["key"] == ref else ["–", "–"]
+            else:
+                cells += [_fmt_p(tests["ssim"]["p_ttest"]), _fmt_p(tests["ssim"]["p_wilcoxon"])]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    out.append(f"Mean ± std over slices; metrics per slice against the clean fully sampled image, both "
+               f"scaled by its maximum. Best in bold. p-values: paired two-sided tests of SSIM against "
+               f"the reference row `{ref}`.")
+    return "\n".join(out) + "\n"
+
+
+def write_outputs(results: dict[str, Any], figures: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
+    """results.json, table.md, curves.png, examples.png in ``out_dir``."""
+    from training.figures import plot_curves, plot_examples
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {name: out_dir / name for name in ("results.json", "table.md", "curves.png", "examples.png")}
+    paths["results.json"].write_text(json.dumps(results, indent=1, allow_nan=True) + "\n")
+    paths["table.md"].write_text(render_table(results))
+    plot_curves(results, paths["curves.png"])
+    plot_examples(results, figures, paths["examples.png"])
+    return paths

@@ -1,0 +1,231 @@
+"""Stage 1: MAR U-Net pre-training on paired metal / clean images.
+
+Loss (the paper's Eq. 3): ``L1 + lambda * (1 - SSIM)`` between g(I) and the clean image, both
+divided by the clean image's maximum (the metric convention, so the loss does not depend on the
+arbitrary signal scale). The paper pre-trains on fully sampled metal images; the MAR network later
+sees undersampled images, so ``input: undersampled`` (zero-filled images from the baseline
+policies at a random number of acquired lines) and ``mixed`` (half and half) are offered too.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from masc_gadget import __version__
+from masc_gadget.acquisition import AcquisitionConfig
+from masc_gadget.checkpoint import load_checkpoint, save_checkpoint
+from masc_gadget.config import Config, to_dict
+from masc_gadget.device import resolve_device
+from masc_gadget.kspace import zero_filled
+from masc_gadget.metrics import scale_by_target, slice_metrics, ssim
+from masc_gadget.models.unet import build_mar
+from masc_gadget.policies import make_policy, run_episode
+from training.data import SliceSet, load_split
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MarTrainConfig:
+    """MAR pre-training (config section ``mar_train``)."""
+
+    epochs: int = 100
+    """Training epochs (paper: 100)."""
+    batch_size: int = 16
+    """Slices per optimisation step."""
+    lr: float = 1e-4
+    """Adam learning rate."""
+    lambda_ssim: float = 1.0
+    """Weight of (1 - SSIM) against L1 in the loss (the paper does not give its value)."""
+    input: Literal["full", "undersampled", "mixed"] = "full"
+    """Network input: fully sampled metal images (paper), zero-filled undersampled ones drawn from
+    the baseline policies, or half of each."""
+    policies: tuple[str, ...] = ("center-out", "random", "random-lowbias", "equispaced")
+    """Policies that draw the undersampling masks of ``undersampled`` / ``mixed`` inputs."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N or auto."""
+    seed: int = 0
+    """Seed of weight init, shuffling and masks."""
+    max_train_slices: int = 0
+    """Use only the first N training slices (0 = all)."""
+    max_val_slices: int = 0
+    """Use only the first N validation slices (0 = all)."""
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.lambda_ssim < 0:
+            raise ValueError(f"lambda_ssim must be >= 0, got {self.lambda_ssim}")
+        if not self.policies:
+            raise ValueError("policies must name at least one sampling policy")
+        for name in self.policies:
+            make_policy(name)  # unknown names raise, listing the known ones
+
+
+def mar_loss(pred: torch.Tensor, target: torch.Tensor, lambda_ssim: float) -> torch.Tensor:
+    """``L1 + lambda (1 - SSIM)`` on images scaled by the target's per-slice maximum."""
+    p, t = scale_by_target(pred, target)
+    return (p - t).abs().mean() + lambda_ssim * (1.0 - ssim(p, t).mean())
+
+
+def draw_masks(n: int, n_pe: int, acq: AcquisitionConfig, policies: tuple[str, ...],
+               rng: np.random.Generator) -> torch.Tensor:
+    """(n, n_pe) bool masks: a random baseline policy stopped after a random number of lines
+    between ``initial`` and ``initial + budget`` (what the MAR network meets during a scan)."""
+    objects = [make_policy(name) for name in policies]
+    masks = np.zeros((n, n_pe), dtype=bool)
+    for i in range(n):
+        policy = objects[int(rng.integers(len(objects)))]
+        lines = run_episode(policy, n_pe, acq.initial, acq.budget, rng)
+        masks[i, lines[: int(rng.integers(acq.initial, acq.initial + acq.budget + 1))]] = True
+    return torch.from_numpy(masks)
+
+
+def network_inputs(data: SliceSet, index: torch.Tensor, mode: str, masks: torch.Tensor | None,
+                   device: torch.device) -> torch.Tensor:
+    """(B, H, W) input images for slices ``index``: full metal images and / or zero-filled ones."""
+    full = data.metal_image[index].to(device)
+    if mode == "full":
+        return full
+    under = zero_filled(data.kspace_metal[index].to(device), masks[index].to(device))
+    if mode == "undersampled":
+        return under
+    half = torch.arange(len(index), device=device) % 2 == 1
+    return torch.where(half[:, None, None], under, full)
+
+
+@torch.no_grad()
+def validate(model: torch.nn.Module, data: SliceSet, mode: str, masks: torch.Tensor | None,
+             lambda_ssim: float, batch_size: int, device: torch.device) -> dict[str, float]:
+    """Mean loss and metrics of ``model`` on ``data`` (and of the uncorrected input)."""
+    model.eval()
+    sums: dict[str, float] = {}
+    n = len(data)
+    for start in range(0, n, batch_size):
+        index = torch.arange(start, min(start + batch_size, n))
+        inputs = network_inputs(data, index, mode, masks, device)
+        target = data.target[index].to(device)
+        pred = model(inputs)
+        batch = {"loss": float(mar_loss(pred, target, lambda_ssim)) * len(index),
+                 "input_loss": float(mar_loss(inputs, target, lambda_ssim)) * len(index)}
+        for key, value in slice_metrics(pred, target).items():
+            batch[key] = float(value.sum())
+        for key, value in slice_metrics(inputs, target).items():
+            batch[f"input_{key}"] = float(value.sum())
+        for key, value in batch.items():
+            sums[key] = sums.get(key, 0.0) + value
+    return {key: value / n for key, value in sums.items()}
+
+
+def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str | Path | None = None,
+              progress: bool = True) -> dict[str, Any]:
+    """Pre-train the MAR network; the best checkpoint (lowest validation loss) goes to ``out``,
+    the latest (for ``resume``) to ``<out>.last.pt`` and the per-epoch log to ``<out>.csv``."""
+    from tqdm.auto import tqdm
+
+    tcfg: MarTrainConfig = config["mar_train"]
+    acq: AcquisitionConfig = config["acquisition"]
+    out = Path(out)
+    last_path = out.with_name(out.stem + ".last.pt")
+    csv_path = out.with_suffix(".csv")
+    device = resolve_device(tcfg.device)
+    train = load_split(data_dir, "train", tcfg.max_train_slices)
+    val = load_split(data_dir, "val", tcfg.max_val_slices)
+    undersampled = tcfg.input != "full"
+    if undersampled:
+        acq.check(train.n_pe)
+
+    with torch.random.fork_rng(devices=[]):  # seeded weight init, global RNG left alone
+        torch.manual_seed(tcfg.seed)
+        model = build_mar(config["mar_model"]).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=tcfg.lr)
+    shuffle = torch.Generator().manual_seed(tcfg.seed)
+    rng = np.random.default_rng(tcfg.seed)
+    start_epoch, best = 0, {"loss": math.inf}
+    if resume is not None:
+        ck = load_checkpoint(resume)
+        model.load_state_dict(ck.state_dicts["mar"])
+        optimizer.load_state_dict(ck.extra["optimizer"])
+        shuffle.set_state(ck.extra["shuffle_state"])
+        rng.bit_generator.state = json.loads(ck.metadata["numpy_rng_state"])
+        start_epoch = int(ck.metadata["epoch"])
+        best = dict(ck.metadata["best_val"])
+        log.info("resumed from %s at epoch %d (best val loss %.4f)", resume, start_epoch, best["loss"])
+        if start_epoch >= tcfg.epochs:
+            log.info("nothing to do: %d of %d epochs already trained", start_epoch, tcfg.epochs)
+    val_masks = (draw_masks(len(val), val.n_pe, acq, tcfg.policies, np.random.default_rng(tcfg.seed + 1))
+                 if undersampled else None)
+    if start_epoch == 0:
+        csv_path.unlink(missing_ok=True)
+
+    def metadata(epoch: int, val_metrics: dict[str, float]) -> dict[str, Any]:
+        return {
+            "kind": "mar",
+            "code_version": __version__,
+            "mar_model": to_dict(config["mar_model"]),
+            "mar_train": to_dict(tcfg),
+            "acquisition": to_dict(acq),
+            "data": str(data_dir),
+            "epoch": epoch,
+            "val": val_metrics,
+            "best_val": best,
+            "numpy_rng_state": json.dumps(rng.bit_generator.state),
+        }
+
+    log.info("MAR pre-training: %d train / %d val slices, input %s, %d epochs on %s",
+             len(train), len(val), tcfg.input, tcfg.epochs, device)
+    bar = tqdm(range(start_epoch, tcfg.epochs), desc="train mar", unit="epoch", disable=not progress,
+               initial=start_epoch, total=tcfg.epochs)
+    for epoch in bar:
+        t0 = time.perf_counter()
+        model.train()
+        masks = draw_masks(len(train), train.n_pe, acq, tcfg.policies, rng) if undersampled else None
+        order = torch.randperm(len(train), generator=shuffle)
+        total, count = 0.0, 0
+        for start in range(0, len(train), tcfg.batch_size):
+            index = order[start : start + tcfg.batch_size]
+            if len(index) < 2 and len(train) >= 2:
+                continue  # BatchNorm needs two samples
+            inputs = network_inputs(train, index, tcfg.input, masks, device)
+            loss = mar_loss(model(inputs), train.target[index].to(device), tcfg.lambda_ssim)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total += float(loss.detach()) * len(index)
+            count += len(index)
+        val_metrics = validate(model, val, tcfg.input, val_masks, tcfg.lambda_ssim, tcfg.batch_size, device)
+        row = {"epoch": epoch + 1, "train_loss": total / max(count, 1), **{f"val_{k}": v for k, v in val_metrics.items()},
+               "seconds": time.perf_counter() - t0}
+        improved = val_metrics["loss"] < best["loss"]
+        if improved:
+            best = {"epoch": epoch + 1, **val_metrics}
+            save_checkpoint(out, {"mar": model}, metadata(epoch + 1, val_metrics))
+        save_checkpoint(last_path, {"mar": model}, metadata(epoch + 1, val_metrics),
+                        extra_state={"optimizer": optimizer.state_dict(), "shuffle_state": shuffle.get_state()})
+        new = not csv_path.exists()
+        with csv_path.open("a", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(row))
+            if new:
+                writer.writeheader()
+            writer.writerow(row)
+        bar.set_postfix(loss=f"{row['train_loss']:.4f}", val_ssim=f"{val_metrics['ssim']:.4f}")
+        log.info("epoch %d: train loss %.4f, val loss %.4f, val SSIM %.4f (input %.4f), PSNR %.2f%s",
+                 epoch + 1, row["train_loss"], val_metrics["loss"], val_metrics["ssim"],
+                 val_metrics["input_ssim"], val_metrics["psnr"], " *best*" if improved else "")
+    bar.close()
+    if not out.exists():  # e.g. resumed a finished run into a new path
+        save_checkpoint(out, {"mar": model}, metadata(tcfg.epochs, best))
+    return best
