@@ -188,7 +188,8 @@ def load_mar(path: str | Path, device: str | torch.device = "cpu") -> tuple[MarN
         cfg = from_dict(MarModelConfig, ck.metadata["mar_model"], "mar_model")
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
-    model = build_mar(cfg)
+    with torch.random.fork_rng(devices=[]):  # the init is overwritten; leave the global RNG alone
+        model = build_mar(cfg)
     try:
         model.load_state_dict(ck.state_dicts["mar"])
     except RuntimeError as err:

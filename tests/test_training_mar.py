@@ -15,14 +15,15 @@ from .conftest import CONFIGS
 
 
 def _config(*extra):
-    return load_config(CONFIGS / "tiny.yaml", ["mar_train.epochs=12", "mar_train.lr=0.003", *extra])
+    return load_config(CONFIGS / "tiny.yaml", ["mar_train.epochs=12", "mar_train.lr=0.003", "mar_train.input=mixed", *extra])
 
 
 def test_pretraining_lowers_validation_loss(tiny_dataset, tmp_path, global_rng_guard):
     out = tmp_path / "mar.pt"
     best = train_mar(_config(), tiny_dataset, out, progress=False)
     assert best["loss"] < best["input_loss"]  # better than leaving the images alone (identity init)
-    rows = list(csv.DictReader(open(out.with_suffix(".csv"))))
+    with open(out.with_suffix(".csv")) as fh:
+        rows = list(csv.DictReader(fh))
     assert len(rows) == 12 and rows[0]["epoch"] == "1"
     assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"])
     model, meta = load_mar(out, torch.device("cpu"))
@@ -39,7 +40,8 @@ def test_resume_continues_where_it_stopped(tiny_dataset, tmp_path):
     direct = train_mar(_config("mar_train.epochs=4"), tiny_dataset, straight, progress=False)
     # same seed, same data: stopping and resuming gives the run that never stopped
     assert resumed["loss"] == pytest.approx(direct["loss"], rel=1e-4)
-    assert len(list(csv.DictReader(open(first.with_suffix(".csv"))))) == 4
+    with open(first.with_suffix(".csv")) as fh:
+        assert len(list(csv.DictReader(fh))) == 4
     last = load_checkpoint(tmp_path / "a.last.pt")
     assert last.metadata["epoch"] == 4 and "optimizer" in last.extra
 
