@@ -155,6 +155,8 @@ class _Connection:
                 pass
         except ConnectionClosed as err:
             log.warning("%s: connection lost (%s)", self.peer, err)
+            if not err.clean:  # a truncated frame: the client may still be listening
+                self.send_error(str(err))
         except socket.timeout:
             log.warning("%s: idle for too long, closing", self.peer)
             self.send_error("connection idle for too long")
