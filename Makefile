@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 MASC := $(VENV)/bin/masc
 STAMP := $(VENV)/.masc-installed
 DATA ?= data/small
+PORT ?= 9002
+SCAN ?= runs/demo-scan
 PYTEST_ARGS ?=
 
 .PHONY: install test test-all demo clean
@@ -30,7 +32,14 @@ test-all: install
 demo: install
 	$(MASC) simulate dataset --config configs/small.yaml --out $(DATA)
 	$(MASC) simulate preview $(DATA) --out $(DATA)/preview.png
-	@echo "demo done: dataset in $(DATA), preview in $(DATA)/preview.png"
+	@# closed loop: masc serve in the background, masc scan against it, then stop the server
+	@$(MASC) serve --config configs/small.yaml --port $(PORT) --log-level WARNING & pid=$$!; \
+	for i in $$(seq 120); do $(PY) -c "import socket; socket.create_connection(('127.0.0.1', $(PORT)), 0.2)" 2>/dev/null && break; sleep 0.25; done; \
+	$(MASC) scan --config configs/small.yaml --data $(DATA) --split test --server 127.0.0.1:$(PORT) \
+	    --feedback inband --deadline-ms 200 --fallback center-out --out $(SCAN) \
+	    --set scanner.max_subjects=2 --log-level WARNING; rc=$$?; \
+	kill -TERM $$pid; wait $$pid; exit $$rc
+	@echo "demo done: dataset $(DATA), preview $(DATA)/preview.png, closed-loop scan report $(SCAN)/report.json, images $(SCAN)/images.h5"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

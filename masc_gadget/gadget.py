@@ -19,7 +19,7 @@ import logging
 import threading
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import ismrmrd
@@ -270,7 +270,11 @@ def process(items: Iterable[Any], header: Any, settings: GadgetSettings, send: C
                     send(feedback_acquisition(decision, acq.getHead()))
                 if zmq_out is not None:
                     zmq_out.send(decision)
-            if engine.complete(slice_index) or acq.is_flag_set(ismrmrd.ACQ_LAST_IN_SLICE):
+            # a slice is finished by the scanner (ACQ_LAST_IN_SLICE); in closed loop also when its
+            # budget is spent. Open loop (no feedback asked for), the client decides what it
+            # acquires, so the image waits for its last line or the close and uses every line.
+            closed_loop = settings.feedback == "inband" or bool(settings.zmq_address)
+            if acq.is_flag_set(ismrmrd.ACQ_LAST_IN_SLICE) or (closed_loop and engine.complete(slice_index)):
                 emit(engine.finish_slice(slice_index))
         if engine is not None:
             for slice_index in engine.slices():

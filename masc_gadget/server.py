@@ -99,6 +99,7 @@ class _Connection:
         self.named = named
         self.cache = cache
         self.closed_by_client = False
+        self.stream_started = False
 
     def send_error(self, message: str) -> None:
         try:
@@ -108,6 +109,7 @@ class _Connection:
 
     def handshake(self) -> tuple[Any, GadgetSettings]:
         msg = self.stream.read_message()
+        self.stream_started = True
         if msg.id == ID_CONFIG_FILE:
             settings = self.named.resolve(msg.payload.strip())
         elif msg.id == ID_CONFIG_TEXT:
@@ -154,6 +156,9 @@ class _Connection:
             except OSError:
                 pass
         except ConnectionClosed as err:
+            if err.clean and not self.stream_started:
+                log.info("%s closed the connection without sending anything", self.peer)
+                return
             log.warning("%s: connection lost (%s)", self.peer, err)
             if not err.clean:  # a truncated frame: the client may still be listening
                 self.send_error(str(err))
@@ -214,10 +219,38 @@ class MascServer:
         sock.settimeout(0.2)
         self._sock = sock
         self.port = sock.getsockname()[1]
+        self.warm_up()
         self._accept = threading.Thread(target=self._accept_loop, name="masc-accept", daemon=True)
         self._accept.start()
         log.info("MASC server listening on %s:%d", self.host, self.port)
         return self.host, self.port
+
+    def warm_up(self, n_pe: int = 64, n_readout: int = 64) -> float:
+        """Load the default models and run one decision and one reconstruction before the first
+        client, so that the first line of a scan does not pay for the process's kernel set-up
+        (~0.25 s on a CPU). Returns the seconds it took."""
+        import time
+
+        import numpy as np
+
+        from masc_gadget.engine import AcquisitionEngine, EngineSettings
+
+        start = time.perf_counter()
+        s = GadgetSettings.from_config(self.named.config)
+        initial = min(s.initial, n_pe - 1)
+        engine = AcquisitionEngine(
+            EngineSettings(n_pe=n_pe, n_readout=n_readout, initial=initial, budget=1, policy=s.policy,
+                           mar_checkpoint=s.mar_checkpoint, device=s.device, seed=s.seed),
+            mar=self.cache.mar(s.mar_checkpoint, s.device),
+        )
+        zeros = np.zeros(n_readout, np.complex64)
+        for line in range(n_pe // 2 - initial // 2, n_pe // 2 - initial // 2 + initial):
+            engine.on_line(0, line, zeros)
+        engine.finish_slice(0)
+        seconds = time.perf_counter() - start
+        log.info("warmed up in %.2f s (policy %s, MAR %s, device %s)", seconds, s.policy,
+                 s.mar_checkpoint or "off", engine.device)
+        return seconds
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():

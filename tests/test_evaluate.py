@@ -14,7 +14,7 @@ from masc_gadget.models.unet import MarModelConfig, build_mar
 from masc_gadget.policies import make_policy, run_episode, slice_rng
 from training.cli import cmd_eval  # noqa: F401  (the CLI module imports cleanly)
 from training.data import load_split
-from training.evaluate import evaluate, render_table, write_outputs
+from training.evaluate import evaluate, render_table
 from training.stats import paired_tests
 
 from masc_gadget.cli import main

@@ -234,6 +234,7 @@ def test_plain_open_loop_client_gets_one_image_per_slice(server, subject):
     for s, image in images.items():
         assert image.data.shape[-2:] == kspace.shape[1:]
         assert image.image_series_index == 1
+        np.testing.assert_allclose(image.data[0, 0], full[s], rtol=1e-4, atol=1e-6 * full.max())
 
 
 def _bad_client(port, actions):

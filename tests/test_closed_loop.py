@@ -1,0 +1,123 @@
+"""masc scan against a real masc serve: closed loop equals offline; killing the server mid-scan."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from masc_gadget.acquisition import AcquisitionConfig
+from masc_gadget.config import load_config
+from masc_gadget.policies import make_policy, run_episode
+from masc_gadget.server import MascServer
+from sim_scanner.dataset import read_manifest, subject_path
+from sim_scanner.scanner import ScannerConfig, run_scan, scan_subject
+
+from .conftest import CONFIGS
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_masc_scan_closed_loop_equals_offline(tiny_dataset, tmp_path, interleave):
+    config = load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu"])
+    server = MascServer(config, host="127.0.0.1", port=0)
+    _, port = server.start()
+    try:
+        scan_config = load_config(CONFIGS / "tiny.yaml", [
+            f"scanner.server=127.0.0.1:{port}", "scanner.feedback=inband", "scanner.deadline_ms=2000",
+            f"scanner.interleave={str(interleave).lower()}", "acquisition.policy=equispaced",
+        ])
+        report = run_scan(scan_config, tiny_dataset, "test", tmp_path / "scan", progress=False)
+    finally:
+        server.shutdown()
+    acq = scan_config["acquisition"]
+    assert report.totals.fallbacks == 0 and report.totals.connections_lost == 0
+    expected = list(run_episode(make_policy("equispaced"), 32, acq.initial, acq.budget))
+    for subject in report.subjects:
+        for sl in subject.slices:
+            assert sl.lines == expected  # the gadget chose exactly what the offline policy chooses
+            assert sl.sources == ["initial"] * acq.initial + ["gadget"] * acq.budget
+            assert sl.image_source == "gadget"
+            # the returned image is the zero-filled image of these lines (MAR off)
+            assert sl.metrics["ssim"] == pytest.approx(sl.zero_filled_metrics["ssim"], abs=1e-5)
+    assert (tmp_path / "scan" / "report.json").is_file() and (tmp_path / "scan" / "images.h5").is_file()
+
+
+def test_killing_the_server_mid_scan_completes_on_fallback(tiny_dataset, tmp_path):
+    port = _free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "masc_gadget.cli", "serve", "--config", str(CONFIGS / "tiny.yaml"),
+         "--port", str(port), "--set", "gadget.device=cpu", "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise RuntimeError("masc serve did not start: " + proc.stdout.read().decode())
+                time.sleep(0.1)
+        manifest = read_manifest(tiny_dataset)
+        sid = manifest["splits"]["test"][0]
+        scfg = ScannerConfig(server=f"127.0.0.1:{port}", feedback="inband", deadline_ms=300.0,
+                             close_timeout_s=2.0)
+        acq = AcquisitionConfig(initial=1, budget=2)
+
+        def kill_after_first_slice(slice_index):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(10)
+
+        report = scan_subject(subject_path(tiny_dataset, sid), sid, scfg, acq,
+                              on_slice_done=kill_after_first_slice)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+    assert report.connection == "lost"
+    assert report.fallbacks > 0
+    with h5py.File(subject_path(tiny_dataset, sid), "r") as f:
+        n_slices = f["kspace/metal"].shape[0]
+    assert len(report.slices) == n_slices
+    for sl in report.slices:  # every slice still has its full budget, nothing lost
+        assert len(sl.lines) == len(set(sl.lines)) == acq.initial + acq.budget
+        assert sl.metrics and np.isfinite(sl.metrics["ssim"])
+    assert report.slices[0].sources.count("gadget") == acq.budget
+    assert any(sl.image_source == "scanner zero-filled" for sl in report.slices)
+
+
+def test_sigterm_stops_the_server_cleanly(tmp_path):
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "masc_gadget.cli", "serve", "--config", str(CONFIGS / "tiny.yaml"),
+         "--port", str(port), "--set", "gadget.device=cpu"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                assert time.time() < deadline and proc.poll() is None, "masc serve did not start"
+                time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+        out = proc.stdout.read().decode()
+        assert "shutting down" in out and "MASC server stopped" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
