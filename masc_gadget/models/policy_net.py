@@ -1,0 +1,183 @@
+"""The artifact-aware acquisition agent of the paper: an actor-critic network over image + mask.
+
+Paper ("Acquisition Policy"): a shared convolutional encoder for the actor and critic branches
+processes the concatenated reconstruction and acquisition mask; the actor outputs probabilities
+over all k-space lines with the already acquired lines masked to zero.
+
+Layout (``channels`` = (c1, ..., cn), default (16, 32, 64))::
+
+    input    (B, 2, H, W): image / quantile(|image|, scale_quantile)  ++  mask rows as an (H, W) map
+    encoder  [3x3 conv stride 2 -> ReLU] x n           2 -> c1 -> ... -> cn,  (H, W) / 2**n
+             adaptive average pool                     -> (cn, pool_size, pool_size)
+    trunk    flatten ++ steps_left fraction -> Linear -> ReLU                 -> (B, hidden)
+    actor    Linear hidden -> n_pe                                            -> logits (B, n_pe)
+    critic   Linear hidden -> 1                                               -> value (B,)
+
+Image rows are PE lines (line k is row k of centred k-space), so the mask of line k fills row
+k of the mask channel. Weights are initialised as in CleanRL: orthogonal, gain sqrt(2) for the
+hidden layers, 0.01 for the actor's last layer (near-uniform initial policy), 1 for the critic;
+zero biases. Acquired lines are masked with the most negative finite float (not -inf), so
+log-probabilities and the entropy stay finite (the CleanRL / MaskablePPO invalid-action mask).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributions import Categorical
+
+from masc_gadget.models.unet import image_scale
+
+
+@dataclass(frozen=True)
+class PolicyNetConfig:
+    """Architecture of the acquisition policy network (config section ``policy_net``)."""
+
+    channels: tuple[int, ...] = (16, 32, 64)
+    """Output channels of the encoder's stride-2 3x3 convolutions, one per stage; each stage
+    halves H and W."""
+    hidden: int = 256
+    """Width of the shared fully connected layer that feeds the actor and the critic."""
+    scale_quantile: float = 0.99
+    """Each input image is divided by this quantile of its own magnitude (as the MAR network
+    does), so the policy sees intensities of order 1 whatever the scanner's units (0 < q <= 1)."""
+    pool_size: int = 8
+    """The encoder's output map is average-pooled to pool_size x pool_size before flattening,
+    so the size of the fully connected layer does not grow with the matrix."""
+
+    def __post_init__(self) -> None:
+        channels = self.channels
+        if not isinstance(channels, (tuple, list)) or not channels:
+            raise ValueError(f"channels must be a non-empty list of integers >= 1, got {channels!r}")
+        for c in channels:
+            if not isinstance(c, int) or isinstance(c, bool) or c < 1:
+                raise ValueError(f"channels must be a non-empty list of integers >= 1, got {channels!r}")
+        object.__setattr__(self, "channels", tuple(channels))
+        for name in ("hidden", "pool_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        q = self.scale_quantile
+        if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < q <= 1.0:
+            raise ValueError(f"scale_quantile must be in (0, 1], got {q!r}")
+
+
+def masked_logits(logits: torch.Tensor, acquired: torch.Tensor) -> torch.Tensor:
+    """logits: (B, n_pe); acquired: (B, n_pe) bool -> (B, n_pe) logits with the acquired lines
+    set to ``torch.finfo(dtype).min``: probability exactly 0 after the softmax, yet finite, so
+    ``0 * log p`` in the entropy is 0 and not NaN (it would be with -inf)."""
+    if acquired.shape != logits.shape:
+        raise ValueError(
+            f"acquired mask {tuple(acquired.shape)} must have the shape of the logits {tuple(logits.shape)}"
+        )
+    return logits.masked_fill(acquired.bool(), torch.finfo(logits.dtype).min)
+
+
+def masked_distribution(logits: torch.Tensor, acquired: torch.Tensor) -> Categorical:
+    """The policy over PE lines: a Categorical over (B, n_pe) with probability exactly 0 on the
+    acquired lines (``acquired`` (B, n_pe) bool). Each row needs at least one free line (a row
+    with none becomes uniform); the log-probability of an acquired line is about -3.4e38."""
+    return Categorical(logits=masked_logits(logits, acquired))
+
+
+def _layer_init(layer: nn.Module, std: float, generator: torch.Generator | None) -> nn.Module:
+    """CleanRL's init: orthogonal weights with gain ``std``, zero bias."""
+    nn.init.orthogonal_(layer.weight, std, generator=generator)
+    nn.init.constant_(layer.bias, 0.0)
+    return layer
+
+
+class PolicyNet(nn.Module):
+    """Actor-critic over (image, acquisition mask, steps left) -> (line logits, value).
+
+    Args:
+        n_pe: number of PE lines, the actor's output size; must equal ``height`` (image rows
+            are PE lines).
+        height, width: image size (H = n_pe rows, W readout columns).
+        cfg: architecture; default :class:`PolicyNetConfig`.
+        generator: torch.Generator for the weight init, so that building a network neither
+            reads nor advances the global RNG; None draws from the global RNG like any module.
+    """
+
+    def __init__(
+        self,
+        n_pe: int,
+        height: int,
+        width: int,
+        cfg: PolicyNetConfig | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        cfg = PolicyNetConfig() if cfg is None else cfg
+        for name, value in (("n_pe", n_pe), ("height", height), ("width", width)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if n_pe != height:
+            raise ValueError(
+                f"n_pe must equal the image height (image rows are PE lines), got n_pe={n_pe}, "
+                f"height={height}"
+            )
+        self.config = cfg
+        self.n_pe, self.height, self.width = n_pe, height, width
+        # The layers' default init is replaced below; building them under a forked RNG keeps
+        # that throw-away init from advancing the global RNG.
+        with torch.random.fork_rng(devices=[]):
+            convs: list[nn.Module] = []
+            in_channels = 2
+            for out_channels in cfg.channels:
+                convs += [nn.Conv2d(in_channels, out_channels, 3, stride=2, padding=1), nn.ReLU()]
+                in_channels = out_channels
+            self.encoder = nn.Sequential(
+                *convs, nn.AdaptiveAvgPool2d(cfg.pool_size), nn.Flatten()
+            )
+            n_features = in_channels * cfg.pool_size**2 + 1  # + steps_left fraction
+            self.trunk = nn.Sequential(nn.Linear(n_features, cfg.hidden), nn.ReLU())
+            self.actor = nn.Linear(cfg.hidden, n_pe)
+            self.critic = nn.Linear(cfg.hidden, 1)
+        self.reset_parameters(generator)
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """CleanRL init: orthogonal gain sqrt(2) (hidden), 0.01 (actor head), 1 (critic head)."""
+        for module in (*self.encoder, *self.trunk):
+            if isinstance(module, (nn.Conv2d, nn.Linear)):
+                _layer_init(module, math.sqrt(2.0), generator)
+        _layer_init(self.actor, 0.01, generator)
+        _layer_init(self.critic, 1.0, generator)
+
+    def features(
+        self, image: torch.Tensor, mask: torch.Tensor, steps_left_frac: torch.Tensor
+    ) -> torch.Tensor:
+        """The shared trunk's output: (B, hidden). Arguments as in :meth:`forward`."""
+        if image.dim() != 3 or tuple(image.shape[1:]) != (self.height, self.width):
+            raise ValueError(
+                f"image must be (B, {self.height}, {self.width}), got {tuple(image.shape)}"
+            )
+        b = image.shape[0]
+        if tuple(mask.shape) != (b, self.n_pe):
+            raise ValueError(f"mask must be (B, n_pe) = ({b}, {self.n_pe}), got {tuple(mask.shape)}")
+        if tuple(steps_left_frac.shape) != (b,):
+            raise ValueError(f"steps_left_frac must be (B,) = ({b},), got {tuple(steps_left_frac.shape)}")
+        x = image.unsqueeze(1).float()
+        x = x / image_scale(x, self.config.scale_quantile)
+        rows = mask.to(x.dtype)[:, None, :, None].expand(b, 1, self.height, self.width)
+        h = self.encoder(torch.cat([x, rows], dim=1))
+        h = torch.cat([h, steps_left_frac.to(h.dtype).unsqueeze(1)], dim=1)
+        return self.trunk(h)
+
+    def forward(
+        self, image: torch.Tensor, mask: torch.Tensor, steps_left_frac: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """image: (B, H, W) magnitude images (any units); mask: (B, n_pe) bool, True = acquired;
+        steps_left_frac: (B,) steps left / budget in [0, 1].
+
+        Returns (logits (B, n_pe), value (B,)). The logits are *not* masked: use
+        :func:`masked_logits` / :func:`masked_distribution` with the same mask.
+        """
+        h = self.features(image, mask, steps_left_frac)
+        return self.actor(h), self.critic(h).squeeze(1)
+
+    def extra_repr(self) -> str:
+        return f"n_pe={self.n_pe}, height={self.height}, width={self.width}"

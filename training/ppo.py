@@ -1,0 +1,451 @@
+"""PPO with invalid-action masking for the acquisition policy, written like CleanRL's ``ppo.py``
+but as importable functions: :func:`collect_rollout` -> :func:`compute_gae` -> :func:`ppo_update`
+(minibatch epochs over :func:`ppo_loss`), chained by :func:`train_ppo`.
+
+Paper ("Training Configuration"): Adam, learning rate 3e-4, rollouts of 512 steps, 4 epochs per
+update, clip range 0.2, entropy coefficient 0.01, GAE (Schulman et al. 2016).
+
+The environment is batched (B episodes in lockstep, see :class:`BatchedEnv`) and resets
+finished episodes itself. Acquired lines are masked out of the policy with
+:func:`~masc_gadget.models.policy_net.masked_distribution`, both when sampling and when the
+update recomputes log-probabilities, so the ratio compares the same masked distributions.
+
+Randomness is explicit: sampling and minibatch shuffling draw only from the ``torch.Generator``
+passed in; the global RNGs are never used.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from masc_gadget.models.policy_net import PolicyNet, masked_distribution, masked_logits
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """PPO hyper-parameters (config section ``ppo``); defaults from the paper where it gives them,
+    else CleanRL's."""
+
+    lr: float = 3e-4
+    """Adam learning rate of the policy (paper: 3e-4)."""
+    rollout_steps: int = 512
+    """Transitions per rollout, all environments together (paper: 512); a multiple of the number
+    of environments, each of which steps ``rollout_steps / num_envs`` times."""
+    epochs: int = 4
+    """Optimisation epochs over each rollout (paper: 4)."""
+    minibatch_size: int = 64
+    """Transitions per gradient step."""
+    clip: float = 0.2
+    """Clip range of the probability ratio (paper: 0.2)."""
+    ent_coef: float = 0.01
+    """Weight of the entropy bonus (paper: 0.01)."""
+    vf_coef: float = 0.5
+    """Weight of the value loss."""
+    gamma: float = 1.0
+    """Discount. Episodes are finite (``budget`` steps, then the episode terminates), so the
+    undiscounted return, the total image improvement of the episode, is well defined; 1.0
+    optimises it exactly."""
+    gae_lambda: float = 0.95
+    """GAE lambda: 1 gives Monte-Carlo returns, 0 one-step TD."""
+    max_grad_norm: float = 0.5
+    """Global gradient norm clip."""
+    norm_adv: bool = True
+    """Normalise advantages per minibatch (zero mean, unit std)."""
+    target_kl: float = 0.0
+    """Stop the epochs of an update early once the approximate KL exceeds this (0 = off)."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        for name in ("rollout_steps", "epochs", "minibatch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.clip > 0:
+            raise ValueError(f"clip must be > 0, got {self.clip}")
+        for name in ("ent_coef", "vf_coef", "target_kl"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("gamma", "gae_lambda"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+
+    def steps_per_env(self, num_envs: int) -> int:
+        """Steps of each environment per rollout: ``rollout_steps / num_envs``."""
+        if num_envs < 1 or self.rollout_steps % num_envs:
+            raise ValueError(
+                f"rollout_steps ({self.rollout_steps}) must be a multiple of the number of "
+                f"environments ({num_envs})"
+            )
+        return self.rollout_steps // num_envs
+
+
+class ObservationLike(Protocol):
+    """What a batched environment shows the agent (the interface of ``training.env.Observation``)."""
+
+    image: torch.Tensor  # (B, H, W) float32 current image
+    mask: torch.Tensor  # (B, n_pe) bool, True = acquired
+    steps_left: torch.Tensor  # (B,) long, lines the agent may still choose
+
+
+class BatchedEnv(Protocol):
+    """B acquisition episodes in lockstep (``training.env``). ``step`` resets the episodes that
+    terminate, so the observation it returns for them is the first of a new episode."""
+
+    budget: int
+
+    def reset(self) -> ObservationLike: ...
+
+    def step(
+        self, actions: torch.Tensor
+    ) -> tuple[ObservationLike, torch.Tensor, torch.Tensor, dict[str, Any]]: ...
+
+
+@dataclass
+class Cursor:
+    """Where the environments are between two rollouts: the next observation and the running
+    return and length of each unfinished episode (so episodes may span rollouts)."""
+
+    obs: ObservationLike
+    episode_return: torch.Tensor  # (B,) float32
+    episode_length: torch.Tensor  # (B,) long
+
+
+@dataclass
+class Rollout:
+    """T steps of B environments (CleanRL's storage tensors), on the network's device."""
+
+    images: torch.Tensor  # (T, B, H, W) float32 observed images
+    masks: torch.Tensor  # (T, B, n_pe) bool acquired lines when the action was chosen
+    steps_left: torch.Tensor  # (T, B) long
+    actions: torch.Tensor  # (T, B) long chosen lines
+    logprobs: torch.Tensor  # (T, B) log-probability of the action under the sampling policy
+    values: torch.Tensor  # (T, B) critic values
+    rewards: torch.Tensor  # (T, B) float32
+    terminated: torch.Tensor  # (T, B) bool: the episode ended after step t
+    last_value: torch.Tensor  # (B,) value of the observation after the last step
+    budget: int
+    """Steps per episode; steps_left / budget is the network's steps-left input."""
+    episode_returns: torch.Tensor  # (n_finished,) returns of the episodes finished in the rollout
+    episode_lengths: torch.Tensor  # (n_finished,) their lengths
+    cursor: Cursor
+    """Pass to the next :func:`collect_rollout` to continue where this one stopped."""
+
+    @property
+    def num_steps(self) -> int:
+        return self.actions.shape[0]
+
+    @property
+    def num_envs(self) -> int:
+        return self.actions.shape[1]
+
+
+def compute_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    terminated: torch.Tensor,
+    last_value: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016).
+
+    rewards, values: (T, B); terminated: (T, B) bool, True when the episode ended *after* step t
+    (the environment then resets, so step t + 1 belongs to a new episode and nothing is
+    bootstrapped across); last_value: (B,) value of the observation after step T - 1.
+
+        delta_t = r_t + gamma * V_{t+1} * (1 - term_t) - V_t
+        A_t     = delta_t + gamma * lam * (1 - term_t) * A_{t+1}
+
+    Returns (advantages (T, B), returns = advantages + values (T, B)), the critic's targets.
+    """
+    if not (rewards.shape == values.shape == terminated.shape) or rewards.dim() != 2:
+        raise ValueError(
+            "rewards, values and terminated must all be (T, B), got "
+            f"{tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(terminated.shape)}"
+        )
+    if tuple(last_value.shape) != (rewards.shape[1],):
+        raise ValueError(f"last_value must be (B,) = ({rewards.shape[1]},), got {tuple(last_value.shape)}")
+    advantages = torch.zeros_like(values)
+    nonterminal = 1.0 - terminated.to(values.dtype)
+    last_gae = torch.zeros_like(last_value)
+    next_value = last_value
+    for t in reversed(range(rewards.shape[0])):
+        delta = rewards[t] + gamma * next_value * nonterminal[t] - values[t]
+        last_gae = delta + gamma * lam * nonterminal[t] * last_gae
+        advantages[t] = last_gae
+        next_value = values[t]
+    return advantages, advantages + values
+
+
+def ppo_loss(
+    new_logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    new_value: torch.Tensor,
+    returns: torch.Tensor,
+    entropy: torch.Tensor,
+    clip: float,
+    vf_coef: float,
+    ent_coef: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The PPO clipped objective, CleanRL's form (all inputs (N,); advantages already
+    normalised if wanted):
+
+        ratio = exp(new_logprob - old_logprob)
+        policy_loss = mean(max(-A ratio, -A clamp(ratio, 1 - clip, 1 + clip)))
+        value_loss  = 0.5 mean((V - returns)^2)
+        loss = policy_loss - ent_coef mean(entropy) + vf_coef value_loss
+
+    Returns (loss, stats): detached scalars ``losses/policy_loss``, ``losses/value_loss``,
+    ``losses/entropy``, ``losses/approx_kl`` (mean of (ratio - 1) - log ratio, Schulman's
+    low-variance estimator of KL(old || new)) and ``losses/clipfrac`` (fraction of ratios
+    outside [1 - clip, 1 + clip]).
+    """
+    log_ratio = new_logprob - old_logprob
+    ratio = log_ratio.exp()
+    policy_loss = torch.max(
+        -advantages * ratio, -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
+    ).mean()
+    value_loss = 0.5 * (new_value - returns).pow(2).mean()
+    entropy_mean = entropy.mean()
+    loss = policy_loss - ent_coef * entropy_mean + vf_coef * value_loss
+    with torch.no_grad():
+        stats = {
+            "losses/policy_loss": policy_loss.detach(),
+            "losses/value_loss": value_loss.detach(),
+            "losses/entropy": entropy_mean.detach(),
+            "losses/approx_kl": ((ratio - 1.0) - log_ratio).mean(),
+            "losses/clipfrac": ((ratio - 1.0).abs() > clip).float().mean(),
+        }
+    return loss, stats
+
+
+def start(env: BatchedEnv, device: torch.device | str = "cpu") -> Cursor:
+    """Reset the environment: a :class:`Cursor` at the first step of B new episodes."""
+    obs = env.reset()
+    b = obs.mask.shape[0]
+    return Cursor(obs, torch.zeros(b, device=device), torch.zeros(b, dtype=torch.long, device=device))
+
+
+def _device(net: nn.Module) -> torch.device:
+    return next(net.parameters()).device
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """(B, n) probabilities -> (B,) long indices, drawn on the generator's device."""
+    on = probs.to(generator.device)
+    return torch.multinomial(on, 1, generator=generator).squeeze(1).to(probs.device)
+
+
+@torch.no_grad()
+def collect_rollout(
+    env: BatchedEnv,
+    net: PolicyNet,
+    n_steps_per_env: int,
+    generator: torch.Generator,
+    cursor: Cursor | None = None,
+) -> Rollout:
+    """Run the sampling policy for ``n_steps_per_env`` steps of every environment.
+
+    Actions are drawn from :func:`masked_distribution` with ``torch.multinomial(...,
+    generator=generator)`` (on the generator's device), so an acquired line is never chosen.
+    The network sees ``steps_left / env.budget``. ``cursor``: where the previous rollout
+    stopped (``rollout.cursor``); None resets the environment.
+    """
+    if n_steps_per_env < 1:
+        raise ValueError(f"n_steps_per_env must be >= 1, got {n_steps_per_env}")
+    budget = int(env.budget)
+    device = _device(net)
+    if cursor is None:
+        cursor = start(env, device)
+    obs, ep_return, ep_length = cursor.obs, cursor.episode_return.clone(), cursor.episode_length.clone()
+    b, n_pe = obs.mask.shape
+    h, w = obs.image.shape[1:]
+    T = n_steps_per_env
+    images = torch.zeros((T, b, h, w), dtype=torch.float32, device=device)
+    masks = torch.zeros((T, b, n_pe), dtype=torch.bool, device=device)
+    steps_left = torch.zeros((T, b), dtype=torch.long, device=device)
+    actions = torch.zeros((T, b), dtype=torch.long, device=device)
+    logprobs = torch.zeros((T, b), device=device)
+    values = torch.zeros((T, b), device=device)
+    rewards = torch.zeros((T, b), device=device)
+    terminated = torch.zeros((T, b), dtype=torch.bool, device=device)
+    finished_returns, finished_lengths = [], []
+
+    for t in range(T):
+        images[t] = obs.image.to(device)
+        masks[t] = obs.mask.to(device)
+        steps_left[t] = obs.steps_left.to(device)
+        logits, value = net(images[t], masks[t], steps_left[t].float() / budget)
+        dist = masked_distribution(logits, masks[t])
+        action = _sample(dist.probs, generator)
+        actions[t], logprobs[t], values[t] = action, dist.log_prob(action), value
+
+        obs, reward, term, _info = env.step(action.to(obs.mask.device))
+        rewards[t] = reward.to(device)
+        terminated[t] = term.to(device)
+        ep_return += rewards[t]
+        ep_length += 1
+        if terminated[t].any():
+            finished_returns.append(ep_return[terminated[t]])
+            finished_lengths.append(ep_length[terminated[t]])
+            ep_return = ep_return.masked_fill(terminated[t], 0.0)
+            ep_length = ep_length.masked_fill(terminated[t], 0)
+
+    _, last_value = net(obs.image.to(device), obs.mask.to(device), obs.steps_left.to(device).float() / budget)
+    empty = torch.zeros(0, device=device)
+    return Rollout(
+        images=images, masks=masks, steps_left=steps_left, actions=actions, logprobs=logprobs,
+        values=values, rewards=rewards, terminated=terminated, last_value=last_value, budget=budget,
+        episode_returns=torch.cat(finished_returns) if finished_returns else empty,
+        episode_lengths=torch.cat(finished_lengths) if finished_lengths else empty.long(),
+        cursor=Cursor(obs, ep_return, ep_length),
+    )
+
+
+def explained_variance(predicted: torch.Tensor, target: torch.Tensor) -> float:
+    """1 - Var(target - predicted) / Var(target); NaN when the target is constant."""
+    var_y = target.var()
+    if var_y == 0:
+        return float("nan")
+    return float(1.0 - (target - predicted).var() / var_y)
+
+
+def ppo_update(
+    net: PolicyNet,
+    optimizer: torch.optim.Optimizer,
+    rollout: Rollout,
+    cfg: PPOConfig,
+    generator: torch.Generator,
+) -> dict[str, float]:
+    """One PPO update on a rollout: GAE -> flatten -> ``cfg.epochs`` epochs of shuffled
+    minibatches (permutations from ``generator``). Each minibatch recomputes the logits of the
+    stored observations and masks them with the *same* acquired masks, giving new
+    log-probabilities and entropies -> :func:`ppo_loss` -> backward -> gradient norm clip ->
+    optimizer step. Stops early when ``cfg.target_kl > 0`` and an epoch's approximate KL
+    exceeds it.
+
+    Returns the mean of each loss statistic over the minibatches, plus
+    ``charts/explained_variance`` (of the returns by the rollout's values), ``charts/epochs``
+    (epochs run) and ``charts/grad_norm`` (mean norm before clipping).
+    """
+    advantages, returns = compute_gae(
+        rollout.rewards, rollout.values, rollout.terminated, rollout.last_value,
+        cfg.gamma, cfg.gae_lambda,
+    )
+    # flatten the (T, B) batch
+    b_images = rollout.images.flatten(0, 1)
+    b_masks = rollout.masks.flatten(0, 1)
+    b_frac = rollout.steps_left.flatten(0, 1).float() / rollout.budget
+    b_actions = rollout.actions.flatten(0, 1)
+    b_logprobs = rollout.logprobs.flatten(0, 1)
+    b_advantages = advantages.flatten(0, 1)
+    b_returns = returns.flatten(0, 1)
+    batch_size = b_actions.shape[0]
+    minibatch_size = min(cfg.minibatch_size, batch_size)
+    device = b_actions.device
+
+    net.train()
+    sums: dict[str, torch.Tensor] = {}
+    grad_norms = []
+    n_minibatches = epochs_run = 0
+    for _epoch in range(cfg.epochs):
+        order = torch.randperm(batch_size, generator=generator, device=generator.device).to(device)
+        epoch_kl = []
+        for start in range(0, batch_size, minibatch_size):
+            idx = order[start : start + minibatch_size]
+            logits, new_value = net(b_images[idx], b_masks[idx], b_frac[idx])
+            dist = masked_distribution(logits, b_masks[idx])
+            mb_adv = b_advantages[idx]
+            if cfg.norm_adv and mb_adv.numel() > 1:
+                mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+            loss, stats = ppo_loss(
+                dist.log_prob(b_actions[idx]), b_logprobs[idx], mb_adv, new_value,
+                b_returns[idx], dist.entropy(), cfg.clip, cfg.vf_coef, cfg.ent_coef,
+            )
+            optimizer.zero_grad()
+            loss.backward()
+            grad_norms.append(nn.utils.clip_grad_norm_(net.parameters(), cfg.max_grad_norm))
+            optimizer.step()
+            for key, value in stats.items():
+                sums[key] = sums.get(key, 0.0) + value
+            epoch_kl.append(stats["losses/approx_kl"])
+            n_minibatches += 1
+        epochs_run += 1
+        if cfg.target_kl > 0 and float(torch.stack(epoch_kl).mean()) > cfg.target_kl:
+            break
+
+    out = {key: float(value) / n_minibatches for key, value in sums.items()}
+    out["charts/explained_variance"] = explained_variance(rollout.values.flatten(), b_returns)
+    out["charts/epochs"] = float(epochs_run)
+    out["charts/grad_norm"] = float(torch.stack(grad_norms).mean())
+    return out
+
+
+@torch.no_grad()
+def greedy_actions(net: PolicyNet, obs: ObservationLike, budget: int) -> torch.Tensor:
+    """(B,) long: the most probable free line of each observation (argmax of the masked
+    logits, no sampling; ties go to the lowest line)."""
+    device = _device(net)
+    mask = obs.mask.to(device)
+    logits, _ = net(obs.image.to(device), mask, obs.steps_left.to(device).float() / budget)
+    return masked_logits(logits, mask).argmax(dim=1)
+
+
+def make_optimizer(net: nn.Module, cfg: PPOConfig) -> torch.optim.Adam:
+    """Adam over the network's parameters, ``lr = cfg.lr``, ``eps = 1e-5`` (CleanRL)."""
+    return torch.optim.Adam(net.parameters(), lr=cfg.lr, eps=1e-5)
+
+
+def train_ppo(
+    env: BatchedEnv,
+    net: PolicyNet,
+    cfg: PPOConfig,
+    iterations: int,
+    generator: torch.Generator,
+    optimizer: torch.optim.Optimizer | None = None,
+    callback: Callable[[int, Rollout, dict[str, float]], None] | None = None,
+) -> list[dict[str, float]]:
+    """``iterations`` rounds of collect_rollout -> ppo_update (CleanRL's main loop).
+
+    Returns one stats dict per iteration: the update's ``losses/...`` and ``charts/...`` plus
+    ``charts/episodic_return`` and ``charts/episodic_length`` (means over the episodes that
+    finished in the rollout; NaN when none did) and ``charts/global_step`` (transitions so far).
+    ``callback(iteration, rollout, stats)`` runs after each update (logging, checkpoints).
+    """
+    cursor = start(env, _device(net))
+    n_steps = cfg.steps_per_env(cursor.obs.mask.shape[0])
+    optimizer = make_optimizer(net, cfg) if optimizer is None else optimizer
+    history = []
+    global_step = 0
+    for iteration in range(1, iterations + 1):
+        net.eval()
+        rollout = collect_rollout(env, net, n_steps, generator, cursor)
+        cursor = rollout.cursor
+        global_step += rollout.num_steps * rollout.num_envs
+        stats = ppo_update(net, optimizer, rollout, cfg, generator)
+        finished = rollout.episode_returns
+        stats["charts/episodic_return"] = float(finished.mean()) if finished.numel() else float("nan")
+        stats["charts/episodic_length"] = (
+            float(rollout.episode_lengths.float().mean()) if finished.numel() else float("nan")
+        )
+        stats["charts/global_step"] = float(global_step)
+        log.info(
+            "ppo iteration %d: step %d, episodic return %.4f, approx_kl %.4f, clipfrac %.3f",
+            iteration, global_step, stats["charts/episodic_return"],
+            stats["losses/approx_kl"], stats["losses/clipfrac"],
+        )
+        if callback is not None:
+            callback(iteration, rollout, stats)
+        history.append(stats)
+    return history
