@@ -21,6 +21,15 @@ def register_train(subparsers: argparse._SubParsersAction, common: argparse.Argu
                      "<CKPT stem>.last.pt and .csv are written beside it")
     mar.add_argument("--resume", metavar="CKPT", help="continue from a .last.pt checkpoint")
     mar.set_defaults(func=cmd_train_mar)
+    masc = actions.add_parser("masc", parents=[common], help="co-adaptive PPO + MAR training (stage 2)",
+                              description="Co-adaptive training of the acquisition policy (artifact-aware "
+                              "PPO) and the MAR network; ablations via masc_train.mar_mode and env.kspace.")
+    masc.add_argument("--data", required=True, metavar="DIR", help="dataset folder")
+    masc.add_argument("--mar", metavar="CKPT", help="pre-trained MAR checkpoint (masc train mar)")
+    masc.add_argument("--out", required=True, metavar="CKPT", help="best checkpoint (.pt); "
+                      "<CKPT stem>.last.pt and .csv are written beside it")
+    masc.add_argument("--resume", metavar="CKPT", help="continue from a .last.pt checkpoint")
+    masc.set_defaults(func=cmd_train_masc)
 
 
 def register_eval(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -31,6 +40,8 @@ def register_eval(subparsers: argparse._SubParsersAction, common: argparse.Argum
     ev.add_argument("--split", default="test", choices=["train", "val", "test"])
     ev.add_argument("--methods", metavar="LIST", help="comma-separated policy names (default: eval.methods)")
     ev.add_argument("--mar", metavar="CKPT", help="MAR checkpoint (without it: no-MAR rows only)")
+    ev.add_argument("--checkpoint", metavar="CKPT", help="trained MASC checkpoint for the learned method "
+                    "'masc' (its own fine-tuned MAR is used for its MAR rows)")
     ev.add_argument("--reference", metavar="ROW", help="row for the p-values, e.g. random or random+nomar")
     ev.add_argument("--out", required=True, metavar="OUTDIR")
     ev.set_defaults(func=cmd_eval)
@@ -48,6 +59,18 @@ def cmd_train_mar(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_masc(args: argparse.Namespace) -> int:
+    from masc_gadget.cli import config_from_args
+    from training.coadapt import train_masc
+
+    config = config_from_args(args)
+    best = train_masc(config, args.data, args.mar, args.out, resume=args.resume)
+    print(f"best MASC checkpoint: {args.out} (rollout {best.get('rollout', '?')}, val SSIM "
+          f"{best.get('ssim', float('nan')):.4f}, PSNR {best.get('psnr', float('nan')):.2f} dB, "
+          f"{best.get('seconds', 0):.0f} s); log: {Path(args.out).with_suffix('.csv')}")
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from masc_gadget.cli import config_from_args
     from training.evaluate import render_table, write_outputs, evaluate
@@ -58,7 +81,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     args.overrides = overrides
     config = config_from_args(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
-    results, figures = evaluate(config, args.data, args.split, methods, args.mar)
+    results, figures = evaluate(config, args.data, args.split, methods, args.mar, checkpoint=args.checkpoint)
     paths = write_outputs(results, figures, args.out)
     print(render_table(results))
     print("written: " + ", ".join(str(p) for p in paths.values()))

@@ -35,6 +35,7 @@ DISPLAY_NAMES = {
     "random-lowbias": "Random-LowBias",
     "equispaced": "Equispaced",
     "masc": "MASC",
+    "masc+nomar": "MASC",
 }
 
 
@@ -152,14 +153,30 @@ def _row_key(method: str, mar: bool) -> str:
 
 
 def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str] | None,
-             mar_path: str | Path | None, progress: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Evaluate; returns (results dict for results.json, example images for the figure)."""
+             mar_path: str | Path | None, progress: bool = True,
+             checkpoint: str | Path | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Evaluate; returns (results dict for results.json, example images for the figure).
+
+    ``checkpoint``: a trained MASC checkpoint for the learned method ``masc``; when it holds a
+    (jointly fine-tuned) MAR network, that network is used for the method's MAR rows."""
     from tqdm.auto import tqdm
 
     ecfg: EvalConfig = config["eval"]
     methods = list(methods or ecfg.methods)
-    policies = {name: make_policy(name) for name in methods}
     device = resolve_device(ecfg.device)
+    own_mar: dict[str, torch.nn.Module] = {}
+    policies = {}
+    for name in methods:
+        if name == "masc":
+            if not checkpoint:
+                raise ValueError("method 'masc' needs a trained checkpoint: pass --checkpoint CKPT")
+            from masc_gadget.learned import load_masc
+
+            policies[name], masc_mar, _ = load_masc(checkpoint, device)
+            if masc_mar is not None:
+                own_mar[name] = masc_mar.eval()
+        else:
+            policies[name] = make_policy(name)
     data = load_split(data_dir, split, ecfg.max_slices)
     mar = None
     mar_meta: dict[str, Any] = {}
@@ -195,7 +212,8 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
                 raise ValueError(f"accelerations.{acc}: initial + budget must be <= number of PE lines "
                                  f"({data.n_pe}), got {initial} + {budget}")
             bar.set_postfix(acc=acc, method=method)
-            traj = run_method(policies[method], data, initial, budget, mar, ecfg.seed, ecfg.batch_size,
+            method_mar = own_mar.get(method, mar) if mar is not None else None
+            traj = run_method(policies[method], data, initial, budget, method_mar, ecfg.seed, ecfg.batch_size,
                               device, examples)
             block = results["accelerations"].setdefault(acc, {
                 "initial": initial, "budget": budget, "n_pe": data.n_pe,

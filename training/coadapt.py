@@ -1,0 +1,255 @@
+"""Stage 2: co-adaptive training of the acquisition policy and the MAR network (Algorithm 1).
+
+After each PPO rollout the policy is updated (artifact-aware PPO on MAR-processed observations
+with rewards on MAR images), then the MAR U-Net is fine-tuned with MSE (Adam 1e-5) on the
+undersampled images the rollout visited, and the environment's observations are recomputed
+with the updated network. ``masc_train.mar_mode`` and the ``env`` section give the ablations of
+the paper's Table 2:
+
+* ``mar_mode: none`` + ``env.kspace: clean``: clean-trained PPO without MAR;
+* ``mar_mode: none`` + ``env.kspace: metal``: metal-trained PPO without MAR (both evaluated
+  with and without the frozen pre-trained MAR by ``masc eval --mar``);
+* ``mar_mode: frozen``: PPO observing and rewarded through the frozen pre-trained MAR;
+* ``mar_mode: joint``: MASC.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from masc_gadget import __version__
+from masc_gadget.checkpoint import load_checkpoint, load_mar, save_checkpoint
+from masc_gadget.config import Config, to_dict
+from masc_gadget.device import resolve_device
+from masc_gadget.kspace import zero_filled
+from masc_gadget.learned import policy_metadata
+from masc_gadget.metrics import scale_by_target
+from masc_gadget.models.policy_net import PolicyNet
+from training.data import load_split
+from training.env import BatchedAcquisitionEnv, EnvConfig
+from training.ppo import collect_rollout, greedy_actions, make_optimizer, ppo_update
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MascTrainConfig:
+    """Co-adaptive training (config section ``masc_train``)."""
+
+    rollouts: int = 200
+    """PPO updates (each after ``ppo.rollout_steps`` transitions)."""
+    mar_mode: Literal["joint", "frozen", "none"] = "joint"
+    """joint: fine-tune the MAR network after each rollout (MASC); frozen: observe and reward
+    through the pre-trained MAR without updating it; none: no MAR (zero-filled images)."""
+    mar_lr: float = 1e-5
+    """Adam learning rate of the MAR fine-tuning (paper: 1e-5)."""
+    mar_epochs: int = 1
+    """Passes over the rollout's visited images per MAR update."""
+    mar_batch_size: int = 32
+    """Images per MAR fine-tuning step."""
+    val_every: int = 10
+    """Validate (greedy episodes on the val split) every N rollouts, and after the last."""
+    max_train_slices: int = 0
+    """Use only the first N training slices (0 = all)."""
+    max_val_slices: int = 0
+    """Use only the first N validation slices (0 = all)."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N or auto."""
+    seed: int = 0
+    """Seed of the networks' init, slice draws, action sampling and minibatches."""
+
+    def __post_init__(self) -> None:
+        for name in ("rollouts", "mar_epochs", "mar_batch_size", "val_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.mar_lr <= 0:
+            raise ValueError(f"mar_lr must be > 0, got {self.mar_lr}")
+
+
+VAL_FIELDS = [f"val/{m}" for m in ("ssim", "psnr", "mse", "nmse", "mae", "return", "final_quality")]
+
+
+class _Recorder:
+    """Wraps the environment to remember which slice and mask every transition started from
+    (the undersampled images the MAR network is fine-tuned on)."""
+
+    def __init__(self, env: BatchedAcquisitionEnv) -> None:
+        self.env = env
+        self.slices: list[torch.Tensor] = []
+        self.masks: list[torch.Tensor] = []
+
+    @property
+    def budget(self) -> int:
+        return self.env.budget
+
+    def reset(self):
+        return self.env.reset()
+
+    def step(self, actions):
+        self.slices.append(self.env.slice_index.clone())
+        self.masks.append(self.env.observation.mask.clone())
+        return self.env.step(actions)
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        slices, masks = torch.cat(self.slices), torch.cat(self.masks)
+        self.slices, self.masks = [], []
+        return slices, masks
+
+
+def finetune_mar(mar: torch.nn.Module, optimizer: torch.optim.Optimizer, kspace: torch.Tensor,
+                 target: torch.Tensor, slices: torch.Tensor, masks: torch.Tensor, epochs: int,
+                 batch_size: int, generator: torch.Generator) -> float:
+    """MSE fine-tuning of ``mar`` on the zero-filled images of (slice, mask) pairs; both images
+    scaled by the target's maximum. BatchNorm statistics stay frozen (eval mode): the network is
+    well initialised and only needs mild correction. Returns the mean loss."""
+    mar.eval()
+    total, count = 0.0, 0
+    device = next(mar.parameters()).device
+    for _ in range(epochs):
+        order = torch.randperm(len(slices), generator=generator)
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            s = slices[idx].to(kspace.device)
+            inputs = zero_filled(kspace[s], masks[idx].to(kspace.device)).to(device)
+            pred, tgt = scale_by_target(mar(inputs), target[s].to(device))
+            loss = torch.mean((pred - tgt) ** 2)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total += float(loss.detach()) * len(idx)
+            count += len(idx)
+    return total / max(count, 1)
+
+
+def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None, out: str | Path,
+               resume: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
+    """Co-adaptive training; the best checkpoint (validation SSIM of greedy episodes) goes to
+    ``out`` (policy + MAR, loadable by the gadget and ``masc eval``), the latest to
+    ``<out>.last.pt``, the per-rollout log to ``<out>.csv``. Returns the best validation metrics."""
+    from tqdm.auto import tqdm
+
+    tcfg: MascTrainConfig = config["masc_train"]
+    ecfg: EnvConfig = config["env"]
+    pcfg = config["ppo"]
+    acq = config["acquisition"]
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    last_path = out.with_name(out.stem + ".last.pt")
+    csv_path = out.with_suffix(".csv")
+    device = resolve_device(tcfg.device)
+    if tcfg.mar_mode != "none" and not mar_path:
+        raise ValueError(f"mar_mode {tcfg.mar_mode!r} needs a pre-trained MAR checkpoint (--mar); "
+                         "use --set masc_train.mar_mode=none to train without MAR")
+    if tcfg.mar_mode == "none":
+        ecfg = EnvConfig(**{**to_dict(ecfg), "observe_mar": False, "reward_mar": False})
+    train = load_split(data_dir, "train", tcfg.max_train_slices)
+    val = load_split(data_dir, "val", tcfg.max_val_slices)
+    acq.check(train.n_pe)
+    mar = None
+    mar_meta: dict[str, Any] = {}
+    if tcfg.mar_mode != "none":
+        mar, mar_meta = load_mar(mar_path, device)
+    n_steps = pcfg.steps_per_env(ecfg.n_envs)
+
+    gen = torch.Generator().manual_seed(tcfg.seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(tcfg.seed)
+        net = PolicyNet(train.n_pe, *train.target.shape[1:], config["policy_net"]).to(device)
+    optimizer = make_optimizer(net, pcfg)
+    mar_opt = torch.optim.Adam(mar.parameters(), lr=tcfg.mar_lr) if tcfg.mar_mode == "joint" else None
+    start, best = 0, {"ssim": -math.inf}
+    if resume is not None:
+        ck = load_checkpoint(resume, map_location=device)
+        net.load_state_dict(ck.state_dicts["policy"])
+        optimizer.load_state_dict(ck.extra["optimizer"])
+        gen.set_state(ck.extra["generator"])
+        if mar is not None and "mar" in ck.state_dicts:
+            mar.load_state_dict(ck.state_dicts["mar"])
+        if mar_opt is not None and "mar_optimizer" in ck.extra:
+            mar_opt.load_state_dict(ck.extra["mar_optimizer"])
+        start, best = int(ck.metadata["rollout"]), dict(ck.metadata["best_val"])
+        log.info("resumed from %s after rollout %d", resume, start)
+    elif csv_path.exists():
+        csv_path.unlink()
+
+    env = BatchedAcquisitionEnv(train, ecfg, acq.initial, acq.budget, mar, device, seed=tcfg.seed + start)
+    val_env = BatchedAcquisitionEnv(val, ecfg, acq.initial, acq.budget, mar, device, seed=tcfg.seed)
+    recorder = _Recorder(env)
+    kspace = train.kspace_clean if ecfg.kspace == "clean" else train.kspace_metal
+    kspace, target = kspace.to(device), train.target.to(device)
+
+    def validate() -> dict[str, float]:
+        val_env.set_mar(mar)
+        result = val_env.evaluate(lambda obs: greedy_actions(net, obs, acq.budget))
+        metrics = {k: float(v.mean()) for k, v in result["metrics"].items()}
+        metrics["return"] = float(result["returns"].mean())
+        metrics["final_quality"] = float(result["final_quality"].mean())
+        return metrics
+
+    def metadata(rollout: int, val_metrics: dict[str, float]) -> dict[str, Any]:
+        return policy_metadata(
+            net, observes_mar=ecfg.observe_mar and mar is not None, mar=mar, rollout=rollout,
+            val=val_metrics, best_val=best, code_version=__version__, data=str(data_dir),
+            mar_pretrained=str(mar_path) if mar_path else None,
+            mar_pretrained_epoch=mar_meta.get("epoch"),
+            config={k: to_dict(config[k]) for k in ("acquisition", "env", "ppo", "policy_net", "masc_train")},
+        )
+
+    log.info("co-adaptive training: %d train / %d val slices, %d envs x %d steps per rollout, MAR %s, "
+             "k-space %s, %d rollouts on %s", len(train), len(val), ecfg.n_envs, n_steps, tcfg.mar_mode,
+             ecfg.kspace, tcfg.rollouts, device)
+    cursor = None
+    t0 = time.perf_counter()
+    bar = tqdm(range(start, tcfg.rollouts), desc="train masc", unit="rollout", disable=not progress,
+               initial=start, total=tcfg.rollouts)
+    for k in bar:
+        net.eval()
+        rollout = collect_rollout(recorder, net, n_steps, gen, cursor)
+        cursor = rollout.cursor
+        stats = ppo_update(net, optimizer, rollout, pcfg, gen)
+        finished = rollout.episode_returns
+        stats["charts/episodic_return"] = float(finished.mean()) if finished.numel() else float("nan")
+        slices, masks = recorder.take()
+        if mar_opt is not None:
+            stats["losses/mar_mse"] = finetune_mar(mar, mar_opt, kspace, target, slices, masks,
+                                                   tcfg.mar_epochs, tcfg.mar_batch_size, gen)
+            env.set_mar(mar)
+            cursor.obs = env.observation
+        row: dict[str, Any] = {"rollout": k + 1, "global_step": (k + 1) * n_steps * ecfg.n_envs, **stats}
+        if (k + 1) % tcfg.val_every == 0 or k + 1 == tcfg.rollouts:
+            val_metrics = validate()
+            row.update({f"val/{m}": v for m, v in val_metrics.items()})
+            improved = val_metrics["ssim"] > best["ssim"]
+            if improved:
+                best = {"rollout": k + 1, **val_metrics}
+                save_checkpoint(out, {"policy": net, **({"mar": mar} if mar is not None else {})},
+                                metadata(k + 1, val_metrics))
+            log.info("rollout %d: return %.3f, val SSIM %.4f, PSNR %.2f%s", k + 1,
+                     stats["charts/episodic_return"], val_metrics["ssim"], val_metrics["psnr"],
+                     " *best*" if improved else "")
+            extra = {"optimizer": optimizer.state_dict(), "generator": gen.get_state()}
+            if mar_opt is not None:
+                extra["mar_optimizer"] = mar_opt.state_dict()
+            save_checkpoint(last_path, {"policy": net, **({"mar": mar} if mar is not None else {})},
+                            metadata(k + 1, val_metrics), extra_state=extra)
+        row["seconds"] = time.perf_counter() - t0
+        new = not csv_path.exists()
+        fields = ["rollout", "global_step", *sorted(stats), "losses/mar_mse", *VAL_FIELDS, "seconds"]
+        fields = list(dict.fromkeys(fields))
+        with csv_path.open("a", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=fields, restval="")
+            if new:
+                writer.writeheader()
+            writer.writerow(row)
+        bar.set_postfix(ret=f"{stats['charts/episodic_return']:.3f}", best_ssim=f"{best['ssim']:.4f}")
+    bar.close()
+    best["seconds"] = time.perf_counter() - t0
+    return best

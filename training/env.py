@@ -1,0 +1,498 @@
+"""The acquisition MDP (DESIGN.md "Acquisition episode"), batched on the device.
+
+State ``s_t = (I_t, M_t, steps left)``: ``I_t = |F^-1(K * M_t)|`` the zero-filled magnitude image of
+the acquired phase-encoding (PE) lines ``M_t`` of one slice's k-space ``K``. An episode starts with
+the ``initial`` centre lines acquired; the policy then chooses ``budget`` lines one at a time and
+an acquired line can never be chosen again. The reward of a choice is
+
+    r_t = alpha * (Q(x_{t+1}, I*) - Q(x_t, I*)),   Q = l_ssim * SSIM + l_nmse * (1 - NMSE),
+
+with ``x = g(I)`` (the MAR network's output, paper Stage 2) or ``x = I`` and ``I*`` the clean fully
+sampled image, so an episode's rewards sum to ``alpha * (Q_final - Q_initial)``.
+
+:class:`BatchedAcquisitionEnv` steps ``n_envs`` episodes (slices) together: one batched masked
+IFFT and ONE batched MAR forward per step, for all of them (the per-env current quality is kept,
+so a step never recomputes the previous state). Everything runs under ``torch.no_grad``.
+:mod:`training.gym_env` wraps it as a single-episode Gymnasium environment.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from masc_gadget.acquisition import check_episode, initial_lines
+from masc_gadget.device import resolve_device
+from masc_gadget.kspace import zero_filled
+from masc_gadget.metrics import quality, slice_metrics
+from training.data import SliceSet
+
+__all__ = ["BatchedAcquisitionEnv", "EnvConfig", "Observation"]
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """The acquisition environment: reward, what is acquired and observed (section ``env``).
+
+    The episode length (``initial`` centre lines, then ``budget`` choices) comes from the
+    ``acquisition`` section.
+    """
+
+    alpha: float = 100.0
+    """Reward scale: ``r_t = alpha * (Q_{t+1} - Q_t)`` (paper)."""
+    l_ssim: float = 0.5
+    """Weight of SSIM in ``Q = l_ssim * SSIM + l_nmse * (1 - NMSE)`` (paper: 0.5)."""
+    l_nmse: float = 0.5
+    """Weight of ``1 - NMSE`` in Q (paper: 0.5)."""
+    kspace: Literal["metal", "clean"] = "metal"
+    """Whose k-space is acquired: ``metal`` (the implant's field, the paper's setting) or
+    ``clean`` (the "clean-trained" ablation). The target of Q is always the clean fully sampled
+    image."""
+    observe_mar: bool = True
+    """The policy observes the MAR image ``g(I)`` instead of the zero-filled ``I`` (paper's
+    artifact-aware agent). Without a MAR network the zero-filled image is observed."""
+    reward_mar: bool = True
+    """Rewards are computed on ``Q(g(I))`` (paper Stage 2) instead of ``Q(I)``. Without a MAR
+    network they are computed on the zero-filled image."""
+    n_envs: int = 16
+    """Episodes (slices) stepped together in one batch on the device."""
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "l_ssim", "l_nmse"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if self.alpha <= 0:
+            raise ValueError(f"alpha must be > 0, got {self.alpha}")
+        if self.l_ssim < 0 or self.l_nmse < 0 or self.l_ssim + self.l_nmse <= 0:
+            raise ValueError(
+                f"l_ssim and l_nmse must be >= 0 with a positive sum, got {self.l_ssim} and {self.l_nmse}"
+            )
+        if self.kspace not in ("metal", "clean"):
+            raise ValueError(f"kspace must be 'metal' or 'clean', got {self.kspace!r}")
+        for name in ("observe_mar", "reward_mar"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if isinstance(self.n_envs, bool) or not isinstance(self.n_envs, int) or self.n_envs < 1:
+            raise ValueError(f"n_envs must be an integer >= 1, got {self.n_envs!r}")
+
+
+class Observation(NamedTuple):
+    """What the policy sees for B episodes (tensors on the env's device, never modified later)."""
+
+    image: torch.Tensor
+    """(B, H, W) float32: ``g(I_t)`` if ``observe_mar`` (and a MAR network is set), else ``I_t``."""
+    mask: torch.Tensor
+    """(B, PE) bool, True for acquired lines."""
+    steps_left: torch.Tensor
+    """(B,) long, lines still to choose in the episode."""
+
+
+class _Measured(NamedTuple):
+    observed: torch.Tensor  # (B, H, W) image the policy sees
+    quality: torch.Tensor  # (B,) Q of the reward image
+    zero_filled: torch.Tensor  # (B, H, W) I
+    corrected: torch.Tensor | None  # (B, H, W) g(I), None when no MAR forward was needed
+
+
+class BatchedAcquisitionEnv:
+    """Many slices at once on the device: batched masked IFFT and ONE batched MAR forward per step.
+
+    Slices are drawn uniformly (with replacement) by a private ``torch.Generator(seed)``; the
+    global torch / numpy RNGs are never touched. Every episode has exactly ``budget`` steps, so
+    envs started together finish together.
+
+    The MAR network, if any, is always run in eval mode (BatchNorm uses its running statistics, so
+    an image's correction does not depend on the other slices of the batch and the running
+    statistics are not updated); its train / eval mode is restored after each forward. It must
+    be on ``device``.
+
+    Args:
+        data: the slices (k-space and clean targets are copied to ``device`` once).
+        cfg: environment settings; ``cfg.n_envs`` is the batch size B.
+        initial: centre lines acquired at the start of an episode (>= 1).
+        budget: lines chosen by the policy per episode (>= 1, ``initial + budget <= PE``).
+        mar: the MAR network g, ``(B, H, W) -> (B, H, W)``, or None (then ``observe_mar`` and
+            ``reward_mar`` fall back to the zero-filled image).
+        device: cpu, cuda, cuda:N or auto.
+        seed: seed of the slice draws.
+        autoreset: finished envs start a new episode inside :meth:`step` (the returned
+            observation is the new episode's first one). With False a finished env keeps its
+            final state until :meth:`reset`, and stepping it is an error (the single-episode
+            Gymnasium view uses this).
+    """
+
+    def __init__(self, data: SliceSet, cfg: EnvConfig, initial: int, budget: int,
+                 mar: nn.Module | None = None, device: str | torch.device = "cpu", seed: int = 0,
+                 autoreset: bool = True) -> None:
+        if len(data) < 1:
+            raise ValueError("data must hold at least one slice, got an empty SliceSet")
+        n_pe = data.n_pe
+        check_episode(n_pe, initial, budget)
+        if budget < 1:
+            raise ValueError(f"budget must be >= 1 line, got {budget}")
+        self.cfg = cfg
+        self.device = resolve_device(device)
+        self.autoreset = bool(autoreset)
+        self._initial = int(initial)
+        self._budget = int(budget)
+        kspace = data.kspace_metal if cfg.kspace == "metal" else data.kspace_clean
+        if tuple(kspace.shape[1:]) != tuple(data.target.shape[1:]):
+            raise ValueError(
+                f"k-space (N, PE, RO) {tuple(kspace.shape)} and target (N, H, W) "
+                f"{tuple(data.target.shape)} must have H = PE and W = RO"
+            )
+        self._kspace_all = kspace.to(self.device)  # (N, PE, RO) complex
+        self._target_all = data.target.to(self.device, torch.float32)  # (N, H, W)
+        self._n_slices = len(data)
+        self._generator = torch.Generator().manual_seed(int(seed))
+        mask0 = torch.zeros(n_pe, dtype=torch.bool, device=self.device)
+        mask0[torch.from_numpy(initial_lines(n_pe, initial)).to(self.device)] = True
+        self._mask0 = mask0  # (PE,) initial mask
+        self.mar: nn.Module | None = None
+        self._check_mar(mar)
+        self.mar = mar
+        self._started = False
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def n_envs(self) -> int:
+        """Number of episodes stepped together (B)."""
+        return self.cfg.n_envs
+
+    @property
+    def n_pe(self) -> int:
+        """Number of PE lines (the action count)."""
+        return int(self._mask0.numel())
+
+    @property
+    def image_shape(self) -> tuple[int, int]:
+        """(H, W) of the observed images."""
+        return int(self._target_all.shape[1]), int(self._target_all.shape[2])
+
+    @property
+    def initial(self) -> int:
+        """Centre lines acquired at the start of each episode."""
+        return self._initial
+
+    @property
+    def budget(self) -> int:
+        """Lines chosen by the policy per episode."""
+        return self._budget
+
+    @property
+    def n_slices(self) -> int:
+        """Slices in the data set the episodes are drawn from."""
+        return self._n_slices
+
+    @property
+    def slice_index(self) -> torch.Tensor:
+        """(B,) long: slice of each env's current episode."""
+        self._require_started()
+        return self._slice.clone()
+
+    @property
+    def current_quality(self) -> torch.Tensor:
+        """(B,) float32: Q of each env's current state (of ``g(I)`` or ``I`` per ``reward_mar``)."""
+        self._require_started()
+        return self._quality.clone()
+
+    @property
+    def observation(self) -> Observation:
+        """The current observation of every env."""
+        self._require_started()
+        return Observation(self._image, self._mask, self._steps_left)
+
+    # ------------------------------------------------------------------ internals
+    def _require_started(self) -> None:
+        if not self._started:
+            raise RuntimeError("call reset() before using the environment")
+
+    def _check_mar(self, mar: nn.Module | None) -> None:
+        if mar is None:
+            return
+        if not isinstance(mar, nn.Module):
+            raise TypeError(f"mar must be a torch.nn.Module or None, got {type(mar).__name__}")
+        for p in mar.parameters():
+            if p.device != self.device:
+                raise ValueError(
+                    f"mar has parameters on {p.device} but the env runs on {self.device}; "
+                    f"move it with mar.to({str(self.device)!r})"
+                )
+            break
+
+    def _correct(self, images: torch.Tensor) -> torch.Tensor:
+        """g(I) for (B, H, W) images, in eval mode (the module's mode is restored)."""
+        mar = self.mar
+        was_training = mar.training
+        mar.eval()
+        try:
+            out = mar(images)
+        finally:
+            if was_training:
+                mar.train()
+        if out.shape != images.shape:
+            raise ValueError(
+                f"mar must map (B, H, W) images to the same shape, got {tuple(out.shape)} "
+                f"for input {tuple(images.shape)}"
+            )
+        return out.to(torch.float32)
+
+    def _measure(self, kspace: torch.Tensor, mask: torch.Tensor, target: torch.Tensor,
+                 force_mar: bool = False) -> _Measured:
+        """One batched recon (+ one MAR forward if needed) and Q of the reward image.
+
+        kspace: (B, PE, RO) complex; mask: (B, PE) bool; target: (B, H, W).
+        """
+        zf = zero_filled(kspace, mask).to(torch.float32)
+        use_mar = self.mar is not None
+        corrected = None
+        if use_mar and (self.cfg.observe_mar or self.cfg.reward_mar or force_mar):
+            corrected = self._correct(zf)
+        observed = corrected if (use_mar and self.cfg.observe_mar) else zf
+        rewarded = corrected if (use_mar and self.cfg.reward_mar) else zf
+        q = quality(rewarded, target, self.cfg.l_ssim, self.cfg.l_nmse).to(torch.float32)
+        return _Measured(observed, q, zf, corrected)
+
+    def _draw(self, n: int) -> torch.Tensor:
+        """(n,) long slice indices on the device, uniform, from the private generator."""
+        return torch.randint(self._n_slices, (n,), generator=self._generator).to(self.device)
+
+    def _as_indices(self, indices: Sequence[int] | np.ndarray | torch.Tensor, n: int | None,
+                    what: str) -> torch.Tensor:
+        idx = torch.as_tensor(np.asarray(indices) if not isinstance(indices, torch.Tensor) else indices)
+        if idx.dtype == torch.bool or idx.is_floating_point() or idx.is_complex() or idx.ndim != 1:
+            raise ValueError(f"{what} must be a 1-D sequence of integer slice indices, got {idx.dtype} "
+                             f"of shape {tuple(idx.shape)}")
+        if n is not None and idx.numel() != n:
+            raise ValueError(f"{what} must give one slice per env ({n}), got {idx.numel()}")
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self._n_slices):
+            bad = int(idx.min()) if int(idx.min()) < 0 else int(idx.max())
+            raise ValueError(f"{what} must be in [0, {self._n_slices}), got {bad}")
+        return idx.long().to(self.device)
+
+    def _check_actions(self, actions: torch.Tensor | Sequence[int] | np.ndarray, mask: torch.Tensor,
+                       steps_left: torch.Tensor | None = None) -> torch.Tensor:
+        """(B,) long actions on the device; ValueError naming the env and line of a bad one."""
+        b = mask.shape[0]
+        a = torch.as_tensor(actions)
+        if a.dtype == torch.bool or a.is_floating_point() or a.is_complex():
+            raise ValueError(f"actions must be integer PE line indices, got dtype {a.dtype}")
+        if a.shape != (b,):
+            raise ValueError(f"actions must be ({b},) line indices, one per env, got shape {tuple(a.shape)}")
+        a = a.to(self.device, torch.long)
+        out_of_range = (a < 0) | (a >= self.n_pe)
+        taken = mask.gather(1, a.clamp(0, self.n_pe - 1)[:, None])[:, 0]
+        finished = torch.zeros_like(taken) if steps_left is None else steps_left <= 0
+        bad = out_of_range | taken | finished
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0, 0])
+            line = int(a[i])
+            if bool(finished[i]):
+                raise ValueError(f"env {i} has finished its episode ({self._budget} lines chosen); "
+                                 "call reset() before stepping it again")
+            if bool(out_of_range[i]):
+                raise ValueError(f"env {i}: action (PE line) must be in [0, {self.n_pe}), got {line}")
+            raise ValueError(f"env {i}: line {line} is already acquired; an action must be a line "
+                             "not yet acquired (mask False)")
+        return a
+
+    # ------------------------------------------------------------------ API
+    @torch.no_grad()
+    def reset(self, indices: Sequence[int] | np.ndarray | torch.Tensor | None = None) -> Observation:
+        """Start a new episode in every env: the ``initial`` centre lines acquired.
+
+        Args:
+            indices: (B,) slice of each env; None draws them with the env's generator.
+
+        Returns:
+            the first observation of the new episodes.
+        """
+        b = self.n_envs
+        slices = self._draw(b) if indices is None else self._as_indices(indices, b, "indices")
+        self._slice = slices
+        self._kspace = self._kspace_all[slices]  # (B, PE, RO)
+        self._target = self._target_all[slices]  # (B, H, W)
+        self._mask = self._mask0.expand(b, -1).clone()
+        self._steps_left = torch.full((b,), self._budget, dtype=torch.long, device=self.device)
+        self._steps_left_cpu = np.full(b, self._budget, dtype=np.int64)
+        self._return = torch.zeros(b, dtype=torch.float32, device=self.device)
+        m = self._measure(self._kspace, self._mask, self._target)
+        self._image, self._quality = m.observed, m.quality
+        self._started = True
+        return Observation(self._image, self._mask, self._steps_left)
+
+    @torch.no_grad()
+    def step(self, actions: torch.Tensor | Sequence[int] | np.ndarray
+             ) -> tuple[Observation, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Acquire one line in every env.
+
+        Args:
+            actions: (B,) long, the PE line each env acquires; must not be acquired yet.
+
+        Returns:
+            ``(observation, rewards (B,) float32, terminated (B,) bool, info)``. A terminated env
+            has chosen its ``budget`` lines; with ``autoreset`` it has already started a new
+            episode and ``observation`` is that episode's first one. ``info``:
+
+            * ``final_quality`` (B,): Q of the final state where terminated, NaN elsewhere;
+            * ``episode_return`` (B,): sum of the episode's rewards where terminated, NaN elsewhere;
+            * ``final_mask`` (B, PE) bool: the mask after this action, before any reset (for a
+              terminated env, the episode's final mask);
+            * ``final_image`` (B, H, W): the observed image after this action, before any reset;
+            * ``slice_index`` (B,) long: the slice of the episode that just stepped.
+
+        Raises:
+            ValueError: an action is out of range or an already-acquired line (the message names
+                the env and the line), or (without autoreset) an env has finished its episode.
+        """
+        self._require_started()
+        a = self._check_actions(actions, self._mask, None if self.autoreset else self._steps_left)
+        b = self.n_envs
+        rows = torch.arange(b, device=self.device)
+        mask = self._mask.clone()
+        mask[rows, a] = True
+        steps_left = self._steps_left - 1
+        self._steps_left_cpu = self._steps_left_cpu - 1
+        done_cpu = self._steps_left_cpu <= 0
+        done = steps_left <= 0
+        slice_stepped = self._slice
+
+        reset_envs = np.flatnonzero(done_cpu) if self.autoreset else np.zeros(0, dtype=np.int64)
+        n_new = len(reset_envs)
+        if n_new:
+            new_slices = self._draw(n_new)
+            kspace_new = self._kspace_all[new_slices]
+            target_new = self._target_all[new_slices]
+            mask_new = self._mask0.expand(n_new, -1)
+            # one recon + one MAR forward for the stepped states and the new episodes together
+            m = self._measure(torch.cat([self._kspace, kspace_new]), torch.cat([mask, mask_new]),
+                              torch.cat([self._target, target_new]))
+            image, q = m.observed[:b], m.quality[:b]
+        else:
+            m = self._measure(self._kspace, mask, self._target)
+            image, q = m.observed, m.quality
+
+        rewards = self.cfg.alpha * (q - self._quality)
+        returns = self._return + rewards
+        nan = torch.full_like(q, float("nan"))
+        info = {
+            "final_quality": torch.where(done, q, nan),
+            "episode_return": torch.where(done, returns, nan),
+            "final_mask": mask,
+            "final_image": image,
+            "slice_index": slice_stepped,
+        }
+
+        if n_new:
+            envs = torch.from_numpy(reset_envs).to(self.device)
+            slices = slice_stepped.clone()
+            slices[envs] = new_slices
+            kspace = self._kspace.clone()
+            kspace[envs] = kspace_new
+            target = self._target.clone()
+            target[envs] = target_new
+            next_mask = mask.clone()
+            next_mask[envs] = mask_new
+            next_image = image.clone()
+            next_image[envs] = m.observed[b:]
+            next_q = q.clone()
+            next_q[envs] = m.quality[b:]
+            steps_left = steps_left.clone()
+            steps_left[envs] = self._budget
+            self._steps_left_cpu[reset_envs] = self._budget
+            returns = torch.where(done, torch.zeros_like(returns), returns)
+            self._slice, self._kspace, self._target = slices, kspace, target
+            mask, image, q = next_mask, next_image, next_q
+
+        self._mask, self._image, self._quality = mask, image, q
+        self._steps_left, self._return = steps_left, returns
+        return Observation(image, mask, steps_left), rewards, done, info
+
+    @torch.no_grad()
+    def set_mar(self, mar: nn.Module | None) -> None:
+        """Use ``mar`` from now on (a new network, or the same one after its weights changed).
+
+        The current observations and qualities are recomputed with it (one recon + one MAR
+        forward), so the next rewards compare states under the same network. An episode that
+        spans the change therefore no longer sums exactly to ``alpha * (Q_final - Q_initial)``.
+        """
+        self._check_mar(mar)
+        self.mar = mar
+        if self._started:
+            m = self._measure(self._kspace, self._mask, self._target)
+            self._image, self._quality = m.observed, m.quality
+
+    @torch.no_grad()
+    def evaluate(self, policy_fn: Callable[[Observation], torch.Tensor],
+                 indices: Sequence[int] | np.ndarray | torch.Tensor | None = None,
+                 batch_size: int = 64) -> dict[str, Any]:
+        """One episode on each slice (every slice, or ``indices``), deterministically.
+
+        Uses its own state: the envs' current episodes and the slice generator are untouched.
+        ``policy_fn(obs) -> (b,) actions`` gets batches of up to ``batch_size`` episodes (b may
+        be smaller than ``n_envs``) and should be greedy for deterministic results.
+
+        Returns:
+            a dict of CPU tensors, N = number of slices evaluated:
+
+            * ``index`` (N,) long: the slices;
+            * ``initial_quality`` / ``final_quality`` (N,): Q before the first and after the last
+              choice (of ``g(I)`` or ``I`` per ``reward_mar``, as the rewards);
+            * ``returns`` (N,): sum of the episode's rewards;
+            * ``images`` (N, H, W): final reconstruction, ``g(I)`` when a MAR network is set,
+              else ``I``;
+            * ``masks`` (N, PE) bool: final masks;
+            * ``lines`` (N, budget) long: the chosen lines in order;
+            * ``metrics``: :func:`masc_gadget.metrics.slice_metrics` of ``images`` (each (N,)).
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if indices is None:
+            idx_all = torch.arange(self._n_slices, device=self.device)
+        else:
+            idx_all = self._as_indices(indices, None, "indices")
+        if idx_all.numel() == 0:
+            raise ValueError("indices must name at least one slice, got none")
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in (
+            "initial_quality", "final_quality", "returns", "images", "masks", "lines")}
+        metric_parts: dict[str, list[torch.Tensor]] = {}
+        for start in range(0, idx_all.numel(), batch_size):
+            idx = idx_all[start:start + batch_size]
+            b = idx.numel()
+            kspace, target = self._kspace_all[idx], self._target_all[idx]
+            mask = self._mask0.expand(b, -1).clone()
+            steps_left = torch.full((b,), self._budget, dtype=torch.long, device=self.device)
+            m = self._measure(kspace, mask, target)
+            q0 = m.quality
+            q, ret = q0, torch.zeros_like(q0)
+            lines = torch.zeros(b, self._budget, dtype=torch.long, device=self.device)
+            for t in range(self._budget):
+                a = self._check_actions(policy_fn(Observation(m.observed, mask, steps_left)), mask)
+                lines[:, t] = a
+                mask = mask.clone()
+                mask[torch.arange(b, device=self.device), a] = True
+                steps_left = steps_left - 1
+                last = t == self._budget - 1
+                m = self._measure(kspace, mask, target, force_mar=last)
+                ret = ret + self.cfg.alpha * (m.quality - q)
+                q = m.quality
+            final = m.corrected if self.mar is not None else m.zero_filled
+            parts["initial_quality"].append(q0)
+            parts["final_quality"].append(q)
+            parts["returns"].append(ret)
+            parts["images"].append(final)
+            parts["masks"].append(mask)
+            parts["lines"].append(lines)
+            for key, value in slice_metrics(final, target).items():
+                metric_parts.setdefault(key, []).append(value)
+        out: dict[str, Any] = {k: torch.cat(v).cpu() for k, v in parts.items()}
+        out["index"] = idx_all.cpu()
+        out["metrics"] = {k: torch.cat(v).cpu() for k, v in metric_parts.items()}
+        return out
