@@ -50,7 +50,10 @@ class GadgetConfig:
     JSON parameters override them per connection (see :class:`GadgetSettings`)."""
 
     mar_checkpoint: str = ""
-    """MAR checkpoint (.pt) applied to each reconstruction; "" = MAR off (zero-filled images)."""
+    """MAR checkpoint (.pt) applied to each reconstruction; "" = MAR off (zero-filled images),
+    unless the learned policy's checkpoint carries its own (jointly trained) MAR network."""
+    policy_checkpoint: str = ""
+    """Trained MASC checkpoint (``masc train masc``) used when the policy is ``masc``."""
     device: str = "auto"
     """cpu, cuda, cuda:N or auto (CUDA when present)."""
     feedback: Literal["none", "inband"] = "none"
@@ -72,6 +75,7 @@ class GadgetSettings:
     budget: int = 18
     seed: int = 0
     mar_checkpoint: str = ""
+    policy_checkpoint: str = ""
     device: str = "auto"
     feedback: Literal["none", "inband"] = "none"
     zmq_address: str = ""
@@ -81,7 +85,8 @@ class GadgetSettings:
     def from_config(cls, config) -> "GadgetSettings":
         acq, gad = config["acquisition"], config["gadget"]
         return cls(policy=acq.policy, initial=acq.initial, budget=acq.budget, seed=acq.seed,
-                   mar_checkpoint=gad.mar_checkpoint, device=gad.device, feedback=gad.feedback,
+                   mar_checkpoint=gad.mar_checkpoint, policy_checkpoint=gad.policy_checkpoint,
+                   device=gad.device, feedback=gad.feedback,
                    zmq_address=gad.zmq_address, return_zero_filled=gad.return_zero_filled)
 
     def updated(self, values: dict[str, Any], source: str) -> "GadgetSettings":
@@ -177,6 +182,21 @@ class ModelCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._mar: dict[tuple[str, str], Any] = {}
+        self._masc: dict[tuple[str, str], Any] = {}
+
+    def masc(self, checkpoint: str, device: str):
+        """(LearnedPolicy, its MAR network or None) of a MASC checkpoint."""
+        if not checkpoint:
+            raise ConfigError("the masc policy needs a trained checkpoint: set policy_checkpoint")
+        from masc_gadget.learned import load_masc
+
+        key = (checkpoint, device)
+        with self._lock:
+            if key not in self._masc:
+                policy, mar, _ = load_masc(checkpoint, device)
+                self._masc[key] = (policy, mar)
+                log.info("loaded MASC policy %s on %s", checkpoint, device)
+            return self._masc[key]
 
     def mar(self, checkpoint: str, device: str):
         if not checkpoint:
@@ -234,12 +254,19 @@ def process(items: Iterable[Any], header: Any, settings: GadgetSettings, send: C
             if is_feedback(acq) or any(acq.is_flag_set(f) for f in _SKIP_FLAGS):
                 continue
             if engine is None:
+                policy = None
+                mar = cache.mar(settings.mar_checkpoint, settings.device)
+                if settings.policy == "masc":
+                    policy, masc_mar = cache.masc(settings.policy_checkpoint, settings.device)
+                    if mar is None:
+                        mar = masc_mar
                 engine = AcquisitionEngine(
                     EngineSettings(n_pe=geometry.n_pe, n_readout=geometry.n_readout, initial=settings.initial,
                                    budget=settings.budget, policy=settings.policy,
                                    mar_checkpoint=settings.mar_checkpoint, device=settings.device,
                                    seed=settings.seed, return_zero_filled=settings.return_zero_filled),
-                    mar=cache.mar(settings.mar_checkpoint, settings.device),
+                    policy=policy,
+                    mar=mar,
                 )
                 if settings.zmq_address:
                     zmq_out = ZmqFeedback(settings.zmq_address)

@@ -237,11 +237,16 @@ class MascServer:
 
         start = time.perf_counter()
         s = GadgetSettings.from_config(self.named.config)
+        policy, mar = None, self.cache.mar(s.mar_checkpoint, s.device)
+        if s.policy == "masc":
+            policy, masc_mar = self.cache.masc(s.policy_checkpoint, s.device)
+            mar = mar if mar is not None else masc_mar
+            n_pe, n_readout = policy.net.n_pe, policy.net.width
         initial = min(s.initial, n_pe - 1)
         engine = AcquisitionEngine(
             EngineSettings(n_pe=n_pe, n_readout=n_readout, initial=initial, budget=1, policy=s.policy,
                            mar_checkpoint=s.mar_checkpoint, device=s.device, seed=s.seed),
-            mar=self.cache.mar(s.mar_checkpoint, s.device),
+            policy=policy, mar=mar,
         )
         zeros = np.zeros(n_readout, np.complex64)
         for line in range(n_pe // 2 - initial // 2, n_pe // 2 - initial // 2 + initial):
