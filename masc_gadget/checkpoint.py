@@ -132,8 +132,11 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 
     Raises FileNotFoundError when ``path`` does not exist and ValueError naming ``path`` when it
     is not a MASC checkpoint, is corrupt or truncated, or was written by a newer format version.
+    ``shipped:NAME`` names a checkpoint shipped inside the package (:mod:`masc_gadget.shipped`).
     """
-    path = Path(path)
+    from masc_gadget.shipped import resolve
+
+    path = resolve(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     if not path.is_file():
