@@ -44,3 +44,27 @@ def global_rng_guard():
     assert np_state[0] == after[0] and np.array_equal(np_state[1], after[1]) and np_state[2:] == after[2:], \
         "numpy global RNG state changed"
     assert torch.equal(torch_state, torch.random.get_rng_state()), "torch global RNG state changed"
+
+
+def write_perturbed_mar(path, seed: int = 1, scale: float = 0.05):
+    """A width-4 MAR checkpoint whose weights are perturbed, so that MAR is not the identity."""
+    from masc_gadget.checkpoint import save_checkpoint
+    from masc_gadget.config import to_dict
+    from masc_gadget.models.unet import MarModelConfig, build_mar
+
+    gen = torch.Generator().manual_seed(seed)
+    cfg = MarModelConfig(width=4)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build_mar(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    save_checkpoint(path, {"mar": model.eval()}, {"kind": "mar", "mar_model": to_dict(cfg), "epoch": 0})
+    return path
+
+
+@pytest.fixture(scope="session")
+def perturbed_mar(tmp_path_factory):
+    """Path of a width-4, non-identity MAR checkpoint (untrained, perturbed weights)."""
+    return write_perturbed_mar(tmp_path_factory.mktemp("mar") / "mar.pt")

@@ -27,6 +27,24 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _start_serve(port, *extra):
+    """``masc serve`` on the tiny config as a real process; returns once it accepts connections."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "masc_gadget.cli", "serve", "--config", str(CONFIGS / "tiny.yaml"),
+         "--port", str(port), "--set", "gadget.device=cpu", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.time() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        except OSError:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("masc serve did not start: " + proc.stdout.read().decode())
+            time.sleep(0.1)
+
+
 @pytest.mark.parametrize("interleave", [False, True])
 def test_masc_scan_closed_loop_equals_offline(tiny_dataset, tmp_path, interleave):
     config = load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu"])
@@ -55,21 +73,8 @@ def test_masc_scan_closed_loop_equals_offline(tiny_dataset, tmp_path, interleave
 
 def test_killing_the_server_mid_scan_completes_on_fallback(tiny_dataset, tmp_path):
     port = _free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "masc_gadget.cli", "serve", "--config", str(CONFIGS / "tiny.yaml"),
-         "--port", str(port), "--set", "gadget.device=cpu", "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    proc = _start_serve(port, "--log-level", "WARNING")
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if time.time() > deadline or proc.poll() is not None:
-                    raise RuntimeError("masc serve did not start: " + proc.stdout.read().decode())
-                time.sleep(0.1)
         manifest = read_manifest(tiny_dataset)
         sid = manifest["splits"]["test"][0]
         scfg = ScannerConfig(server=f"127.0.0.1:{port}", feedback="inband", deadline_ms=300.0,
@@ -101,19 +106,8 @@ def test_killing_the_server_mid_scan_completes_on_fallback(tiny_dataset, tmp_pat
 
 def test_sigterm_stops_the_server_cleanly(tmp_path):
     port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "masc_gadget.cli", "serve", "--config", str(CONFIGS / "tiny.yaml"),
-         "--port", str(port), "--set", "gadget.device=cpu"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = _start_serve(port)
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                assert time.time() < deadline and proc.poll() is None, "masc serve did not start"
-                time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
         out = proc.stdout.read().decode()

@@ -1,16 +1,14 @@
 """Stage 2 on the tiny dataset: PPO learns, co-adaptive checkpoints load in eval and the gadget."""
 
-import json
 
 import numpy as np
 import pytest
 import torch
 
-from masc_gadget.checkpoint import load_checkpoint, save_checkpoint
-from masc_gadget.config import load_config, to_dict
+from masc_gadget.checkpoint import load_checkpoint
+from masc_gadget.config import load_config
 from masc_gadget.gadget import GadgetSettings, process
 from masc_gadget.learned import load_masc
-from masc_gadget.models.unet import MarModelConfig, build_mar
 from masc_gadget.mrd import parse_header
 from training.coadapt import train_masc
 from training.data import load_split
@@ -21,17 +19,8 @@ from .conftest import CONFIGS
 
 
 @pytest.fixture(scope="module")
-def pretrained_mar(tmp_path_factory):
-    with torch.random.fork_rng():
-        torch.manual_seed(3)
-        cfg = MarModelConfig(width=4)
-        model = build_mar(cfg)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.02 * torch.randn_like(p))
-    path = tmp_path_factory.mktemp("pre") / "mar.pt"
-    save_checkpoint(path, {"mar": model.eval()}, {"kind": "mar", "mar_model": to_dict(cfg)})
-    return path
+def pretrained_mar(perturbed_mar):
+    return perturbed_mar
 
 
 def _mean_return(env_data, config, actions_fn):

@@ -6,11 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from masc_gadget.checkpoint import save_checkpoint
-from masc_gadget.config import load_config, to_dict
+from masc_gadget.config import load_config
 from masc_gadget.kspace import zero_filled
 from masc_gadget.metrics import slice_metrics
-from masc_gadget.models.unet import MarModelConfig, build_mar
 from masc_gadget.policies import make_policy, run_episode, slice_rng
 from training.cli import cmd_eval  # noqa: F401  (the CLI module imports cleanly)
 from training.data import load_split
@@ -23,18 +21,8 @@ from .conftest import CONFIGS
 
 
 @pytest.fixture(scope="module")
-def mar_checkpoint(tmp_path_factory):
-    """An untrained width-4 MAR network whose head is perturbed (so MAR != identity)."""
-    torch.manual_seed(0)
-    cfg = MarModelConfig(width=4)
-    model = build_mar(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    model.eval()
-    path = tmp_path_factory.mktemp("mar") / "mar.pt"
-    save_checkpoint(path, {"mar": model}, {"kind": "mar", "mar_model": to_dict(cfg), "epoch": 0})
-    return path
+def mar_checkpoint(perturbed_mar):
+    return perturbed_mar
 
 
 @pytest.fixture(scope="module")

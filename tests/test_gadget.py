@@ -12,12 +12,10 @@ import pytest
 import torch
 
 from masc_gadget.acquisition import initial_lines
-from masc_gadget.checkpoint import save_checkpoint
-from masc_gadget.config import load_config, to_dict
+from masc_gadget.config import load_config
 from masc_gadget.feedback import decision_from_acquisition, is_feedback
 from masc_gadget.gadget import GadgetSettings, masc, settings_from_json, settings_from_xml
 from masc_gadget.kspace import zero_filled
-from masc_gadget.models.unet import MarModelConfig, build_mar
 from masc_gadget.policies import make_policy, run_episode
 from masc_gadget.protocol import ID_ACQUISITION, ID_CLOSE, ID_IMAGE, ID_TEXT, ConnectionClosed, MrdStream
 from masc_gadget.server import MascServer
@@ -29,17 +27,8 @@ N_LINES = 3  # tiny.yaml: 1 initial + 2 chosen of 32
 
 
 @pytest.fixture(scope="module")
-def mar_ckpt(tmp_path_factory):
-    with torch.random.fork_rng():
-        torch.manual_seed(1)
-        cfg = MarModelConfig(width=4)
-        model = build_mar(cfg)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-    path = tmp_path_factory.mktemp("gadget") / "mar.pt"
-    save_checkpoint(path, {"mar": model.eval()}, {"kind": "mar", "mar_model": to_dict(cfg)})
-    return path
+def mar_ckpt(perturbed_mar):
+    return perturbed_mar
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import torch
 
 from masc_gadget import shipped
 from masc_gadget.checkpoint import load_checkpoint, save_checkpoint
-from masc_gadget.config import to_dict
 from masc_gadget.learned import load_masc, policy_metadata
 from masc_gadget.models.policy_net import PolicyNet, PolicyNetConfig
 from masc_gadget.models.unet import MarModelConfig, build_mar
