@@ -77,7 +77,7 @@ def test_killing_the_server_mid_scan_completes_on_fallback(tiny_dataset, tmp_pat
     try:
         manifest = read_manifest(tiny_dataset)
         sid = manifest["splits"]["test"][0]
-        scfg = ScannerConfig(server=f"127.0.0.1:{port}", feedback="inband", deadline_ms=300.0,
+        scfg = ScannerConfig(server=f"127.0.0.1:{port}", feedback="inband", deadline_ms=5000.0,
                              close_timeout_s=2.0)
         acq = AcquisitionConfig(initial=1, budget=2)
 
