@@ -121,9 +121,11 @@ def _uniform_filter_valid(x: torch.Tensor, win_size: int) -> torch.Tensor:
     ``x``: ``(N, H, W)`` -> ``(N, H - win_size + 1, W - win_size + 1)``; separable ``conv2d``.
     """
     n, h, w = x.shape
-    weight = torch.full((1, 1, win_size, 1), 1.0 / win_size, dtype=x.dtype, device=x.device)
-    out = F.conv2d(x.reshape(n, 1, h, w), weight)
-    out = F.conv2d(out, weight.transpose(-2, -1))
+    # one depthwise (grouped) convolution over all N images as channels: on CPU this is an order
+    # of magnitude faster for large N than a batch of N single-channel images
+    weight = torch.full((n, 1, win_size, 1), 1.0 / win_size, dtype=x.dtype, device=x.device)
+    out = F.conv2d(x.reshape(1, n, h, w), weight, groups=n)
+    out = F.conv2d(out, weight.transpose(-2, -1), groups=n)
     return out.reshape(n, h - win_size + 1, w - win_size + 1)
 
 

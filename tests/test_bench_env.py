@@ -10,7 +10,14 @@ import torch
 
 from masc_gadget.models.policy_net import PolicyNetConfig
 from training import bench
-from training.bench import ENV_KEYS, PPO_KEYS, bench_env, bench_ppo, format_env_table, seeded_mar
+from training.bench import (
+    ENV_KEYS,
+    PPO_KEYS,
+    bench_env,
+    bench_ppo,
+    format_env_table,
+    seeded_mar,
+)
 from training.ppo import PPOConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -152,7 +159,8 @@ def test_bench_env_command(tiny_dataset, tmp_path, capsys, monkeypatch):
     data = json.loads(out.read_text())
     assert set(data) == {"command", "environment", "env", "ppo"}
     assert data["environment"]["device"] == "cpu" and data["environment"]["torch"] == torch.__version__
-    assert len(data["environment"]["load_average"]) == 3 and data["environment"]["cpu_threads"] >= 1
+    assert len(data["environment"]["load_average"]) == len(data["environment"]["load_average_end"]) == 3
+    assert data["environment"]["cpu_threads"] >= 1
     assert set(data["env"]) == set(ENV_KEYS) and data["env"]["mar_width"] == 4
     assert data["ppo"]["sb3_status"].startswith("skipped") and data["ppo"]["ours_steps_per_s"] > 0
     # the unet action is still there
