@@ -35,11 +35,14 @@ demo: install
 	@# closed loop: masc serve in the background, masc scan against it, then stop the server
 	@$(MASC) serve --config configs/small.yaml --port $(PORT) --log-level WARNING & pid=$$!; \
 	for i in $$(seq 120); do $(PY) -c "import socket; socket.create_connection(('127.0.0.1', $(PORT)), 0.2)" 2>/dev/null && break; sleep 0.25; done; \
-	$(MASC) scan --config configs/small.yaml --data $(DATA) --split test --server 127.0.0.1:$(PORT) \
-	    --feedback inband --deadline-ms 200 --fallback center-out --out $(SCAN) \
-	    --set scanner.max_subjects=2 --log-level WARNING; rc=$$?; \
+	rc=0; for policy in masc center-out; do \
+	    echo "== closed-loop scan, policy $$policy"; \
+	    $(MASC) scan --config configs/small.yaml --data $(DATA) --split test --server 127.0.0.1:$(PORT) \
+	        --feedback inband --deadline-ms 200 --fallback center-out --out $(SCAN)/$$policy \
+	        --set scanner.max_subjects=2 --set acquisition.policy=$$policy --log-level WARNING || rc=$$?; \
+	done; \
 	kill -TERM $$pid; wait $$pid; exit $$rc
-	@echo "demo done: dataset $(DATA), preview $(DATA)/preview.png, closed-loop scan report $(SCAN)/report.json, images $(SCAN)/images.h5"
+	@echo "demo done: dataset $(DATA), preview $(DATA)/preview.png, closed-loop scan reports $(SCAN)/{masc,center-out}/report.json (images in images.h5 beside them)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

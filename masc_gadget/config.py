@@ -189,12 +189,14 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
 
 
 def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """Overrides replace whole field values (a dict-valued field such as
+    ``eval.accelerations`` is replaced, not merged); sections merge key by key."""
     out = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = _merge(dict(out[key]), value)
+    for section, fields in extra.items():
+        if isinstance(fields, Mapping) and isinstance(out.get(section), Mapping):
+            out[section] = {**out[section], **fields}
         else:
-            out[key] = value
+            out[section] = fields
     return out
 
 

@@ -107,3 +107,15 @@ def test_load_config_errors(tmp_path):
     wrong.write_text("sequence:\n  b0_t: -1\n")
     with pytest.raises(ConfigError, match="sequence: b0_t must be > 0"):
         load_config(wrong)
+
+
+def test_override_replaces_dict_valued_fields():
+    from typing import Any as _Any
+
+    @dataclass(frozen=True)
+    class WithDict:
+        table: dict[str, int] = field(default_factory=lambda: {"a": 1, "b": 2})
+        other: int = 0
+
+    cfg = build_config({"w": {"table": {"a": 5, "c": 3}, "other": 1}}, ["w.table={z: 9}"], {"w": WithDict})
+    assert cfg["w"].table == {"z": 9} and cfg["w"].other == 1

@@ -91,7 +91,7 @@ def test_config_defaults_follow_the_paper_and_validate():
 
 def test_episode_config_reads_paths_mappings_and_dataclasses():
     acq, env = episode_config(CONFIGS / "tiny.yaml")
-    assert (acq.initial, acq.budget) == (1, 2) and env == EnvConfig()
+    assert (acq.initial, acq.budget) == (1, 2) and env == EnvConfig(n_envs=4)  # tiny.yaml sets n_envs
     acq, env = episode_config({"acquisition": {"initial": 3, "budget": 4}, "env": {"reward_mar": False}})
     assert (acq.initial, acq.budget, env.reward_mar) == (3, 4, False)
     acq, env = episode_config({"acquisition": AcquisitionConfig(initial=2, budget=3), "env": EnvConfig(alpha=1.0)})
