@@ -173,14 +173,9 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     return Checkpoint(state_dicts, metadata, extra)
 
 
-def load_mar(path: str | Path, device: str | torch.device = "cpu") -> tuple[MarNet, dict[str, Any]]:
-    """The MAR network of a checkpoint, on ``device`` (``cpu``, ``cuda``, ``auto``), in eval mode.
-
-    Rebuilt from ``metadata["mar_model"]`` (the :class:`MarModelConfig` fields) and the ``"mar"``
-    state dict. Returns (model, metadata).
-    """
-    device = resolve_device(device)
-    ck = load_checkpoint(path, map_location="cpu")
+def mar_from_checkpoint(ck: Checkpoint, path: str | Path, device: torch.device) -> MarNet:
+    """Rebuild the ``"mar"`` network of a loaded checkpoint from ``metadata["mar_model"]``
+    (the :class:`MarModelConfig` fields), on ``device`` in eval mode."""
     if "mar" not in ck.state_dicts:
         raise ValueError(
             f"{path} holds no MAR network (state dicts: {', '.join(sorted(ck.state_dicts)) or 'none'})"
@@ -197,4 +192,14 @@ def load_mar(path: str | Path, device: str | torch.device = "cpu") -> tuple[MarN
         model.load_state_dict(ck.state_dicts["mar"])
     except RuntimeError as err:
         raise ValueError(f"{path}: 'mar' weights do not match mar_model {ck.metadata['mar_model']}: {err}") from None
-    return model.to(device).eval(), ck.metadata
+    return model.to(device).eval()
+
+
+def load_mar(path: str | Path, device: str | torch.device = "cpu") -> tuple[MarNet, dict[str, Any]]:
+    """The MAR network of a checkpoint, on ``device`` (``cpu``, ``cuda``, ``auto``), in eval mode.
+
+    Rebuilt from ``metadata["mar_model"]`` and the ``"mar"`` state dict. Returns (model, metadata).
+    """
+    device = resolve_device(device)
+    ck = load_checkpoint(path, map_location="cpu")
+    return mar_from_checkpoint(ck, path, device), ck.metadata

@@ -26,11 +26,11 @@ import numpy as np
 import torch
 
 from masc_gadget.acquisition import AcquisitionState
-from masc_gadget.checkpoint import Checkpoint, load_checkpoint
+from masc_gadget.checkpoint import Checkpoint, load_checkpoint, mar_from_checkpoint
 from masc_gadget.config import ConfigError, from_dict, to_dict
 from masc_gadget.device import resolve_device
 from masc_gadget.models.policy_net import PolicyNet, PolicyNetConfig, masked_logits
-from masc_gadget.models.unet import MarModelConfig, MarNet, build_mar
+from masc_gadget.models.unet import MarNet
 from masc_gadget.policies import SamplingPolicy
 
 KIND = "masc"
@@ -197,21 +197,7 @@ def _policy_from(ck: Checkpoint, path: str | Path, device: str | torch.device) -
 
 
 def _mar_from(ck: Checkpoint, path: str | Path, device: torch.device) -> MarNet | None:
-    if "mar" not in ck.state_dicts:
-        return None
-    if not isinstance(ck.metadata.get("mar_model"), dict):
-        raise ValueError(f"{path}: metadata has no 'mar_model' section to rebuild the MAR network from")
-    try:
-        cfg = from_dict(MarModelConfig, ck.metadata["mar_model"], "mar_model")
-    except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
-    with torch.random.fork_rng(devices=[]):
-        mar = build_mar(cfg)
-    try:
-        mar.load_state_dict(ck.state_dicts["mar"])
-    except RuntimeError as err:
-        raise ValueError(f"{path}: 'mar' weights do not match mar_model {ck.metadata['mar_model']}: {err}") from None
-    return mar.to(device).eval()
+    return mar_from_checkpoint(ck, path, device) if "mar" in ck.state_dicts else None
 
 
 def load_masc(

@@ -110,7 +110,6 @@ def test_load_config_errors(tmp_path):
 
 
 def test_override_replaces_dict_valued_fields():
-    from typing import Any as _Any
 
     @dataclass(frozen=True)
     class WithDict:
