@@ -115,3 +115,38 @@ def test_resume_and_gymnasium_registration(tiny_dataset, tmp_path, pretrained_ma
 def test_mar_mode_needs_a_checkpoint(tiny_dataset, tmp_path):
     with pytest.raises(ValueError, match="needs a pre-trained MAR checkpoint"):
         train_masc(load_config(CONFIGS / "tiny.yaml"), tiny_dataset, None, tmp_path / "x.pt", progress=False)
+
+
+def test_learned_policy_in_the_gadget_equals_offline_evaluation(tiny_dataset, tmp_path, pretrained_mar):
+    """The MASC policy served by the gadget chooses the same lines as masc eval on the same slices."""
+    import ismrmrd
+
+    config = load_config(CONFIGS / "tiny.yaml", ["masc_train.rollouts=2"])
+    out = tmp_path / "masc.pt"
+    train_masc(config, tiny_dataset, pretrained_mar, out, progress=False)
+    offline, _ = evaluate(load_config(CONFIGS / "tiny.yaml", ["eval.accelerations={10x: [1, 2]}"]), tiny_dataset,
+                          "test", ["masc"], pretrained_mar, progress=False, checkpoint=out)
+    row = next(r for r in offline["accelerations"]["10x"]["rows"] if r["key"] == "masc")
+    path = sorted((tiny_dataset / "test").glob("*.h5"))[0]
+    dset = ismrmrd.Dataset(str(path), "metal", create_if_needed=False)
+    header = parse_header(dset.read_xml_header())
+    by_line = {(a.idx.slice, a.idx.kspace_encode_step_1): a
+               for a in (dset.read_acquisition(i) for i in range(dset.number_of_acquisitions()))}
+    dset.close()
+    sent, lines = [], {}
+    settings = GadgetSettings(policy="masc", policy_checkpoint=str(out), initial=1, budget=2, device="cpu",
+                              feedback="inband")
+
+    def items():
+        for s in range(4):
+            lines[s] = [16]
+            yield by_line[(s, 16)]
+            for _ in range(2):
+                decision = next(x for x in reversed(sent) if isinstance(x, ismrmrd.Acquisition))
+                lines[s].append(decision.idx.kspace_encode_step_1)
+                yield by_line[(s, lines[s][-1])]
+
+    process(items(), header, settings, sent.append)
+    images = {img.slice: img.data[0, 0] for img in sent if isinstance(img, ismrmrd.Image)}
+    assert [lines[s] for s in range(4)] == row["lines"]  # same choices online and offline
+    assert len(images) == 4
