@@ -270,6 +270,10 @@ def process(items: Iterable[Any], header: Any, settings: GadgetSettings, send: C
                 )
                 if settings.zmq_address:
                     zmq_out = ZmqFeedback(settings.zmq_address)
+                # a slice is finished by the scanner (ACQ_LAST_IN_SLICE); in closed loop also when
+                # its budget is spent. Open loop (no feedback asked for), the client decides what
+                # it acquires, so the image waits for its last line or the close and uses them all.
+                closed_loop = settings.feedback == "inband" or bool(settings.zmq_address)
             slice_index = int(acq.idx.slice)
             line = int(acq.idx.kspace_encode_step_1)
             data = acq.data
@@ -297,10 +301,6 @@ def process(items: Iterable[Any], header: Any, settings: GadgetSettings, send: C
                     send(feedback_acquisition(decision, acq.getHead()))
                 if zmq_out is not None:
                     zmq_out.send(decision)
-            # a slice is finished by the scanner (ACQ_LAST_IN_SLICE); in closed loop also when its
-            # budget is spent. Open loop (no feedback asked for), the client decides what it
-            # acquires, so the image waits for its last line or the close and uses every line.
-            closed_loop = settings.feedback == "inband" or bool(settings.zmq_address)
             if acq.is_flag_set(ismrmrd.ACQ_LAST_IN_SLICE) or (closed_loop and engine.complete(slice_index)):
                 emit(engine.finish_slice(slice_index))
         if engine is not None:

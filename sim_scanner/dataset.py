@@ -28,6 +28,7 @@ import torch
 
 from masc_gadget import __version__
 from masc_gadget.config import Config, build_config, to_dict
+from masc_gadget.kspace import magnitude
 from sim_scanner import mrd
 from sim_scanner.grid import Grid
 from sim_scanner.implant import (
@@ -124,10 +125,9 @@ class SubjectData:
     implant: dict[str, Any] = field(default_factory=dict)
 
 
-def ifft2c_np(kspace: np.ndarray) -> np.ndarray:
-    """Centred orthonormal inverse 2D FFT over the last two axes (numpy)."""
-    axes = (-2, -1)
-    return np.fft.fftshift(np.fft.ifft2(np.fft.ifftshift(kspace, axes=axes), norm="ortho"), axes=axes)
+def image_of(kspace: np.ndarray) -> np.ndarray:
+    """float32 magnitude image of k-space (the DESIGN image convention)."""
+    return magnitude(torch.from_numpy(kspace)).numpy().astype(np.float32)
 
 
 def _to_image_grid(volume: np.ndarray, grid: Grid, s: int, margin_cols: int, planes: list[int], n_pe: int,
@@ -191,7 +191,7 @@ def simulate_subject(index: int, config: Config, progress=None) -> SubjectData:
     k_metal = synthesize_kspace(signal_metal, field_metal, grid, seq, phys, slice_centres, progress)
     k_clean = synthesize_kspace(signal_clean, field_clean, grid, seq, phys, slice_centres, progress)
     if phys.snr > 0:
-        ref = np.abs(ifft2c_np(k_clean))
+        ref = image_of(k_clean)
         sigma = float(ref[ref > 0.1 * ref.max()].mean()) / phys.snr
         noise = (rng.standard_normal(k_metal.shape) + 1j * rng.standard_normal(k_metal.shape)) * (
             sigma / math.sqrt(2)
@@ -214,8 +214,8 @@ def simulate_subject(index: int, config: Config, progress=None) -> SubjectData:
         subject_id=subject_id(index),
         kspace_metal=k_metal,
         kspace_clean=k_clean,
-        images_metal=np.abs(ifft2c_np(k_metal)).astype(np.float32),
-        images_clean=np.abs(ifft2c_np(k_clean)).astype(np.float32),
+        images_metal=image_of(k_metal),
+        images_clean=image_of(k_clean),
         implant_mask=np.stack(masks).astype(np.uint8),
         field_map_hz=fmap,
         slice_centres_mm=[float(v) for v in slice_centres],

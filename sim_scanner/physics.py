@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from masc_gadget.device import resolve_device
+from masc_gadget.kspace import fft2c
 from sim_scanner.grid import Grid
 from sim_scanner.sequence import GAMMA_BAR_HZ_PER_T, SequenceConfig
 
@@ -268,13 +269,6 @@ def object_grid(seq: SequenceConfig, physics: PhysicsConfig, fov_centre_mm: tupl
     shift_x = px / 2 - px / (2 * s)
     shift_y = py / 2 - py / (2 * s)
     return Grid((nz, ny, nx), (dz, py / s, px / s), (stack_centre_z_mm, cy + shift_y, cx + shift_x))
-
-
-def fft2c(x: torch.Tensor) -> torch.Tensor:
-    """Centred orthonormal 2D FFT over the last two axes."""
-    return torch.fft.fftshift(
-        torch.fft.fft2(torch.fft.ifftshift(x, dim=(-2, -1)), norm="ortho"), dim=(-2, -1)
-    )
 
 
 def synthesize_kspace(

@@ -13,7 +13,6 @@ from sim_scanner import dataset as ds
 from sim_scanner.dataset import (
     SPLITS,
     assign_splits,
-    ifft2c_np,
     read_manifest,
     simulate_dataset,
     simulate_subject,
@@ -22,6 +21,12 @@ from sim_scanner.dataset import (
 )
 
 from .conftest import CONFIGS
+
+
+def ifft2c_np(kspace):
+    """Independent numpy reference of the image convention."""
+    axes = (-2, -1)
+    return np.fft.fftshift(np.fft.ifft2(np.fft.ifftshift(kspace, axes=axes), norm="ortho"), axes=axes)
 
 
 def _files(folder):

@@ -35,7 +35,6 @@ DISPLAY_NAMES = {
     "random-lowbias": "Random-LowBias",
     "equispaced": "Equispaced",
     "masc": "MASC",
-    "masc+nomar": "MASC",
 }
 
 
