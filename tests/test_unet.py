@@ -121,6 +121,13 @@ def test_image_scale_is_the_per_image_quantile():
     assert s.shape == (3, 1, 1, 1)
     expected = torch.quantile(x.flatten(1), 0.99, dim=1)
     torch.testing.assert_close(s.flatten(), expected)
+    # the partial selection gives torch.quantile's linear interpolation at any q and size
+    gen = torch.Generator().manual_seed(0)
+    for q in (1.0, 0.999, 0.9, 0.5, 0.01, 1e-6):
+        for shape in ((2, 1, 1, 1), (2, 1, 1, 2), (4, 1, 7, 9), (2, 1, 64, 64)):
+            y = torch.rand(shape, generator=gen) + 0.1
+            torch.testing.assert_close(image_scale(y, q).flatten(),
+                                       torch.quantile(y.flatten(1), q, dim=1))
     # mostly-zero image: falls back to the maximum; all-zero image: no NaN
     sparse = torch.zeros(2, 1, 20, 20)
     sparse[0, 0, 3, 4] = 5.0
