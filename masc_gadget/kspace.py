@@ -27,7 +27,9 @@ __all__ = [
     "ifft2c",
     "lines_to_mask",
     "magnitude",
+    "to_hybrid",
     "zero_filled",
+    "zero_filled_hybrid",
 ]
 
 _DIMS = (-2, -1)
@@ -147,6 +149,50 @@ def zero_filled(kspace: torch.Tensor, mask: torch.Tensor | Sequence) -> torch.Te
         (float64 for complex128).
     """
     return magnitude(apply_line_mask(kspace, mask))
+
+
+def to_hybrid(kspace: torch.Tensor) -> torch.Tensor:
+    """k-space in the form :func:`zero_filled_hybrid` reconstructs from, for many masks.
+
+    A line mask zeroes whole rows, so it commutes with the readout transform: that one is done
+    here, once. Rows are put in FFT order (``ifftshift``) and the image's ``fftshift`` along y
+    becomes a phase ramp over them (``fftshift(ifft(X))[n] = ifft(X * exp(-2 pi i k s / N))[n]``
+    with ``s = N // 2``, any N).
+
+    Args:
+        kspace: complex ``(..., PE, RO)``.
+
+    Returns:
+        complex ``(..., PE, RO)``, ``kspace``'s dtype and device.
+    """
+    _check_2d(kspace, "kspace")
+    n = kspace.shape[-2]
+    x = torch.fft.fftshift(torch.fft.ifft(torch.fft.ifftshift(kspace, dim=-1), dim=-1, norm="ortho"),
+                           dim=-1)
+    x = torch.fft.ifftshift(x, dim=-2)
+    k = torch.arange(n, device=kspace.device, dtype=torch.float64)
+    ramp = torch.polar(torch.ones_like(k), -2.0 * torch.pi * k * (n // 2) / n).to(kspace.dtype)
+    return x * ramp[:, None]
+
+
+def zero_filled_hybrid(hybrid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """:func:`zero_filled` of k-space given as :func:`to_hybrid` made it (equal to float rounding,
+    and faster: one 1D inverse FFT over the acquired lines, no shifts).
+
+    Args:
+        hybrid: ``to_hybrid(kspace)``, complex ``(..., PE, RO)``.
+        mask: bool ``(..., PE)`` on ``hybrid``'s device, ``True`` for an acquired line (centred
+            line order, as everywhere else); leading dimensions broadcast.
+
+    Returns:
+        magnitude image ``(..., PE, RO)``.
+    """
+    if mask.dtype != torch.bool or mask.shape[-1] != hybrid.shape[-2]:
+        raise ValueError(f"mask must be bool (..., PE) with PE = {hybrid.shape[-2]}, got "
+                         f"{mask.dtype} {tuple(mask.shape)}")
+    rows = torch.fft.ifftshift(mask, dim=-1).unsqueeze(-1)
+    zero = torch.zeros((), dtype=hybrid.dtype, device=hybrid.device)
+    return torch.fft.ifft(torch.where(rows, hybrid, zero), dim=-2, norm="ortho").abs()
 
 
 def _is_row(item: object) -> bool:

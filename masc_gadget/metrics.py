@@ -27,6 +27,7 @@ import torch.nn.functional as F
 __all__ = [
     "HIGHER_IS_BETTER",
     "METRICS",
+    "QualityReference",
     "mae",
     "mse",
     "nmse",
@@ -43,6 +44,9 @@ METRICS = ("ssim", "psnr", "mse", "nmse", "mae")
 
 HIGHER_IS_BETTER = {"ssim": True, "psnr": True, "mse": False, "nmse": False, "mae": False}
 """For each metric, whether a larger value is a better reconstruction."""
+
+_WIN = 7
+"""Side of SSIM's uniform window in :func:`quality` (scikit-image's default)."""
 
 _EPS = 1e-20
 """Floor for the MSE in PSNR and for ``||target||^2`` in NMSE: identical images give a large,
@@ -168,18 +172,33 @@ def ssim(
             f"got {h} x {w}"
         )
     dr = _per_slice(data_range, b, x, "data_range")
-    c1 = (k1 * dr) ** 2
-    c2 = (k2 * dr) ** 2
-
     # Local second moments of images shifted by their slice means: the (co)variances do not
     # change, and float32 loses less to cancellation in E[x^2] - E[x]^2.
-    xm = x.mean(dim=(-2, -1), keepdim=True).detach()
     ym = y.mean(dim=(-2, -1), keepdim=True).detach()
-    xc, yc = x - xm, y - ym
-    stats = torch.stack([xc, yc, xc * xc, yc * yc, xc * yc], dim=1)  # (B, 5, H, W)
-    stats = _uniform_filter_valid(stats.reshape(b * 5, h, w), win_size)
-    stats = stats.reshape(b, 5, *stats.shape[-2:])
-    uxc, uyc, uxx, uyy, uxy = stats.unbind(dim=1)
+    yc = y - ym
+    uyc, uyy = _target_moments(yc, win_size)
+    return _ssim_with(x, ym, yc, uyc, uyy, win_size, (k1 * dr) ** 2, (k2 * dr) ** 2)
+
+
+def _target_moments(yc: torch.Tensor, win_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local mean and second moment of the mean-shifted target ``yc`` (B, H, W)."""
+    b, h, w = yc.shape
+    stats = _uniform_filter_valid(torch.stack([yc, yc * yc], dim=1).reshape(b * 2, h, w), win_size)
+    return stats.reshape(b, 2, *stats.shape[-2:]).unbind(dim=1)
+
+
+def _ssim_with(x: torch.Tensor, ym: torch.Tensor, yc: torch.Tensor, uyc: torch.Tensor,
+               uyy: torch.Tensor, win_size: int, c1: torch.Tensor | float,
+               c2: torch.Tensor | float) -> torch.Tensor:
+    """Mean SSIM of each ``x`` (B, H, W) against a target given by its slice mean ``ym``
+    (B, 1, 1), mean-shifted image ``yc`` and local moments ``uyc``, ``uyy``
+    (:func:`_target_moments`): the target side can be computed once for many predictions."""
+    b, h, w = x.shape
+    xm = x.mean(dim=(-2, -1), keepdim=True).detach()
+    xc = x - xm
+    stats = _uniform_filter_valid(torch.stack([xc, xc * xc, xc * yc], dim=1).reshape(b * 3, h, w),
+                                  win_size)
+    uxc, uxx, uxy = stats.reshape(b, 3, *stats.shape[-2:]).unbind(dim=1)
 
     n = win_size * win_size
     cov_norm = n / (n - 1)
@@ -299,7 +318,80 @@ def quality(
     Returns:
         ``(B,)``.
     """
-    if not (math.isfinite(l_ssim) and math.isfinite(l_nmse)):
-        raise ValueError(f"l_ssim and l_nmse must be finite, got {l_ssim} and {l_nmse}")
-    p, t = scale_by_target(pred, target)
-    return l_ssim * ssim(p, t) + l_nmse * (1.0 - nmse(p, t))
+    p, t = _pair(pred, target)
+    return QualityReference(t, l_ssim, l_nmse)(p)
+
+
+class QualityReference:
+    """:func:`quality` against fixed targets, with the target side computed once.
+
+    ``QualityReference(target, l_ssim, l_nmse)(pred)`` is ``quality(pred, target, l_ssim,
+    l_nmse)``: the per-slice scale, the target's mean-shifted image, local moments and energy
+    are kept, so each call filters three maps instead of five (the acquisition environment
+    scores every step of an episode against the same clean image). Differentiable in ``pred``.
+
+    Args:
+        target: ``(B, H, W)`` or ``(B, 1, H, W)`` clean images (at least 7 x 7).
+        l_ssim: weight of SSIM.
+        l_nmse: weight of ``1 - NMSE``.
+    """
+
+    _FIELDS = ("inv_scale", "target", "mean", "centred", "local_mean", "local_sq", "energy")
+
+    def __init__(self, target: torch.Tensor | np.ndarray, l_ssim: float = 0.5,
+                 l_nmse: float = 0.5) -> None:
+        if not (math.isfinite(l_ssim) and math.isfinite(l_nmse)):
+            raise ValueError(f"l_ssim and l_nmse must be finite, got {l_ssim} and {l_nmse}")
+        t = _as_bhw(target, "target").detach()
+        if min(t.shape[-2:]) < _WIN:
+            raise ValueError(f"images must be at least {_WIN} x {_WIN}, got {t.shape[-2]} x {t.shape[-1]}")
+        self.l_ssim, self.l_nmse = float(l_ssim), float(l_nmse)
+        m = t.amax(dim=(-2, -1), keepdim=True)
+        m = torch.where(m > 0, m, torch.ones_like(m))
+        self.inv_scale = 1.0 / m  # (B, 1, 1): data range 1 (scale_by_target)
+        self.target = t * self.inv_scale
+        self.mean = self.target.mean(dim=(-2, -1), keepdim=True)
+        self.centred = self.target - self.mean
+        self.local_mean, self.local_sq = _target_moments(self.centred, _WIN)
+        self.energy = self.target.square().sum(dim=(-2, -1)).clamp_min(_EPS)
+
+    @classmethod
+    def _of(cls, fields: dict[str, torch.Tensor], l_ssim: float, l_nmse: float) -> QualityReference:
+        ref = cls.__new__(cls)
+        ref.l_ssim, ref.l_nmse = l_ssim, l_nmse
+        for name, value in fields.items():
+            setattr(ref, name, value)
+        return ref
+
+    def __len__(self) -> int:
+        return int(self.target.shape[0])
+
+    def __getitem__(self, index: torch.Tensor | slice) -> QualityReference:
+        """The references of some slices (index: a slice, or (n,) long / (B,) bool)."""
+        return self._of({f: getattr(self, f)[index] for f in self._FIELDS}, self.l_ssim, self.l_nmse)
+
+    def cat(self, other: QualityReference) -> QualityReference:
+        """This batch followed by ``other``'s (same weights, image size, device)."""
+        return self._of({f: torch.cat([getattr(self, f), getattr(other, f)]) for f in self._FIELDS},
+                        self.l_ssim, self.l_nmse)
+
+    def replace(self, rows: torch.Tensor, other: QualityReference) -> QualityReference:
+        """A copy with slices ``rows`` ((n,) long) replaced by ``other``'s n references."""
+        fields = {}
+        for f in self._FIELDS:
+            value = getattr(self, f).clone()
+            value[rows] = getattr(other, f)
+            fields[f] = value
+        return self._of(fields, self.l_ssim, self.l_nmse)
+
+    def __call__(self, pred: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """Q of each prediction ``(B, H, W)`` or ``(B, 1, H, W)`` against its target -> ``(B,)``."""
+        p = _as_bhw(pred, "pred")
+        if p.shape != self.target.shape:
+            raise ValueError(f"pred must have the targets' shape {tuple(self.target.shape)}, "
+                             f"got {tuple(p.shape)}")
+        p = p.to(self.target.device) * self.inv_scale
+        c1, c2 = 0.01**2, 0.03**2  # data range 1, scikit-image's K1 and K2
+        s = _ssim_with(p, self.mean, self.centred, self.local_mean, self.local_sq, _WIN, c1, c2)
+        err = (p - self.target).square().sum(dim=(-2, -1)) / self.energy
+        return self.l_ssim * s + self.l_nmse * (1.0 - err)

@@ -10,7 +10,9 @@ from masc_gadget.kspace import (
     ifft2c,
     lines_to_mask,
     magnitude,
+    to_hybrid,
     zero_filled,
+    zero_filled_hybrid,
 )
 
 SHAPES = [(8, 8), (7, 9), (2, 6, 5), (2, 3, 16, 11)]
@@ -233,3 +235,22 @@ def test_cuda_matches_cpu(device):
     torch.testing.assert_close(out.cpu(), zero_filled(k, mask_cpu), rtol=1e-5, atol=1e-5)
     # a CPU mask follows the k-space onto the GPU
     assert torch.equal(apply_line_mask(kg, mask_cpu).cpu(), apply_line_mask(k, mask_cpu))
+
+
+@pytest.mark.parametrize("shape", [(3, 16, 12), (2, 15, 9), (1, 7, 8), (4, 1, 5)])
+def test_hybrid_reconstruction_equals_zero_filled(shape):
+    gen = torch.Generator().manual_seed(sum(shape))
+    k = torch.complex(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+    masks = torch.rand(shape[:-1], generator=gen) > 0.5
+    masks[:, 0] = True
+    hybrid = to_hybrid(k)
+    assert hybrid.shape == k.shape and hybrid.dtype == k.dtype
+    torch.testing.assert_close(zero_filled_hybrid(hybrid, masks), zero_filled(k, masks),
+                               rtol=1e-5, atol=1e-5)
+    # one mask for the whole batch broadcasts; complex128 stays float64
+    k64 = k.to(torch.complex128)
+    torch.testing.assert_close(zero_filled_hybrid(to_hybrid(k64), masks[0]), zero_filled(k64, masks[0]))
+    with pytest.raises(ValueError, match="mask must be bool"):
+        zero_filled_hybrid(hybrid, masks.float())
+    with pytest.raises(ValueError, match="PE"):
+        zero_filled_hybrid(hybrid, masks[:, :-1] if shape[1] > 1 else masks[:, :0])

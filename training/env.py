@@ -29,8 +29,8 @@ from torch import nn
 
 from masc_gadget.acquisition import check_episode, initial_lines
 from masc_gadget.device import resolve_device
-from masc_gadget.kspace import zero_filled
-from masc_gadget.metrics import quality, slice_metrics
+from masc_gadget.kspace import to_hybrid, zero_filled_hybrid
+from masc_gadget.metrics import QualityReference, slice_metrics
 from training.data import SliceSet
 
 __all__ = ["BatchedAcquisitionEnv", "EnvConfig", "Observation"]
@@ -148,7 +148,9 @@ class BatchedAcquisitionEnv:
                 f"k-space (N, PE, RO) {tuple(kspace.shape)} and target (N, H, W) "
                 f"{tuple(data.target.shape)} must have H = PE and W = RO"
             )
-        self._kspace_all = kspace.to(self.device)  # (N, PE, RO) complex
+        # (N, PE, RO) complex, the readout transform done once (to_hybrid): each step's
+        # reconstruction is then one 1D inverse FFT
+        self._kspace_all = to_hybrid(kspace.to(self.device))
         self._target_all = data.target.to(self.device, torch.float32)  # (N, H, W)
         self._n_slices = len(data)
         self._generator = torch.Generator().manual_seed(int(seed))
@@ -244,20 +246,25 @@ class BatchedAcquisitionEnv:
             )
         return out.to(torch.float32)
 
-    def _measure(self, kspace: torch.Tensor, mask: torch.Tensor, target: torch.Tensor,
+    def _reference(self, slices: torch.Tensor) -> QualityReference:
+        """The reward's target side for these slices ((n,) long), computed once per episode."""
+        return QualityReference(self._target_all[slices], self.cfg.l_ssim, self.cfg.l_nmse)
+
+    def _measure(self, kspace: torch.Tensor, mask: torch.Tensor, ref: QualityReference,
                  force_mar: bool = False) -> _Measured:
         """One batched recon (+ one MAR forward if needed) and Q of the reward image.
 
-        kspace: (B, PE, RO) complex; mask: (B, PE) bool; target: (B, H, W).
+        kspace: (B, PE, RO) complex, in to_hybrid's form; mask: (B, PE) bool; ref: the B clean
+        targets.
         """
-        zf = zero_filled(kspace, mask).to(torch.float32)
+        zf = zero_filled_hybrid(kspace, mask).to(torch.float32)
         use_mar = self.mar is not None
         corrected = None
         if use_mar and (self.cfg.observe_mar or self.cfg.reward_mar or force_mar):
             corrected = self._correct(zf)
         observed = corrected if (use_mar and self.cfg.observe_mar) else zf
         rewarded = corrected if (use_mar and self.cfg.reward_mar) else zf
-        q = quality(rewarded, target, self.cfg.l_ssim, self.cfg.l_nmse).to(torch.float32)
+        q = ref(rewarded).to(torch.float32)
         return _Measured(observed, q, zf, corrected)
 
     def _draw(self, n: int) -> torch.Tensor:
@@ -318,12 +325,12 @@ class BatchedAcquisitionEnv:
         slices = self._draw(b) if indices is None else self._as_indices(indices, b, "indices")
         self._slice = slices
         self._kspace = self._kspace_all[slices]  # (B, PE, RO)
-        self._target = self._target_all[slices]  # (B, H, W)
+        self._ref = self._reference(slices)  # Q's target side, (B, H, W) clean images
         self._mask = self._mask0.expand(b, -1).clone()
         self._steps_left = torch.full((b,), self._budget, dtype=torch.long, device=self.device)
         self._steps_left_cpu = np.full(b, self._budget, dtype=np.int64)
         self._return = torch.zeros(b, dtype=torch.float32, device=self.device)
-        m = self._measure(self._kspace, self._mask, self._target)
+        m = self._measure(self._kspace, self._mask, self._ref)
         self._image, self._quality = m.observed, m.quality
         self._started = True
         return Observation(self._image, self._mask, self._steps_left)
@@ -369,14 +376,14 @@ class BatchedAcquisitionEnv:
         if n_new:
             new_slices = self._draw(n_new)
             kspace_new = self._kspace_all[new_slices]
-            target_new = self._target_all[new_slices]
+            ref_new = self._reference(new_slices)
             mask_new = self._mask0.expand(n_new, -1)
             # one recon + one MAR forward for the stepped states and the new episodes together
             m = self._measure(torch.cat([self._kspace, kspace_new]), torch.cat([mask, mask_new]),
-                              torch.cat([self._target, target_new]))
+                              self._ref.cat(ref_new))
             image, q = m.observed[:b], m.quality[:b]
         else:
-            m = self._measure(self._kspace, mask, self._target)
+            m = self._measure(self._kspace, mask, self._ref)
             image, q = m.observed, m.quality
 
         rewards = self.cfg.alpha * (q - self._quality)
@@ -396,8 +403,7 @@ class BatchedAcquisitionEnv:
             slices[envs] = new_slices
             kspace = self._kspace.clone()
             kspace[envs] = kspace_new
-            target = self._target.clone()
-            target[envs] = target_new
+            ref = self._ref.replace(envs, ref_new)
             next_mask = mask.clone()
             next_mask[envs] = mask_new
             next_image = image.clone()
@@ -408,7 +414,7 @@ class BatchedAcquisitionEnv:
             steps_left[envs] = self._budget
             self._steps_left_cpu[reset_envs] = self._budget
             returns = torch.where(done, torch.zeros_like(returns), returns)
-            self._slice, self._kspace, self._target = slices, kspace, target
+            self._slice, self._kspace, self._ref = slices, kspace, ref
             mask, image, q = next_mask, next_image, next_q
 
         self._mask, self._image, self._quality = mask, image, q
@@ -426,7 +432,7 @@ class BatchedAcquisitionEnv:
         self._check_mar(mar)
         self.mar = mar
         if self._started:
-            m = self._measure(self._kspace, self._mask, self._target)
+            m = self._measure(self._kspace, self._mask, self._ref)
             self._image, self._quality = m.observed, m.quality
 
     @torch.no_grad()
@@ -466,10 +472,10 @@ class BatchedAcquisitionEnv:
         for start in range(0, idx_all.numel(), batch_size):
             idx = idx_all[start:start + batch_size]
             b = idx.numel()
-            kspace, target = self._kspace_all[idx], self._target_all[idx]
+            kspace, target, ref = self._kspace_all[idx], self._target_all[idx], self._reference(idx)
             mask = self._mask0.expand(b, -1).clone()
             steps_left = torch.full((b,), self._budget, dtype=torch.long, device=self.device)
-            m = self._measure(kspace, mask, target)
+            m = self._measure(kspace, mask, ref)
             q0 = m.quality
             q, ret = q0, torch.zeros_like(q0)
             lines = torch.zeros(b, self._budget, dtype=torch.long, device=self.device)
@@ -480,7 +486,7 @@ class BatchedAcquisitionEnv:
                 mask[torch.arange(b, device=self.device), a] = True
                 steps_left = steps_left - 1
                 last = t == self._budget - 1
-                m = self._measure(kspace, mask, target, force_mar=last)
+                m = self._measure(kspace, mask, ref, force_mar=last)
                 ret = ret + self.cfg.alpha * (m.quality - q)
                 q = m.quality
             final = m.corrected if self.mar is not None else m.zero_filled
