@@ -208,7 +208,7 @@ def test_bench_unet_tiny(global_rng_guard):
     from training.bench import ROW_KEYS, bench_unet, format_table
 
     rows = bench_unet("cpu", widths=[4], sizes=[16], batch_sizes=[1, 2], repeats=1,
-                      variants=["fp32", "channels_last"])
+                      variants=["fp32", "nchw"])
     assert len(rows) == 4
     for row in rows:
         assert set(row) == set(ROW_KEYS)
@@ -220,7 +220,7 @@ def test_bench_unet_tiny(global_rng_guard):
     assert [r["max_abs_diff"] for r in rows if r["variant"] == "fp32"] == [0.0, 0.0]
     assert all(r["max_abs_diff"] < 1e-4 for r in rows)
     json.dumps(rows)
-    assert "channels_last" in format_table(rows)
+    assert "nchw" in format_table(rows)
 
 
 def test_bench_reports_a_failing_variant_instead_of_crashing(monkeypatch):
@@ -272,7 +272,7 @@ def test_bench_unet_cuda_variants():
     from training.bench import bench_unet
 
     rows = bench_unet("cuda", widths=[4], sizes=[16], batch_sizes=[2], repeats=2,
-                      variants=["fp32", "bf16", "channels_last", "channels_last_bf16"])
+                      variants=["fp32", "bf16", "nchw", "nchw_bf16"])
     assert all(r["status"] == "ok" for r in rows), rows
     assert all(r["peak_mem_mb"] > 0 for r in rows)
 
@@ -287,3 +287,22 @@ def test_torch_compile_handles_changing_sizes():
         for shape in [(1, 1, 16, 16), (2, 1, 33, 17), (1, 1, 20, 28)]:
             x = torch.rand(shape)
             torch.testing.assert_close(compiled(x), net(x), rtol=1e-4, atol=1e-4)
+
+
+def test_channels_last_default_and_nchw_layouts_agree():
+    net = randomise(MarNet(width=4, depth=2), seed=5).eval()
+    conv = net.residual.encoder[0][0].weight
+    assert net.residual.memory_format == torch.channels_last
+    assert conv.is_contiguous(memory_format=torch.channels_last)
+    nchw = MarNet(width=4, depth=2)
+    nchw.residual.set_memory_format(torch.contiguous_format)
+    nchw.load_state_dict(net.state_dict())
+    nchw.eval()
+    assert nchw.residual.encoder[0][0].weight.is_contiguous()
+    x = torch.rand(3, 1, 20, 28)
+    with torch.no_grad():
+        y = net(x)
+        assert y.is_contiguous()
+        torch.testing.assert_close(y, nchw(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="memory_format"):
+        net.residual.set_memory_format(torch.preserve_format)
