@@ -10,8 +10,10 @@ DATA ?= data/small
 PORT ?= 9002
 SCAN ?= runs/demo-scan
 PYTEST_ARGS ?=
+DEVICE ?= auto
+BENCH ?= runs/bench
 
-.PHONY: install test test-all demo clean
+.PHONY: install test test-all demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +45,17 @@ demo: install
 	done; \
 	kill -TERM $$pid; wait $$pid; exit $$rc
 	@echo "demo done: dataset $(DATA), preview $(DATA)/preview.png, closed-loop scan reports $(SCAN)/{masc,center-out}/report.json (images in images.h5 beside them)"
+
+# The benchmarks behind the README's figures (needs the demo data set; the MaskablePPO comparison
+# needs the optional `bench` extra, sb3-contrib). DEVICE=cuda on a GPU machine.
+bench: install
+	@test -d $(DATA) || $(MASC) simulate dataset --config configs/small.yaml --out $(DATA)
+	$(MASC) bench unet --device $(DEVICE) --out $(BENCH)/unet.json
+	$(MASC) bench env --config configs/small.yaml --data $(DATA) --device $(DEVICE) --n-envs 64 \
+	    --steps 100 --mar-width 0 --sb3 --ppo-steps 2048 --out $(BENCH)/env_nomar.json --log-level WARNING
+	$(MASC) bench env --config configs/small.yaml --data $(DATA) --device $(DEVICE) --n-envs 64 \
+	    --steps 10 --mar-width 16 --sb3 --ppo-steps 1024 --out $(BENCH)/env_mar16.json --log-level WARNING
+	@echo "benchmark results: $(BENCH)/{unet,env_nomar,env_mar16}.json"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
