@@ -150,3 +150,19 @@ def test_learned_policy_in_the_gadget_equals_offline_evaluation(tiny_dataset, tm
     images = {img.slice: img.data[0, 0] for img in sent if isinstance(img, ismrmrd.Image)}
     assert [lines[s] for s in range(4)] == row["lines"]  # same choices online and offline
     assert len(images) == 4
+
+
+def test_mar_finetuning_with_the_pretraining_loss(tiny_dataset, tmp_path, pretrained_mar):
+    import csv
+
+    config = load_config(CONFIGS / "tiny.yaml", ["masc_train.rollouts=2", "masc_train.mar_loss=pretrain"])
+    train_masc(config, tiny_dataset, pretrained_mar, tmp_path / "p.pt", progress=False)
+    rows = list(csv.DictReader(open(tmp_path / "p.csv")))
+    losses = [float(r["losses/mar"]) for r in rows]
+    # L1 + (1 - SSIM) of images scaled to [0, 1]: positive, and far above an MSE of the same images
+    assert len(losses) == 2 and all(0.05 < v < 2.0 for v in losses)
+    before = load_checkpoint(pretrained_mar).state_dicts["mar"]
+    after = load_checkpoint(tmp_path / "p.last.pt").state_dicts["mar"]
+    assert any(not torch.equal(before[k], after[k]) for k in before if before[k].is_floating_point())
+    with pytest.raises(ValueError, match="mar_loss: must be one of 'mse', 'pretrain'"):
+        load_config(CONFIGS / "tiny.yaml", ["masc_train.mar_loss=ssim"])

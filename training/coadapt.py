@@ -35,6 +35,7 @@ from masc_gadget.metrics import scale_by_target
 from masc_gadget.models.policy_net import PolicyNet
 from training.data import load_split
 from training.env import BatchedAcquisitionEnv, EnvConfig
+from training.mar import mar_loss
 from training.ppo import collect_rollout, greedy_actions, make_optimizer, ppo_update
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,9 @@ class MascTrainConfig:
     through the pre-trained MAR without updating it; none: no MAR (zero-filled images)."""
     mar_lr: float = 1e-5
     """Adam learning rate of the MAR fine-tuning (paper: 1e-5)."""
+    mar_loss: Literal["mse", "pretrain"] = "mse"
+    """Loss of the MAR fine-tuning: ``mse`` (paper) or ``pretrain``, the stage-1 loss
+    ``L1 + lambda (1 - SSIM)`` with ``mar_train.lambda_ssim`` (MSE alone trades SSIM for PSNR)."""
     mar_epochs: int = 1
     """Passes over the rollout's visited images per MAR update."""
     mar_batch_size: int = 32
@@ -72,6 +76,8 @@ class MascTrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.mar_lr <= 0:
             raise ValueError(f"mar_lr must be > 0, got {self.mar_lr}")
+        if self.mar_loss not in ("mse", "pretrain"):
+            raise ValueError(f"mar_loss must be 'mse' or 'pretrain', got {self.mar_loss!r}")
 
 
 VAL_FIELDS = [f"val/{m}" for m in ("ssim", "psnr", "mse", "nmse", "mae", "return", "final_quality")]
@@ -106,10 +112,12 @@ class _Recorder:
 
 def finetune_mar(mar: torch.nn.Module, optimizer: torch.optim.Optimizer, kspace: torch.Tensor,
                  target: torch.Tensor, slices: torch.Tensor, masks: torch.Tensor, epochs: int,
-                 batch_size: int, generator: torch.Generator) -> float:
-    """MSE fine-tuning of ``mar`` on the zero-filled images of (slice, mask) pairs; both images
-    scaled by the target's maximum. BatchNorm statistics stay frozen (eval mode): the network is
-    well initialised and only needs mild correction. Returns the mean loss."""
+                 batch_size: int, generator: torch.Generator,
+                 lambda_ssim: float | None = None) -> float:
+    """Fine-tuning of ``mar`` on the zero-filled images of (slice, mask) pairs, both images
+    scaled by the target's maximum: MSE (paper), or with ``lambda_ssim`` the pre-training loss
+    ``L1 + lambda_ssim (1 - SSIM)``. BatchNorm statistics stay frozen (eval mode): the network
+    is well initialised and only needs mild correction. Returns the mean loss."""
     mar.eval()
     total, count = 0.0, 0
     device = next(mar.parameters()).device
@@ -119,8 +127,11 @@ def finetune_mar(mar: torch.nn.Module, optimizer: torch.optim.Optimizer, kspace:
             idx = order[start : start + batch_size]
             s = slices[idx].to(kspace.device)
             inputs = zero_filled(kspace[s], masks[idx].to(kspace.device)).to(device)
-            pred, tgt = scale_by_target(mar(inputs), target[s].to(device))
-            loss = torch.mean((pred - tgt) ** 2)
+            if lambda_ssim is None:
+                pred, tgt = scale_by_target(mar(inputs), target[s].to(device))
+                loss = torch.mean((pred - tgt) ** 2)
+            else:
+                loss = mar_loss(mar(inputs), target[s].to(device), lambda_ssim)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -165,6 +176,7 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
         net = PolicyNet(train.n_pe, *train.target.shape[1:], config["policy_net"]).to(device)
     optimizer = make_optimizer(net, pcfg)
     mar_opt = torch.optim.Adam(mar.parameters(), lr=tcfg.mar_lr) if tcfg.mar_mode == "joint" else None
+    lambda_ssim = config["mar_train"].lambda_ssim if tcfg.mar_loss == "pretrain" else None
     start, best = 0, {"ssim": -math.inf}
     if resume is not None:
         ck = load_checkpoint(resume, map_location=device)
@@ -219,8 +231,8 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
         stats["charts/episodic_return"] = float(finished.mean()) if finished.numel() else float("nan")
         slices, masks = recorder.take()
         if mar_opt is not None:
-            stats["losses/mar_mse"] = finetune_mar(mar, mar_opt, kspace, target, slices, masks,
-                                                   tcfg.mar_epochs, tcfg.mar_batch_size, gen)
+            stats["losses/mar"] = finetune_mar(mar, mar_opt, kspace, target, slices, masks,
+                                               tcfg.mar_epochs, tcfg.mar_batch_size, gen, lambda_ssim)
             env.set_mar(mar)
             cursor.obs = env.observation
         row: dict[str, Any] = {"rollout": k + 1, "global_step": (k + 1) * n_steps * ecfg.n_envs, **stats}
@@ -242,7 +254,7 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
                             metadata(k + 1, val_metrics), extra_state=extra)
         row["seconds"] = time.perf_counter() - t0
         new = not csv_path.exists()
-        fields = ["rollout", "global_step", *sorted(stats), "losses/mar_mse", *VAL_FIELDS, "seconds"]
+        fields = ["rollout", "global_step", *sorted(stats), "losses/mar", *VAL_FIELDS, "seconds"]
         fields = list(dict.fromkeys(fields))
         with csv_path.open("a", newline="") as fh:
             writer = csv.DictWriter(fh, fieldnames=fields, restval="")
