@@ -736,7 +736,7 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
         "unet", parents=[common], help="MAR U-Net forward latency and throughput",
         description="Forward latency (median, p90) and throughput of the MAR network in eval mode "
         "at the paper width (64) and the small width (16); on CUDA also bf16 autocast, "
-        "channels-last and torch.compile, each with its max |difference| from float32. "
+        "NCHW layout (against the default channels-last) and torch.compile, each with its max |difference| from float32. "
         "Depth and scale quantile come from the mar_model config section.",
     )
     unet.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
