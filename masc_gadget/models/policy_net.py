@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.distributions import Categorical
 
-from masc_gadget.models.unet import image_scale
+from masc_gadget.models.unet import check_scale_quantile, check_sizes, image_scale
 
 
 @dataclass(frozen=True)
@@ -56,13 +56,8 @@ class PolicyNetConfig:
             if not isinstance(c, int) or isinstance(c, bool) or c < 1:
                 raise ValueError(f"channels must be a non-empty list of integers >= 1, got {channels!r}")
         object.__setattr__(self, "channels", tuple(channels))
-        for name in ("hidden", "pool_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        q = self.scale_quantile
-        if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < q <= 1.0:
-            raise ValueError(f"scale_quantile must be in (0, 1], got {q!r}")
+        check_sizes(self, ("hidden", "pool_size"))
+        check_scale_quantile(self.scale_quantile)
 
 
 def masked_logits(logits: torch.Tensor, acquired: torch.Tensor) -> torch.Tensor:

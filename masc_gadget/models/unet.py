@@ -42,13 +42,22 @@ class MarModelConfig:
     scanner's units (0 < q <= 1; 1 is the image maximum)."""
 
     def __post_init__(self) -> None:
-        for name in ("width", "depth"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        q = self.scale_quantile
-        if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < q <= 1.0:
-            raise ValueError(f"scale_quantile must be in (0, 1], got {q!r}")
+        check_sizes(self, ("width", "depth"))
+        check_scale_quantile(self.scale_quantile)
+
+
+def check_sizes(cfg: object, names: tuple[str, ...]) -> None:
+    """ValueError unless each named field of ``cfg`` is an integer >= 1."""
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def check_scale_quantile(q: object) -> None:
+    """ValueError unless ``q`` is a number in (0, 1] (the ``scale_quantile`` of a network)."""
+    if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0.0 < q <= 1.0:
+        raise ValueError(f"scale_quantile must be in (0, 1], got {q!r}")
 
 
 class DoubleConv(nn.Sequential):
