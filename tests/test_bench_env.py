@@ -140,7 +140,20 @@ def test_bench_ppo_against_maskable_ppo(tiny_train, global_rng_guard):
     assert result["sb3_status"] == "ok" and result["sb3_version"]
     assert result["sb3_s"] > 0 and result["sb3_steps_per_s"] > 0 and result["sb3_policy_params"] > 0
     assert result["speedup"] == pytest.approx(result["ours_steps_per_s"] / result["sb3_steps_per_s"])
+    assert result["sb3_policy"] == "mlp"
     json.dumps(result)
+
+
+def test_bench_ppo_against_maskable_ppo_with_our_network(tiny_train, global_rng_guard):
+    pytest.importorskip("sb3_contrib")
+    result = bench_ppo(tiny_train, 1, 2, n_envs=4, total_steps=8, mar=None, device="cpu",
+                       ppo_cfg=TINY_PPO, policy_cfg=TINY_POLICY, sb3=True, sb3_policy="ours")
+    assert result["sb3_status"] == "ok" and result["sb3_policy"] == "ours"
+    # the same network on both sides: our PolicyNet's encoder + trunk, sb3's own actor / critic heads
+    assert result["sb3_policy_params"] == result["ours_policy_params"]
+    with pytest.raises(ValueError, match="sb3_policy must be one of mlp, ours"):
+        bench_ppo(tiny_train, 1, 2, n_envs=4, total_steps=8, device="cpu", ppo_cfg=TINY_PPO,
+                  policy_cfg=TINY_POLICY, sb3=False, sb3_policy="cnn")
 
 
 def test_bench_env_command(tiny_dataset, tmp_path, capsys, monkeypatch):

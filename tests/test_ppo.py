@@ -222,6 +222,11 @@ def test_policy_net_init_reproducible_and_global_rng_untouched(global_rng_guard)
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
     assert not torch.equal(make_net(4).actor.weight, a.actor.weight)
+    # re-initialising the built (channels-last) network reproduces the fresh one
+    c = make_net(4)
+    c.reset_parameters(torch.Generator().manual_seed(3))
+    for pa, pc in zip(a.parameters(), c.parameters()):
+        assert torch.equal(pa, pc)
 
 
 def test_update_recomputes_logprob_with_masks():

@@ -367,6 +367,7 @@ PPO_KEYS = (
     "sb3_s",  # seconds of MaskablePPO.learn(total_steps)
     "sb3_steps_per_s",
     "sb3_policy_params",  # MultiInputPolicy parameters
+    "sb3_policy",  # "mlp": sb3's default MLP over the flattened observation; "ours": our PolicyNet
     "speedup",  # ours_steps_per_s / sb3_steps_per_s; None when skipped
 )
 
@@ -576,8 +577,32 @@ def _time_ours(data: SliceSet, initial: int, budget: int, n_envs: int, total: in
     return time.perf_counter() - t0, sum(p.numel() for p in net.parameters())
 
 
+SB3_POLICIES = ("mlp", "ours")
+"""Networks of the MaskablePPO side: sb3's default MLP, or our :class:`PolicyNet`."""
+
+
+def _policy_net_extractor(policy_cfg: PolicyNetConfig, budget: int) -> type:
+    """An sb3 features extractor that is our PolicyNet's encoder and trunk (its actor and critic
+    heads are sb3's ``action_net`` / ``value_net`` on top, with ``net_arch=[]``), so both sides
+    of the comparison train the same network."""
+    from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
+
+    class PolicyNetFeatures(BaseFeaturesExtractor):
+        def __init__(self, observation_space: Any) -> None:
+            h, w = observation_space["image"].shape
+            super().__init__(observation_space, features_dim=policy_cfg.hidden)
+            self.net = PolicyNet(int(observation_space["mask"].n), int(h), int(w), policy_cfg)
+            del self.net.actor, self.net.critic  # sb3's heads replace them
+
+        def forward(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+            return self.net.features(obs["image"], obs["mask"] > 0.5, obs["steps_left"][:, 0] / budget)
+
+    return PolicyNetFeatures
+
+
 def _time_sb3(data: SliceSet, initial: int, budget: int, total: int, mar: nn.Module | None,
-              device: torch.device, env_cfg: EnvConfig, cfg: PPOConfig, seed: int
+              device: torch.device, env_cfg: EnvConfig, cfg: PPOConfig, seed: int,
+              sb3_policy: str = "mlp", policy_cfg: PolicyNetConfig | None = None
               ) -> tuple[float, int, str]:
     import sb3_contrib
     from sb3_contrib import MaskablePPO
@@ -586,9 +611,15 @@ def _time_sb3(data: SliceSet, initial: int, budget: int, total: int, mar: nn.Mod
 
     config = {"acquisition": AcquisitionConfig(initial=initial, budget=budget), "env": env_cfg}
     env = ActiveAcquisitionEnv(data=data, config=config, mar=mar, device=device)
+    policy_kwargs: dict[str, Any] = {}
+    if sb3_policy == "ours":
+        policy_kwargs = {"features_extractor_class": _policy_net_extractor(policy_cfg or PolicyNetConfig(), budget),
+                         "net_arch": [], "share_features_extractor": True,
+                         # PolicyNet initialises itself (CleanRL's orthogonal init, as sb3's)
+                         "ortho_init": False}
     with _GlobalRngGuard():
         model = MaskablePPO(
-            "MultiInputPolicy", env, learning_rate=cfg.lr, n_steps=cfg.rollout_steps,
+            "MultiInputPolicy", env, policy_kwargs=policy_kwargs, learning_rate=cfg.lr, n_steps=cfg.rollout_steps,
             batch_size=cfg.minibatch_size, n_epochs=cfg.epochs, gamma=cfg.gamma,
             gae_lambda=cfg.gae_lambda, clip_range=cfg.clip, normalize_advantage=cfg.norm_adv,
             ent_coef=cfg.ent_coef, vf_coef=cfg.vf_coef, max_grad_norm=cfg.max_grad_norm,
@@ -617,6 +648,7 @@ def bench_ppo(
     policy_cfg: PolicyNetConfig | None = None,
     sb3: bool = True,
     seed: int = 0,
+    sb3_policy: str = "mlp",
 ) -> dict[str, Any]:
     """End-to-end PPO training throughput (environment steps per second, updates included).
 
@@ -631,9 +663,13 @@ def bench_ppo(
 
     sb3: also time MaskablePPO (ImportError naming :data:`SB3_HINT` when sb3-contrib is not
     installed); without it the ``sb3_*`` values are None and ``sb3_status`` says "skipped".
+    sb3_policy: MaskablePPO's network, ``mlp`` (its default) or ``ours`` (our PolicyNet's encoder
+    and trunk as its features extractor, so both sides train the same network).
     Returns a dict with the keys :data:`PPO_KEYS`. The global RNG states are left alone
     (stable-baselines3 seeds them; they are restored).
     """
+    if sb3_policy not in SB3_POLICIES:
+        raise ValueError(f"sb3_policy must be one of {', '.join(SB3_POLICIES)}, got {sb3_policy!r}")
     if sb3 and not sb3_available():
         raise ImportError(f"the MaskablePPO comparison needs sb3-contrib: {SB3_HINT}")
     if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
@@ -652,11 +688,11 @@ def bench_ppo(
     out.update(device=str(device), n_envs=n_envs, total_steps=total, rollout_steps=cfg.rollout_steps,
                minibatch_size=cfg.minibatch_size, epochs=cfg.epochs, mar_width=_mar_width(mar),
                ours_s=ours_s, ours_steps_per_s=_steps_per_s(total, ours_s),
-               ours_policy_params=ours_params, sb3_status="skipped: not asked for")
+               ours_policy_params=ours_params, sb3_status="skipped: not asked for", sb3_policy=sb3_policy)
     if sb3:
         log.info("sb3-contrib MaskablePPO: 1 Gymnasium env, %d steps", total)
         sb3_s, sb3_params, version = _time_sb3(data, initial, budget, total, mar, device, env_cfg,
-                                               cfg, seed)
+                                               cfg, seed, sb3_policy, policy_cfg)
         out.update(sb3_status="ok", sb3_version=version, sb3_s=sb3_s,
                    sb3_steps_per_s=_steps_per_s(total, sb3_s), sb3_policy_params=sb3_params)
         out["speedup"] = out["ours_steps_per_s"] / out["sb3_steps_per_s"]
@@ -685,7 +721,8 @@ def format_env_table(env_result: dict[str, Any], ppo_result: dict[str, Any] | No
         lines.append(f"{'ours, batched env, ' + str(p['n_envs']) + ' envs, PolicyNet':<46} "
                      f"{p['total_steps']:>7} {p['ours_s']:>9.3f} {p['ours_steps_per_s']:>10.1f} {1.0:>12.2f}")
         if p["sb3_status"] == "ok":
-            lines.append(f"{'sb3-contrib MaskablePPO ' + p['sb3_version'] + ', Gymnasium env':<46} "
+            net = "PolicyNet" if p["sb3_policy"] == "ours" else "MLP"
+            lines.append(f"{'sb3-contrib MaskablePPO ' + p['sb3_version'] + ', Gym env, ' + net:<46} "
                          f"{p['total_steps']:>7} {p['sb3_s']:>9.3f} {p['sb3_steps_per_s']:>10.1f} "
                          f"{p['speedup']:>12.2f}")
         else:
@@ -780,6 +817,9 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
                      help="MAR network width, 0 = none (default: mar_model.width)")
     env.add_argument("--sb3", action="store_true",
                      help=f"also compare PPO training with sb3-contrib MaskablePPO ({SB3_HINT})")
+    env.add_argument("--sb3-policy", choices=SB3_POLICIES, default="mlp",
+                     help="MaskablePPO's network: mlp (its default MultiInputPolicy MLP) or ours "
+                     "(our PolicyNet as its features extractor: the same network on both sides)")
     env.add_argument("--ppo-steps", type=int, default=2048, metavar="N",
                      help="environment steps of each PPO training run, rounded up to a multiple "
                      "of ppo.rollout_steps (default 2048)")
@@ -857,7 +897,8 @@ def cmd_env(args: argparse.Namespace) -> int:
             print(f"sb3-contrib is not installed, MaskablePPO comparison skipped: {SB3_HINT}")
         ppo_result = bench_ppo(data, acq.initial, acq.budget, n_envs=args.n_envs,
                                total_steps=args.ppo_steps, mar=mar, device=device, env_cfg=env_cfg,
-                               ppo_cfg=ppo_cfg, policy_cfg=policy_cfg, sb3=sb3, seed=args.seed)
+                               ppo_cfg=ppo_cfg, policy_cfg=policy_cfg, sb3=sb3, seed=args.seed,
+                               sb3_policy=args.sb3_policy)
         if not sb3:
             ppo_result["sb3_status"] = f"skipped: sb3-contrib not installed ({SB3_HINT})"
 

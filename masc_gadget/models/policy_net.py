@@ -79,8 +79,12 @@ def masked_distribution(logits: torch.Tensor, acquired: torch.Tensor) -> Categor
 
 
 def _layer_init(layer: nn.Module, std: float, generator: torch.Generator | None) -> nn.Module:
-    """CleanRL's init: orthogonal weights with gain ``std``, zero bias."""
-    nn.init.orthogonal_(layer.weight, std, generator=generator)
+    """CleanRL's init: orthogonal weights with gain ``std``, zero bias. Drawn into a contiguous
+    tensor and copied, so it works whatever the weight's memory format (channels-last too)."""
+    weight = torch.empty(layer.weight.shape, dtype=layer.weight.dtype, device=layer.weight.device)
+    nn.init.orthogonal_(weight, std, generator=generator)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
     nn.init.constant_(layer.bias, 0.0)
     return layer
 
