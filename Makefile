@@ -55,7 +55,12 @@ bench: install
 	    --steps 100 --mar-width 0 --sb3 --ppo-steps 2048 --out $(BENCH)/env_nomar.json --log-level WARNING
 	$(MASC) bench env --config configs/small.yaml --data $(DATA) --device $(DEVICE) --n-envs 64 \
 	    --steps 10 --mar-width 16 --sb3 --ppo-steps 1024 --out $(BENCH)/env_mar16.json --log-level WARNING
-	@echo "benchmark results: $(BENCH)/{unet,env_nomar,env_mar16}.json"
+	@# MaskablePPO training our PolicyNet: the same network on both sides
+	$(MASC) bench env --config configs/small.yaml --data $(DATA) --device $(DEVICE) --n-envs 64 \
+	    --steps 10 --mar-width 0 --sb3 --sb3-policy ours --ppo-steps 2048 --out $(BENCH)/env_nomar_samenet.json --log-level WARNING
+	$(MASC) bench env --config configs/small.yaml --data $(DATA) --device $(DEVICE) --n-envs 64 \
+	    --steps 10 --mar-width 16 --sb3 --sb3-policy ours --ppo-steps 1024 --out $(BENCH)/env_mar16_samenet.json --log-level WARNING
+	@echo "benchmark results: $(BENCH)/{unet,env_nomar,env_mar16,env_nomar_samenet,env_mar16_samenet}.json"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -702,8 +702,8 @@ def bench_ppo(
 def format_env_table(env_result: dict[str, Any], ppo_result: dict[str, Any] | None = None) -> str:
     """Plain-text table of :func:`bench_env` (and :func:`bench_ppo`) results."""
     r = env_result
-    lines = [f"{'environment':<46} {'steps':>7} {'seconds':>9} {'steps/s':>10} {'batched/this':>12}",
-             "-" * 88]
+    lines = [f"{'environment':<50} {'steps':>7} {'seconds':>9} {'steps/s':>10} {'batched/this':>12}",
+             "-" * 92]
     rows = [(f"batched, {r['n_envs']} envs x {r['steps_per_env']} steps", r["batched_s"],
              r["batched_steps_per_s"], 1.0),
             ("one env at a time (BatchedAcquisitionEnv B=1)", r["single_s"], r["single_steps_per_s"],
@@ -712,21 +712,21 @@ def format_env_table(env_result: dict[str, Any], ppo_result: dict[str, Any] | No
         rows.append(("one env at a time (Gymnasium env)", r["gym_s"], r["gym_steps_per_s"],
                      r["speedup_vs_gym"]))
     for name, seconds, rate, ratio in rows:
-        lines.append(f"{name:<46} {r['total_steps']:>7} {seconds:>9.3f} {rate:>10.1f} {ratio:>12.2f}")
+        lines.append(f"{name:<50} {r['total_steps']:>7} {seconds:>9.3f} {rate:>10.1f} {ratio:>12.2f}")
     if ppo_result is not None:
         p = ppo_result
-        header = (f"{'PPO training (rollouts + updates)':<46} {'steps':>7} {'seconds':>9} "
+        header = (f"{'PPO training (rollouts + updates)':<50} {'steps':>7} {'seconds':>9} "
                   f"{'steps/s':>10} {'ours/this':>12}")
-        lines += ["", header, "-" * 88]
-        lines.append(f"{'ours, batched env, ' + str(p['n_envs']) + ' envs, PolicyNet':<46} "
+        lines += ["", header, "-" * 92]
+        lines.append(f"{'ours, batched env, ' + str(p['n_envs']) + ' envs, PolicyNet':<50} "
                      f"{p['total_steps']:>7} {p['ours_s']:>9.3f} {p['ours_steps_per_s']:>10.1f} {1.0:>12.2f}")
         if p["sb3_status"] == "ok":
             net = "PolicyNet" if p["sb3_policy"] == "ours" else "MLP"
-            lines.append(f"{'sb3-contrib MaskablePPO ' + p['sb3_version'] + ', Gym env, ' + net:<46} "
+            lines.append(f"{'sb3-contrib MaskablePPO ' + p['sb3_version'] + ', Gym env, ' + net:<50} "
                          f"{p['total_steps']:>7} {p['sb3_s']:>9.3f} {p['sb3_steps_per_s']:>10.1f} "
                          f"{p['speedup']:>12.2f}")
         else:
-            lines.append(f"{'sb3-contrib MaskablePPO':<46} {p['sb3_status']}")
+            lines.append(f"{'sb3-contrib MaskablePPO':<50} {p['sb3_status']}")
     return "\n".join(lines)
 
 
