@@ -363,13 +363,6 @@ class QualityReference:
             setattr(ref, name, value)
         return ref
 
-    def __len__(self) -> int:
-        return int(self.target.shape[0])
-
-    def __getitem__(self, index: torch.Tensor | slice) -> QualityReference:
-        """The references of some slices (index: a slice, or (n,) long / (B,) bool)."""
-        return self._of({f: getattr(self, f)[index] for f in self._FIELDS}, self.l_ssim, self.l_nmse)
-
     def cat(self, other: QualityReference) -> QualityReference:
         """This batch followed by ``other``'s (same weights, image size, device)."""
         return self._of({f: torch.cat([getattr(self, f), getattr(other, f)]) for f in self._FIELDS},
