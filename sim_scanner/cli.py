@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
 
 def cmd_dataset(args: argparse.Namespace) -> int:
     from masc_gadget.cli import config_from_args
-    from sim_scanner.dataset import simulate_dataset
+    from sim_scanner.dataset.simulate import simulate_dataset
 
     overrides = list(args.overrides)
     if args.subjects is not None:
@@ -64,7 +64,7 @@ def cmd_dataset(args: argparse.Namespace) -> int:
 
 
 def cmd_preview(args: argparse.Namespace) -> int:
-    from sim_scanner.preview import write_preview
+    from sim_scanner.dataset.preview import write_preview
 
     if args.slices < 1:
         raise ValueError(f"--slices must be >= 1, got {args.slices}")
@@ -78,8 +78,8 @@ def cmd_sphere(args: argparse.Namespace) -> int:
     import numpy as np
 
     from masc_gadget.config import ConfigError
-    from sim_scanner.grid import Grid
-    from sim_scanner.physics import (
+    from sim_scanner.physics.grid import Grid
+    from sim_scanner.physics.forward import (
         dipole_field_hz,
         sphere_field_analytic_hz,
         sphere_susceptibility,

@@ -20,7 +20,7 @@ def tiny_config():
 def tiny_dataset(tmp_path_factory, tiny_config):
     """The tiny dataset (4 subjects), simulated with two worker processes."""
     from masc_gadget.config import load_config
-    from sim_scanner.dataset import simulate_dataset
+    from sim_scanner.dataset.simulate import simulate_dataset
 
     out = tmp_path_factory.mktemp("tiny") / "data"
     config = load_config(CONFIGS / "tiny.yaml", ["dataset.workers=2"])
@@ -48,7 +48,7 @@ def global_rng_guard():
 
 def write_perturbed_mar(path, seed: int = 1, scale: float = 0.05):
     """A width-4 MAR checkpoint whose weights are perturbed, so that MAR is not the identity."""
-    from masc_gadget.checkpoint import save_checkpoint
+    from masc_gadget.models.checkpoint import save_checkpoint
     from masc_gadget.config import to_dict
     from masc_gadget.models.unet import MarModelConfig, build_mar
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from masc_gadget.models.policy_net import PolicyNetConfig
-from training import bench
-from training.bench import (
+from training.bench import cli as bench
+from training.bench.cli import (
     ENV_KEYS,
     PPO_KEYS,
     bench_env,
@@ -18,7 +18,7 @@ from training.bench import (
     format_env_table,
     seeded_mar,
 )
-from training.ppo import PPOConfig
+from training.rl.ppo import PPOConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TINY_POLICY = PolicyNetConfig(channels=(8, 16), hidden=32, pool_size=4)

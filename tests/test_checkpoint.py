@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import masc_gadget
-from masc_gadget import checkpoint as ckpt
-from masc_gadget.checkpoint import (
+from masc_gadget.models import checkpoint as ckpt
+from masc_gadget.models.checkpoint import (
     Checkpoint,
     load_checkpoint,
     load_mar,

@@ -11,12 +11,12 @@ import h5py
 import numpy as np
 import pytest
 
-from masc_gadget.acquisition import AcquisitionConfig
+from masc_gadget.acquisition.episode import AcquisitionConfig
 from masc_gadget.config import load_config
-from masc_gadget.policies import make_policy, run_episode
-from masc_gadget.server import MascServer
-from sim_scanner.dataset import read_manifest, subject_path
-from sim_scanner.scanner import ScannerConfig, run_scan, scan_subject
+from masc_gadget.acquisition.policies import make_policy, run_episode
+from masc_gadget.serving.server import MascServer
+from sim_scanner.dataset.simulate import read_manifest, subject_path
+from sim_scanner.scanner.session import ScannerConfig, run_scan, scan_subject
 
 from .conftest import CONFIGS
 

@@ -5,15 +5,15 @@ import numpy as np
 import pytest
 import torch
 
-from masc_gadget.checkpoint import load_checkpoint
+from masc_gadget.models.checkpoint import load_checkpoint
 from masc_gadget.config import load_config
-from masc_gadget.gadget import GadgetSettings, process
-from masc_gadget.learned import load_masc
-from masc_gadget.mrd import parse_header
+from masc_gadget.serving.gadget import GadgetSettings, process
+from masc_gadget.acquisition.learned import load_masc
+from masc_gadget.mrd.header import parse_header
 from training.coadapt import train_masc
 from training.data import load_split
-from training.env import BatchedAcquisitionEnv, EnvConfig
-from training.evaluate import evaluate
+from training.rl.env import BatchedAcquisitionEnv, EnvConfig
+from training.evaluation.evaluate import evaluate
 
 from .conftest import CONFIGS
 
@@ -38,7 +38,7 @@ def test_ppo_run_beats_a_random_policy(tiny_dataset, tmp_path, global_rng_guard)
     policy, mar, meta = load_masc(out, "cpu")
     assert mar is None and meta["observes_mar"] is False
     data = load_split(tiny_dataset, "train")
-    from training.ppo import greedy_actions
+    from training.rl.ppo import greedy_actions
 
     learned = _mean_return(data, config, lambda obs: greedy_actions(policy.net, obs, config["acquisition"].budget))
     gen = torch.Generator().manual_seed(0)

@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from masc_gadget.acquisition import initial_lines
-from masc_gadget.checkpoint import load_mar, save_checkpoint
+from masc_gadget.acquisition.episode import initial_lines
+from masc_gadget.models.checkpoint import load_mar, save_checkpoint
 from masc_gadget.config import to_dict
-from masc_gadget.engine import AcquisitionEngine, Decision, EngineSettings, SliceResult
-from masc_gadget.kspace import ifft2c, zero_filled
+from masc_gadget.acquisition.engine import AcquisitionEngine, Decision, EngineSettings, SliceResult
+from masc_gadget.core.kspace import ifft2c, zero_filled
 from masc_gadget.models.unet import MarModelConfig, build_mar
-from masc_gadget.policies import SamplingPolicy, make_policy, run_episode, slice_rng
+from masc_gadget.acquisition.policies import SamplingPolicy, make_policy, run_episode, slice_rng
 
 N_PE, N_RO, INITIAL, BUDGET = 16, 16, 2, 6
 
@@ -514,7 +514,7 @@ def test_rejected_lines_leave_buffers_unchanged(slice_, line, data, match, kspac
 
 
 def test_engine_imports_no_protocol_code():
-    code = ("import sys, masc_gadget.engine; "
+    code = ("import sys, masc_gadget.acquisition.engine; "
             "bad = [m for m in ('ismrmrd', 'zmq') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,4 +1,4 @@
-"""The acquisition environment: batched MDP (training.env) and its Gymnasium view (training.gym_env)."""
+"""The acquisition environment: batched MDP (training.rl.env) and its Gymnasium view (training.rl.gym_env)."""
 
 import warnings
 
@@ -8,14 +8,14 @@ import pytest
 import torch
 from gymnasium.utils.env_checker import check_env
 
-from masc_gadget.acquisition import AcquisitionConfig, initial_lines
+from masc_gadget.acquisition.episode import AcquisitionConfig, initial_lines
 from masc_gadget.config import ConfigError, build_config
-from masc_gadget.kspace import zero_filled
-from masc_gadget.metrics import quality
+from masc_gadget.core.kspace import zero_filled
+from masc_gadget.core.metrics import quality
 from masc_gadget.models.unet import MarModelConfig, build_mar
 from training.data import load_split
-from training.env import BatchedAcquisitionEnv, EnvConfig, Observation
-from training.gym_env import ENV_ID, ActiveAcquisitionEnv, FreeLineSpace, episode_config
+from training.rl.env import BatchedAcquisitionEnv, EnvConfig, Observation
+from training.rl.gym_env import ENV_ID, ActiveAcquisitionEnv, FreeLineSpace, episode_config
 
 from .conftest import CONFIGS
 
@@ -391,7 +391,7 @@ def test_set_mar_recomputes_observations(data, mar):
 
 
 def test_gymnasium_make_and_env_checker(tiny_dataset):
-    import training.gym_env  # noqa: F401  (registers ENV_ID, also done by `import training`)
+    import training.rl.gym_env  # noqa: F401  (registers ENV_ID, also done by `import training`)
 
     assert ENV_ID == "masc/ActiveAcquisition-v0" and ENV_ID in gymnasium.registry
     env = gymnasium.make(ENV_ID, data_dir=str(tiny_dataset), split="train", config=str(CONFIGS / "tiny.yaml"))

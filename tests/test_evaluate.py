@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from masc_gadget.config import load_config
-from masc_gadget.kspace import zero_filled
-from masc_gadget.metrics import slice_metrics
-from masc_gadget.policies import make_policy, run_episode, slice_rng
+from masc_gadget.core.kspace import zero_filled
+from masc_gadget.core.metrics import slice_metrics
+from masc_gadget.acquisition.policies import make_policy, run_episode, slice_rng
 from training.cli import cmd_eval  # noqa: F401  (the CLI module imports cleanly)
 from training.data import load_split
-from training.evaluate import evaluate, render_table
-from training.stats import paired_tests
+from training.evaluation.evaluate import evaluate, render_table
+from training.evaluation.stats import paired_tests
 
 from masc_gadget.cli import main
 

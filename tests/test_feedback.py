@@ -12,8 +12,8 @@ import ismrmrd
 import numpy as np
 import pytest
 
-from masc_gadget.decision import Decision
-from masc_gadget.feedback import (
+from masc_gadget.acquisition.decision import Decision
+from masc_gadget.mrd.feedback import (
     ZmqFeedback,
     ZmqFeedbackReceiver,
     decision_from_acquisition,
@@ -225,5 +225,5 @@ def test_zmq_bad_addresses():
 
 
 def test_feedback_imports_no_torch():
-    code = "import sys, masc_gadget.feedback; assert 'torch' not in sys.modules"
+    code = "import sys, masc_gadget.mrd.feedback; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

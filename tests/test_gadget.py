@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from masc_gadget.acquisition import initial_lines
+from masc_gadget.acquisition.episode import initial_lines
 from masc_gadget.config import load_config
-from masc_gadget.feedback import decision_from_acquisition, is_feedback
-from masc_gadget.gadget import GadgetSettings, masc, settings_from_json, settings_from_xml
-from masc_gadget.kspace import zero_filled
-from masc_gadget.policies import make_policy, run_episode
-from masc_gadget.protocol import ID_ACQUISITION, ID_CLOSE, ID_IMAGE, ID_TEXT, ConnectionClosed, MrdStream
-from masc_gadget.server import MascServer
-from sim_scanner.dataset import read_manifest, subject_path
+from masc_gadget.mrd.feedback import decision_from_acquisition, is_feedback
+from masc_gadget.serving.gadget import GadgetSettings, masc, settings_from_json, settings_from_xml
+from masc_gadget.core.kspace import zero_filled
+from masc_gadget.acquisition.policies import make_policy, run_episode
+from masc_gadget.mrd.protocol import ID_ACQUISITION, ID_CLOSE, ID_IMAGE, ID_TEXT, ConnectionClosed, MrdStream
+from masc_gadget.serving.server import MascServer
+from sim_scanner.dataset.simulate import read_manifest, subject_path
 
 from .conftest import CONFIGS
 
@@ -139,7 +139,7 @@ def test_closed_loop_equals_offline(server, subject, policy):
 
 
 def test_closed_loop_with_mar_equals_offline(server, subject, mar_ckpt):
-    from masc_gadget.checkpoint import load_mar
+    from masc_gadget.models.checkpoint import load_mar
 
     _, port = server
     header, acqs, kspace = subject

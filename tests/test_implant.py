@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from sim_scanner import phantom
-from sim_scanner.grid import Grid
-from sim_scanner.implant import (
+from sim_scanner.physics import phantom
+from sim_scanner.physics.grid import Grid
+from sim_scanner.physics.implant import (
     MATERIAL_CHI_PPM,
     Component,
     ImplantConfig,
@@ -23,8 +23,8 @@ from sim_scanner.implant import (
     postop_labels,
     rasterize_implant,
 )
-from sim_scanner.phantom import Anatomy, HipJoint
-from sim_scanner.tissues import Tissue
+from sim_scanner.physics.phantom import Anatomy, HipJoint
+from sim_scanner.physics.tissues import Tissue
 
 
 FEMORAL = [Tissue.RED_MARROW, Tissue.YELLOW_MARROW, Tissue.CARTILAGE, Tissue.CORTICAL_BONE]

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from masc_gadget.kspace import (
+from masc_gadget.core.kspace import (
     apply_line_mask,
     fft2c,
     ifft2c,

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from masc_gadget import policies
-from masc_gadget.acquisition import AcquisitionState
-from masc_gadget.checkpoint import save_checkpoint
-from masc_gadget.learned import (
+from masc_gadget.acquisition import policies
+from masc_gadget.acquisition.episode import AcquisitionState
+from masc_gadget.models.checkpoint import save_checkpoint
+from masc_gadget.acquisition.learned import (
     LearnedPolicy,
     load_masc,
     make_learned_policy,

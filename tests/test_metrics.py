@@ -11,7 +11,7 @@ from skimage.metrics import (
     structural_similarity,
 )
 
-from masc_gadget.metrics import (
+from masc_gadget.core.metrics import (
     HIGHER_IS_BETTER,
     METRICS,
     QualityReference,

@@ -11,7 +11,7 @@ import ismrmrd.xsd
 import numpy as np
 import pytest
 
-from masc_gadget.mrd import (
+from masc_gadget.mrd.header import (
     EncodingGeometry,
     encoding_geometry,
     flag_mask,
@@ -21,7 +21,7 @@ from masc_gadget.mrd import (
     slice_of,
     user_parameters,
 )
-from sim_scanner.mrd import (
+from sim_scanner.dataset.mrd_hdf5 import (
     TIMESTAMP_TICK_MS,
     acquisitions_from_kspace,
     build_header,
@@ -31,7 +31,7 @@ from sim_scanner.mrd import (
     read_mrd_group,
     write_mrd_group,
 )
-from sim_scanner.sequence import SequenceConfig
+from sim_scanner.physics.sequence import SequenceConfig
 
 FOV_CENTRE = (-40.0, 12.5)  # (y, x) mm, grid order; ISMRMRD position gets (x, y, z)
 
@@ -178,7 +178,7 @@ def test_parse_header_ignores_unknown_elements_with_warning(header_xml, caplog):
     text = header_xml.replace(
         "<subjectInformation>", "<futureThing>1</futureThing><subjectInformation>"
     )
-    with caplog.at_level(logging.WARNING, logger="masc_gadget.mrd"):
+    with caplog.at_level(logging.WARNING, logger="masc_gadget.mrd.header"):
         header = parse_header(text)
     assert encoding_geometry(header).n_readout == 16
     assert "futureThing" in caplog.text

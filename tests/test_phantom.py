@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from sim_scanner.grid import Grid
-from sim_scanner.phantom import (
+from sim_scanner.physics.grid import Grid
+from sim_scanner.physics.phantom import (
     Anatomy,
     PhantomConfig,
     TissueMaps,
@@ -18,7 +18,7 @@ from sim_scanner.phantom import (
     rasterize_anatomy,
     tissue_maps,
 )
-from sim_scanner.tissues import Tissue, TissueProperties, tissue_properties
+from sim_scanner.physics.tissues import Tissue, TissueProperties, tissue_properties
 
 # 48 x 64 x 64 voxels covering z -158..78 mm, y +-160 mm, x +-208 mm: the whole hip region.
 COARSE = Grid((48, 64, 64), (5.0, 5.0, 6.5), (-40.0, 0.0, 0.0))

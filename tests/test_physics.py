@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from masc_gadget.device import resolve_device
-from sim_scanner.grid import Grid
-from sim_scanner.physics import (
+from sim_scanner.physics.grid import Grid
+from sim_scanner.physics.forward import (
     PhysicsConfig,
     dipole_field_hz,
     fit_shim,
@@ -19,7 +19,7 @@ from sim_scanner.physics import (
     synthesize_kspace,
     tse_signal,
 )
-from sim_scanner.sequence import GAMMA_BAR_HZ_PER_T, SequenceConfig
+from sim_scanner.physics.sequence import GAMMA_BAR_HZ_PER_T, SequenceConfig
 
 
 def ifft2c(k):

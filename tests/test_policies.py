@@ -4,14 +4,14 @@ reproducible, and usable from any state a scanner leaves behind."""
 import numpy as np
 import pytest
 
-from masc_gadget.acquisition import (
+from masc_gadget.acquisition.episode import (
     AcquisitionConfig,
     AcquisitionState,
     check_episode,
     initial_lines,
 )
 from masc_gadget.config import ConfigError, from_dict
-from masc_gadget.policies import (
+from masc_gadget.acquisition.policies import (
     POLICIES,
     CenterOut,
     Equispaced,

@@ -15,7 +15,7 @@ from masc_gadget.models.policy_net import (
     masked_distribution,
     masked_logits,
 )
-from training.ppo import (
+from training.rl.ppo import (
     PPOConfig,
     collect_rollout,
     compute_gae,

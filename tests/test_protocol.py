@@ -19,8 +19,8 @@ from gadgetron.external import readers as greaders
 from gadgetron.external import writers as gwriters
 from gadgetron.external.connection import Connection
 
-from masc_gadget import protocol
-from masc_gadget.protocol import (
+from masc_gadget.mrd import protocol
+from masc_gadget.mrd.protocol import (
     ID_ACQUISITION,
     ID_CLOSE,
     ID_CONFIG_FILE,

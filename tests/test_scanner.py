@@ -1,6 +1,6 @@
-"""The simulated scanner (sim_scanner.scanner) against a small in-test fake gadget.
+"""The simulated scanner (sim_scanner.scanner.session) against a small in-test fake gadget.
 
-The fake speaks the MRD protocol with masc_gadget.protocol.MrdStream on 127.0.0.1 (port 0),
+The fake speaks the MRD protocol with masc_gadget.mrd.protocol.MrdStream on 127.0.0.1 (port 0),
 records what the scanner sent, answers with decisions chosen by the test (in-band or over the
 ZeroMQ side channel), returns one zero-filled image per finished slice, and can go silent, answer
 nonsense or die mid-scan. The real server / gadget integration is tested elsewhere.
@@ -20,12 +20,12 @@ import ismrmrd
 import numpy as np
 import pytest
 
-from masc_gadget.acquisition import initial_lines
+from masc_gadget.acquisition.episode import initial_lines
 from masc_gadget.cli import common_options
 from masc_gadget.config import ConfigError, from_dict, load_config
-from masc_gadget.decision import Decision
-from masc_gadget.feedback import ZmqFeedback, feedback_acquisition, is_feedback
-from masc_gadget.protocol import (
+from masc_gadget.acquisition.decision import Decision
+from masc_gadget.mrd.feedback import ZmqFeedback, feedback_acquisition, is_feedback
+from masc_gadget.mrd.protocol import (
     ID_ACQUISITION,
     ID_CLOSE,
     ID_CONFIG_FILE,
@@ -33,7 +33,7 @@ from masc_gadget.protocol import (
     ID_TEXT,
     MrdStream,
 )
-from sim_scanner.scanner import (
+from sim_scanner.scanner.session import (
     IMAGE_FROM_GADGET,
     IMAGE_ZERO_FILLED,
     ScannerConfig,
@@ -438,7 +438,7 @@ def test_scanner_config_validation():
 
 
 def test_scan_command(config, tiny_dataset, tmp_path, gadgets, capsys):
-    from sim_scanner import scan_cli
+    from sim_scanner.scanner import cli as scan_cli
 
     gadget = gadgets(fixed_order([3, 28]))
     parser = argparse.ArgumentParser(prog="masc")

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from masc_gadget import shipped
-from masc_gadget.checkpoint import load_checkpoint, save_checkpoint
-from masc_gadget.learned import load_masc, policy_metadata
+from masc_gadget.models import shipped
+from masc_gadget.models.checkpoint import load_checkpoint, save_checkpoint
+from masc_gadget.acquisition.learned import load_masc, policy_metadata
 from masc_gadget.models.policy_net import PolicyNet, PolicyNetConfig
 from masc_gadget.models.unet import MarModelConfig, build_mar
 from training.export import export_checkpoint

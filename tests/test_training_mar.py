@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from masc_gadget.checkpoint import load_checkpoint, load_mar
+from masc_gadget.models.checkpoint import load_checkpoint, load_mar
 from masc_gadget.config import load_config
-from masc_gadget.acquisition import AcquisitionConfig
+from masc_gadget.acquisition.episode import AcquisitionConfig
 from training.mar import MarTrainConfig, draw_masks, mar_loss, train_mar
 
 from .conftest import CONFIGS

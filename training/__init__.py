@@ -3,4 +3,4 @@
 import gymnasium as _gymnasium
 
 if "masc/ActiveAcquisition-v0" not in _gymnasium.registry:
-    _gymnasium.register(id="masc/ActiveAcquisition-v0", entry_point="training.gym_env:ActiveAcquisitionEnv")
+    _gymnasium.register(id="masc/ActiveAcquisition-v0", entry_point="training.rl.gym_env:ActiveAcquisitionEnv")

@@ -73,7 +73,7 @@ def cmd_train_masc(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from masc_gadget.cli import config_from_args
-    from training.evaluate import render_table, write_outputs, evaluate
+    from training.evaluation.evaluate import render_table, write_outputs, evaluate
 
     overrides = list(args.overrides)
     if args.reference:

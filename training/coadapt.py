@@ -26,17 +26,17 @@ from typing import Any, Literal
 import torch
 
 from masc_gadget import __version__
-from masc_gadget.checkpoint import load_checkpoint, load_mar, save_checkpoint
+from masc_gadget.models.checkpoint import load_checkpoint, load_mar, save_checkpoint
 from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
-from masc_gadget.kspace import zero_filled
-from masc_gadget.learned import policy_metadata
-from masc_gadget.metrics import scale_by_target
+from masc_gadget.core.kspace import zero_filled
+from masc_gadget.acquisition.learned import policy_metadata
+from masc_gadget.core.metrics import scale_by_target
 from masc_gadget.models.policy_net import PolicyNet
 from training.data import load_split
-from training.env import BatchedAcquisitionEnv, EnvConfig
+from training.rl.env import BatchedAcquisitionEnv, EnvConfig
 from training.mar import mar_loss
-from training.ppo import collect_rollout, greedy_actions, make_optimizer, ppo_update
+from training.rl.ppo import collect_rollout, greedy_actions, make_optimizer, ppo_update
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from masc_gadget import __version__
-from masc_gadget.checkpoint import load_checkpoint, save_checkpoint
+from masc_gadget.models.checkpoint import load_checkpoint, save_checkpoint
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, command: str = "",

@@ -22,14 +22,14 @@ import numpy as np
 import torch
 
 from masc_gadget import __version__
-from masc_gadget.acquisition import AcquisitionConfig
-from masc_gadget.checkpoint import load_checkpoint, save_checkpoint
+from masc_gadget.acquisition.episode import AcquisitionConfig
+from masc_gadget.models.checkpoint import load_checkpoint, save_checkpoint
 from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
-from masc_gadget.kspace import zero_filled
-from masc_gadget.metrics import scale_by_target, slice_metrics, ssim
+from masc_gadget.core.kspace import zero_filled
+from masc_gadget.core.metrics import scale_by_target, slice_metrics, ssim
 from masc_gadget.models.unet import build_mar
-from masc_gadget.policies import make_policy, run_episode
+from masc_gadget.acquisition.policies import make_policy, run_episode
 from training.data import SliceSet, load_split
 
 log = logging.getLogger(__name__)

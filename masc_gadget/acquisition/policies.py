@@ -1,6 +1,6 @@
 """Sampling policies: which phase-encoding line to acquire next.
 
-A policy looks at an :class:`~masc_gadget.acquisition.AcquisitionState` and returns one line that
+A policy looks at an :class:`~masc_gadget.acquisition.episode.AcquisitionState` and returns one line that
 is not acquired yet. It must work from *any* state, not only from the states its own choices
 lead to: online, the scanner is the authority on what was acquired and may acquire lines the
 policy did not ask for. The same objects run offline (:func:`run_episode`, evaluation batched
@@ -24,7 +24,7 @@ from importlib import metadata
 
 import numpy as np
 
-from masc_gadget.acquisition import AcquisitionState, check_episode, initial_lines
+from masc_gadget.acquisition.episode import AcquisitionState, check_episode, initial_lines
 
 POLICIES_GROUP = "masc.policies"
 

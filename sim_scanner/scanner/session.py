@@ -5,7 +5,7 @@ For each subject file the scanner connects to a gadget (``masc serve`` or Gadget
 config by name (id 1), the ``metal`` group's ISMRMRD header (3) and a JSON text (5) with its
 parameters (feedback mode, ZeroMQ address, initial, budget, policy), then acquires:
 
-* the ``initial`` centre lines of a slice (:func:`masc_gadget.acquisition.initial_lines`), then
+* the ``initial`` centre lines of a slice (:func:`masc_gadget.acquisition.episode.initial_lines`), then
   ``budget`` lines one at a time. Sequential: slice after slice. Interleaved (``interleave``):
   the initial lines of every slice first, then round-robin over slices, one line each, as a
   multi-slice TSE;
@@ -28,7 +28,7 @@ gadget, ``<subject>/scanner_zero_filled`` for slices without a returned image).
 
 Time stamps: ``acquisition_time_stamp`` (2.5 ms ticks) starts at the time of day when the
 subject's scan starts and advances by the sequence's nominal line period
-(:func:`sim_scanner.mrd.line_period_ms`), strictly increasing; the scanner does not pace its
+(:func:`sim_scanner.dataset.mrd_hdf5.line_period_ms`), strictly increasing; the scanner does not pace its
 lines in real time, only the decision deadlines are real time.
 """
 
@@ -55,15 +55,15 @@ import numpy as np
 import torch
 
 from masc_gadget import __version__
-from masc_gadget.acquisition import AcquisitionConfig, AcquisitionState, initial_lines
+from masc_gadget.acquisition.episode import AcquisitionConfig, AcquisitionState, initial_lines
 from masc_gadget.config import Config, from_dict, to_dict
-from masc_gadget.kspace import zero_filled
-from masc_gadget.metrics import METRICS, slice_metrics
-from masc_gadget.mrd import flag_mask
-from masc_gadget.policies import SamplingPolicy, make_policy
-from sim_scanner import mrd
-from sim_scanner.dataset import read_manifest, subject_path
-from sim_scanner.sequence import SequenceConfig
+from masc_gadget.core.kspace import zero_filled
+from masc_gadget.core.metrics import METRICS, slice_metrics
+from masc_gadget.mrd.header import flag_mask
+from masc_gadget.acquisition.policies import SamplingPolicy, make_policy
+from sim_scanner.dataset import mrd_hdf5 as mrd
+from sim_scanner.dataset.simulate import read_manifest, subject_path
+from sim_scanner.physics.sequence import SequenceConfig
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class ScannerConfig:
     """How long the scanner waits for the decision for a slice's next line, from sending the
     previous line of that slice, ms; later decisions are misses and the fallback line is taken."""
     fallback: str = "center-out"
-    """Deterministic policy (``masc_gadget.policies``) whose choice on the current mask is
+    """Deterministic policy (``masc_gadget.acquisition.policies``) whose choice on the current mask is
     taken when the gadget's decision is missing, late or invalid, e.g. center-out (low
     frequencies first) or equispaced."""
     interleave: bool = False
@@ -464,7 +464,7 @@ class _ZmqPump:
     """Reads the ZeroMQ side channel on its own thread into a :class:`_DecisionBoard`."""
 
     def __init__(self, address: str, board: _DecisionBoard, errors: list[str]) -> None:
-        from masc_gadget.feedback import ZmqFeedbackReceiver
+        from masc_gadget.mrd.feedback import ZmqFeedbackReceiver
 
         self.receiver = ZmqFeedbackReceiver(address)
         self.endpoint = str(self.receiver.endpoint)
@@ -500,7 +500,7 @@ class _GadgetLink:
     def __init__(
         self, sock: socket.socket, mode: str, board: _DecisionBoard, errors: list[str]
     ) -> None:
-        from masc_gadget.protocol import MrdStream
+        from masc_gadget.mrd.protocol import MrdStream
 
         self.sock = sock
         self.stream = MrdStream(sock)
@@ -554,8 +554,8 @@ class _GadgetLink:
         self.board.close()
 
     def _read_loop(self) -> None:
-        from masc_gadget import protocol
-        from masc_gadget.feedback import decision_from_acquisition, is_feedback
+        from masc_gadget.mrd import protocol
+        from masc_gadget.mrd.feedback import decision_from_acquisition, is_feedback
 
         try:
             while True:

@@ -12,7 +12,7 @@ lines are in. All slices that want a decision at the same moment are decided in 
 pass: zero-filled reconstruction -> one MAR forward -> :meth:`SamplingPolicy.select_batch`.
 
 Shapes: a slice's k-space is ``(n_pe, n_readout)`` complex64 (row k = PE line k of centred
-k-space, as :mod:`masc_gadget.kspace`), its mask ``(n_pe,)`` bool, its image ``(n_pe, n_readout)``
+k-space, as :mod:`masc_gadget.core.kspace`), its mask ``(n_pe,)`` bool, its image ``(n_pe, n_readout)``
 float32 magnitude; a batch of B slices stacks them to ``(B, n_pe, n_readout)`` / ``(B, n_pe)``.
 
 Randomness: each slice draws from its own ``slice_rng(seed, slice)`` stream, kept across its
@@ -35,12 +35,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from masc_gadget.acquisition import AcquisitionState, initial_lines
-from masc_gadget.checkpoint import load_mar
-from masc_gadget.decision import Decision
+from masc_gadget.acquisition.episode import AcquisitionState, initial_lines
+from masc_gadget.models.checkpoint import load_mar
+from masc_gadget.acquisition.decision import Decision
 from masc_gadget.device import resolve_device
-from masc_gadget.kspace import zero_filled
-from masc_gadget.policies import SamplingPolicy, make_policy, slice_rng
+from masc_gadget.core.kspace import zero_filled
+from masc_gadget.acquisition.policies import SamplingPolicy, make_policy, slice_rng
 
 __all__ = ["AcquisitionEngine", "Decision", "EngineSettings", "SliceResult"]
 
@@ -66,9 +66,9 @@ class EngineSettings:
     """Lines the policy chooses per slice after the initial ones; decisions stop once a slice
     has ``initial + budget`` lines."""
     policy: str = "center-out"
-    """Sampling policy name (``masc_gadget.policies.make_policy``)."""
+    """Sampling policy name (``masc_gadget.acquisition.policies.make_policy``)."""
     mar_checkpoint: str = ""
-    """MAR network checkpoint (``masc_gadget.checkpoint.load_mar``); "" = MAR off, the output
+    """MAR network checkpoint (``masc_gadget.models.checkpoint.load_mar``); "" = MAR off, the output
     image is the zero-filled one."""
     device: str = "auto"
     """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda``, ``cuda:N``."""

@@ -7,7 +7,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from sim_scanner.dataset import read_manifest, subject_path
+from sim_scanner.dataset.simulate import read_manifest, subject_path
 
 
 def pick_slices(implant_mask: np.ndarray, count: int) -> list[int]:

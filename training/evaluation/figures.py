@@ -18,7 +18,7 @@ def _plt():
 
 
 def _label(row: dict[str, Any]) -> str:
-    from training.evaluate import DISPLAY_NAMES
+    from training.evaluation.evaluate import DISPLAY_NAMES
 
     return f"{DISPLAY_NAMES.get(row['method'], row['method'])}{' + MAR' if row['mar'] else ''}"
 

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from masc_gadget.config import Config, ConfigError, load_config
-from masc_gadget.gadget import DEFAULT_CACHE, GadgetSettings, ModelCache, process, settings_from_xml
-from masc_gadget.mrd import parse_header
-from masc_gadget.policies import POLICIES
-from masc_gadget.protocol import (
+from masc_gadget.serving.gadget import DEFAULT_CACHE, GadgetSettings, ModelCache, process, settings_from_xml
+from masc_gadget.mrd.header import parse_header
+from masc_gadget.acquisition.policies import POLICIES
+from masc_gadget.mrd.protocol import (
     ID_ACQUISITION,
     ID_CLOSE,
     ID_CONFIG_FILE,
@@ -233,7 +233,7 @@ class MascServer:
 
         import numpy as np
 
-        from masc_gadget.engine import AcquisitionEngine, EngineSettings
+        from masc_gadget.acquisition.engine import AcquisitionEngine, EngineSettings
 
         start = time.perf_counter()
         s = GadgetSettings.from_config(self.named.config)

@@ -1,7 +1,7 @@
 """The next-line decision record, shared by the acquisition engine and the feedback channels.
 
-Standard library only, so that protocol code (:mod:`masc_gadget.feedback`, the simulated scanner)
-can import it without torch, and the engine (:mod:`masc_gadget.engine`) without ismrmrd or zmq.
+Standard library only, so that protocol code (:mod:`masc_gadget.mrd.feedback`, the simulated scanner)
+can import it without torch, and the engine (:mod:`masc_gadget.acquisition.engine`) without ismrmrd or zmq.
 """
 
 from __future__ import annotations

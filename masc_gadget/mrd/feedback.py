@@ -26,7 +26,7 @@ from typing import Any
 import ismrmrd
 import zmq
 
-from masc_gadget.decision import Decision
+from masc_gadget.acquisition.decision import Decision
 
 __all__ = [
     "FEEDBACK_FLAG",

@@ -1,7 +1,7 @@
 """The MASC streaming gadget: one plain function over a connection.
 
 ``masc(connection)`` runs inside Gadgetron as an external Python module (``<external><execute
-name="masc_gadget.gadget" target="masc" type="python"/>``), reading its settings from the stream's
+name="masc_gadget.serving.gadget" target="masc" type="python"/>``), reading its settings from the stream's
 ``<configuration>`` element, and the standalone ``masc serve`` runs the very same
 :func:`process` loop over its own connections. For every acquired line it updates the slice's
 k-space buffer (the scanner is the authority on what was acquired), and once the slice's initial
@@ -9,7 +9,7 @@ lines are in it reconstructs, corrects (MAR) and asks the policy for the next li
 back in-band (a header-only ``ACQ_USER1`` acquisition, opt-in) and / or over the ZeroMQ side
 channel. Each finished slice goes back as an ``ismrmrd.Image``.
 
-Debugging: ``python -m masc_gadget.gadget PORT`` listens on PORT for one Gadgetron connection.
+Debugging: ``python -m masc_gadget.serving.gadget PORT`` listens on PORT for one Gadgetron connection.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import yaml
 
 from masc_gadget import __version__
 from masc_gadget.config import ConfigError, from_dict, to_dict
-from masc_gadget.engine import AcquisitionEngine, EngineSettings, SliceResult
-from masc_gadget.feedback import ZmqFeedback, feedback_acquisition, is_feedback
-from masc_gadget.mrd import encoding_geometry
+from masc_gadget.acquisition.engine import AcquisitionEngine, EngineSettings, SliceResult
+from masc_gadget.mrd.feedback import ZmqFeedback, feedback_acquisition, is_feedback
+from masc_gadget.mrd.header import encoding_geometry
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ class ModelCache:
         """(LearnedPolicy, its MAR network or None) of a MASC checkpoint."""
         if not checkpoint:
             raise ConfigError("the masc policy needs a trained checkpoint: set policy_checkpoint")
-        from masc_gadget.learned import load_masc
+        from masc_gadget.acquisition.learned import load_masc
 
         key = (checkpoint, device)
         with self._lock:
@@ -201,7 +201,7 @@ class ModelCache:
     def mar(self, checkpoint: str, device: str):
         if not checkpoint:
             return None
-        from masc_gadget.checkpoint import load_mar
+        from masc_gadget.models.checkpoint import load_mar
 
         key = (checkpoint, device)
         with self._lock:
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - debugging 
 
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or not argv[0].isdigit():
-        print("usage: python -m masc_gadget.gadget PORT", file=sys.stderr)
+        print("usage: python -m masc_gadget.serving.gadget PORT", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     listen(int(argv[0]), masc)

@@ -90,7 +90,7 @@ class PPOConfig:
 
 
 class ObservationLike(Protocol):
-    """What a batched environment shows the agent (the interface of ``training.env.Observation``)."""
+    """What a batched environment shows the agent (the interface of ``training.rl.env.Observation``)."""
 
     image: torch.Tensor  # (B, H, W) float32 current image
     mask: torch.Tensor  # (B, n_pe) bool, True = acquired
@@ -98,7 +98,7 @@ class ObservationLike(Protocol):
 
 
 class BatchedEnv(Protocol):
-    """B acquisition episodes in lockstep (``training.env``). ``step`` resets the episodes that
+    """B acquisition episodes in lockstep (``training.rl.env``). ``step`` resets the episodes that
     terminate, so the observation it returns for them is the first of a new episode."""
 
     budget: int

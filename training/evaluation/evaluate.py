@@ -17,15 +17,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from masc_gadget.acquisition import AcquisitionState, initial_lines
-from masc_gadget.checkpoint import load_mar
+from masc_gadget.acquisition.episode import AcquisitionState, initial_lines
+from masc_gadget.models.checkpoint import load_mar
 from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
-from masc_gadget.kspace import zero_filled
-from masc_gadget.metrics import HIGHER_IS_BETTER, METRICS, slice_metrics
-from masc_gadget.policies import SamplingPolicy, make_policy, slice_rng
+from masc_gadget.core.kspace import zero_filled
+from masc_gadget.core.metrics import HIGHER_IS_BETTER, METRICS, slice_metrics
+from masc_gadget.acquisition.policies import SamplingPolicy, make_policy, slice_rng
 from training.data import SliceSet, load_split
-from training.stats import mean_std, paired_tests
+from training.evaluation.stats import mean_std, paired_tests
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
         if name == "masc":
             if not checkpoint:
                 raise ValueError("method 'masc' needs a trained checkpoint: pass --checkpoint CKPT")
-            from masc_gadget.learned import load_masc
+            from masc_gadget.acquisition.learned import load_masc
 
             policies[name], masc_mar, _ = load_masc(checkpoint, device)
             if masc_mar is not None:
@@ -304,7 +304,7 @@ def render_table(results: dict[str, Any]) -> str:
 
 def write_outputs(results: dict[str, Any], figures: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
     """results.json, table.md, curves.png, examples.png in ``out_dir``."""
-    from training.figures import plot_curves, plot_examples
+    from training.evaluation.figures import plot_curves, plot_examples
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

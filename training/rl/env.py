@@ -13,7 +13,7 @@ sampled image, so an episode's rewards sum to ``alpha * (Q_final - Q_initial)``.
 :class:`BatchedAcquisitionEnv` steps ``n_envs`` episodes (slices) together: one batched masked
 IFFT and ONE batched MAR forward per step, for all of them (the per-env current quality is kept,
 so a step never recomputes the previous state). Everything runs under ``torch.no_grad``.
-:mod:`training.gym_env` wraps it as a single-episode Gymnasium environment.
+:mod:`training.rl.gym_env` wraps it as a single-episode Gymnasium environment.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from masc_gadget.acquisition import check_episode, initial_lines
+from masc_gadget.acquisition.episode import check_episode, initial_lines
 from masc_gadget.device import resolve_device
-from masc_gadget.kspace import to_hybrid, zero_filled_hybrid
-from masc_gadget.metrics import QualityReference, slice_metrics
+from masc_gadget.core.kspace import to_hybrid, zero_filled_hybrid
+from masc_gadget.core.metrics import QualityReference, slice_metrics
 from training.data import SliceSet
 
 __all__ = ["BatchedAcquisitionEnv", "EnvConfig", "Observation"]
@@ -456,7 +456,7 @@ class BatchedAcquisitionEnv:
               else ``I``;
             * ``masks`` (N, PE) bool: final masks;
             * ``lines`` (N, budget) long: the chosen lines in order;
-            * ``metrics``: :func:`masc_gadget.metrics.slice_metrics` of ``images`` (each (N,)).
+            * ``metrics``: :func:`masc_gadget.core.metrics.slice_metrics` of ``images`` (each (N,)).
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")

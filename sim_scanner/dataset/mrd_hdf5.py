@@ -32,8 +32,8 @@ import ismrmrd.xsd as xsd
 import numpy as np
 from ismrmrd.hdf5 import acquisition_dtype, acquisition_header_dtype
 
-from masc_gadget.mrd import encoding_geometry, flag_mask, parse_header, serialize_header
-from sim_scanner.sequence import SequenceConfig
+from masc_gadget.mrd.header import encoding_geometry, flag_mask, parse_header, serialize_header
+from sim_scanner.physics.sequence import SequenceConfig
 
 TIMESTAMP_TICK_MS = 2.5
 """Duration of one ``acquisition_time_stamp`` tick, ms (Siemens convention)."""
@@ -271,7 +271,7 @@ def make_acquisition(
     line_data: (n_readout,) complex samples (stored as complex64); data shape (1, n_readout).
     line: PE line (``idx.kspace_encode_step_1``) in [0, n_pe); slice_index (``idx.slice``) in
     [0, n_slices) (``n_slices`` defaults to ``seq.n_slices``); timestamp: 2.5 ms ticks;
-    flags: bit mask (see ``masc_gadget.mrd.flag_mask``). ``position`` is
+    flags: bit mask (see ``masc_gadget.mrd.header.flag_mask``). ``position`` is
     (fov_centre_mm[1], fov_centre_mm[0], slice_centre_mm): fov_centre_mm is (y, x).
     """
     n_slices = seq.n_slices if n_slices is None else int(n_slices)
@@ -502,7 +502,7 @@ def write_mrd_group(
 
     The file is created if needed and may hold other groups and datasets, which are kept. An
     existing ``group`` is an error unless ``overwrite``. The header must parse
-    (``masc_gadget.mrd.parse_header``). The result reads with
+    (``masc_gadget.mrd.header.parse_header``). The result reads with
     ``ismrmrd.Dataset(path, group, create_if_needed=False)``.
     """
     if not isinstance(group, str) or not group.strip("/"):

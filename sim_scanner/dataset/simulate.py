@@ -28,17 +28,17 @@ import torch
 
 from masc_gadget import __version__
 from masc_gadget.config import Config, build_config, to_dict
-from masc_gadget.kspace import magnitude
-from sim_scanner import mrd
-from sim_scanner.grid import Grid
-from sim_scanner.implant import (
+from masc_gadget.core.kspace import magnitude
+from sim_scanner.dataset import mrd_hdf5 as mrd
+from sim_scanner.physics.grid import Grid
+from sim_scanner.physics.implant import (
     draw_implant,
     implant_chi_ppm,
     postop_labels,
     rasterize_implant,
 )
-from sim_scanner.phantom import draw_anatomy, rasterize_anatomy, tissue_maps
-from sim_scanner.physics import (
+from sim_scanner.physics.phantom import draw_anatomy, rasterize_anatomy, tissue_maps
+from sim_scanner.physics.forward import (
     FAT_CHEMICAL_SHIFT_PPM,
     dipole_field_hz,
     fit_shim,
@@ -46,7 +46,7 @@ from sim_scanner.physics import (
     synthesize_kspace,
     tse_signal,
 )
-from sim_scanner.tissues import Tissue, tissue_properties
+from sim_scanner.physics.tissues import Tissue, tissue_properties
 
 log = logging.getLogger(__name__)
 

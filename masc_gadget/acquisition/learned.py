@@ -1,4 +1,4 @@
-"""The learned MASC acquisition policy as a :class:`~masc_gadget.policies.SamplingPolicy`.
+"""The learned MASC acquisition policy as a :class:`~masc_gadget.acquisition.policies.SamplingPolicy`.
 
 A trained :class:`~masc_gadget.models.policy_net.PolicyNet` is run greedily: the free line with
 the largest logit (acquired lines are masked out), one forward pass for a whole batch of
@@ -6,7 +6,7 @@ slices. It joins the policy registry as ``masc`` through the ``masc.policies`` e
 (:func:`make_learned_policy`), so offline evaluation and the streaming gadget use it like the
 baselines.
 
-Checkpoint (written with :func:`~masc_gadget.checkpoint.save_checkpoint`)::
+Checkpoint (written with :func:`~masc_gadget.models.checkpoint.save_checkpoint`)::
 
     state dicts  "policy" (PolicyNet), optionally "mar" (MarNet)
     metadata     {"kind": "masc", "policy_net": to_dict(PolicyNetConfig), "n_pe": ...,
@@ -25,13 +25,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from masc_gadget.acquisition import AcquisitionState
-from masc_gadget.checkpoint import Checkpoint, load_checkpoint, mar_from_checkpoint
+from masc_gadget.acquisition.episode import AcquisitionState
+from masc_gadget.models.checkpoint import Checkpoint, load_checkpoint, mar_from_checkpoint
 from masc_gadget.config import ConfigError, from_dict, to_dict
 from masc_gadget.device import resolve_device
 from masc_gadget.models.policy_net import PolicyNet, PolicyNetConfig, masked_logits
 from masc_gadget.models.unet import MarNet
-from masc_gadget.policies import SamplingPolicy
+from masc_gadget.acquisition.policies import SamplingPolicy
 
 KIND = "masc"
 

@@ -4,10 +4,10 @@ Two phases, so that the scan geometry can depend on the anatomy before anything 
 
 1. :func:`draw_anatomy` draws every per-subject parameter from a seeded generator and returns
    an :class:`Anatomy` (parameters + landmarks such as the hip joints);
-2. :func:`rasterize_anatomy` turns it into a label volume on any :class:`~sim_scanner.grid.Grid`,
+2. :func:`rasterize_anatomy` turns it into a label volume on any :class:`~sim_scanner.physics.grid.Grid`,
    and :func:`tissue_maps` into proton density, T1, T2 and susceptibility maps.
 
-Coordinates follow :mod:`sim_scanner.grid` (mm, LPS, volumes [z, y, x]); z = 0 is the level of
+Coordinates follow :mod:`sim_scanner.physics.grid` (mm, LPS, volumes [z, y, x]); z = 0 is the level of
 the femoral head centres, x = 0 the mid-sagittal plane, y = 0 the middle of the body's
 antero-posterior extent at that level.
 
@@ -1581,7 +1581,7 @@ def tissue_maps(labels: np.ndarray, anatomy: Anatomy, grid: Grid, b0_t: float,
                 cfg: PhantomConfig) -> TissueMaps:
     """PD, T1, T2 and susceptibility maps (float32 [z, y, x]) of a label volume.
 
-    Properties come from :func:`~sim_scanner.tissues.tissue_properties` at ``b0_t``, varied per
+    Properties come from :func:`~sim_scanner.physics.tissues.tissue_properties` at ``b0_t``, varied per
     subject and tissue by ``cfg.property_variation`` (deterministic from ``anatomy.seed``); PD
     (and, less, T2) carry a smooth multiplicative texture defined in mm. Susceptibility is not
     textured. Unknown label values raise ValueError.

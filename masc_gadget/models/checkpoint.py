@@ -132,9 +132,9 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 
     Raises FileNotFoundError when ``path`` does not exist and ValueError naming ``path`` when it
     is not a MASC checkpoint, is corrupt or truncated, or was written by a newer format version.
-    ``shipped:NAME`` names a checkpoint shipped inside the package (:mod:`masc_gadget.shipped`).
+    ``shipped:NAME`` names a checkpoint shipped inside the package (:mod:`masc_gadget.models.shipped`).
     """
-    from masc_gadget.shipped import resolve
+    from masc_gadget.models.shipped import resolve
 
     path = resolve(path)
     if not path.exists():

@@ -1,4 +1,4 @@
-"""``masc scan``: the simulated scanner driving a gadget in closed loop (sim_scanner.scanner)."""
+"""``masc scan``: the simulated scanner driving a gadget in closed loop (sim_scanner.scanner.session)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from masc_gadget.config import Config
-    from sim_scanner.scanner import ScannerConfig
+    from sim_scanner.scanner.session import ScannerConfig
 
 log = logging.getLogger("masc.scan")
 
@@ -60,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
 
 def scanner_config_from_args(args: argparse.Namespace, config: Config) -> ScannerConfig:
     """The ``scanner`` section of ``config`` with the command-line flags applied (validated)."""
-    from sim_scanner.scanner import ScannerConfig
+    from sim_scanner.scanner.session import ScannerConfig
 
     base = config.sections["scanner"] if "scanner" in config.sections else ScannerConfig()
     values = {
@@ -72,7 +72,7 @@ def scanner_config_from_args(args: argparse.Namespace, config: Config) -> Scanne
 def cmd_scan(args: argparse.Namespace) -> int:
     from masc_gadget.cli import config_from_args
     from masc_gadget.config import Config
-    from sim_scanner.scanner import run_scan
+    from sim_scanner.scanner.session import run_scan
 
     config = config_from_args(args)
     scanner = scanner_config_from_args(args, config)

@@ -3,7 +3,7 @@ with metal-induced slice bending and readout displacement.
 
 All heavy steps run in torch on the configured device (CUDA when asked and present, else CPU);
 inputs and outputs are numpy arrays. Volumes are [z, y, x] in the conventions of
-:mod:`sim_scanner.grid`.
+:mod:`sim_scanner.physics.grid`.
 
 Forward model (per axial slice, spin echo, so off-resonance dephasing is refocused and the
 phase-encoding direction is undistorted):
@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from masc_gadget.device import resolve_device
-from masc_gadget.kspace import fft2c
-from sim_scanner.grid import Grid
-from sim_scanner.sequence import GAMMA_BAR_HZ_PER_T, SequenceConfig
+from masc_gadget.core.kspace import fft2c
+from sim_scanner.physics.grid import Grid
+from sim_scanner.physics.sequence import GAMMA_BAR_HZ_PER_T, SequenceConfig
 
 log = logging.getLogger(__name__)
 

@@ -5,14 +5,14 @@ head, an acetabular liner and an acetabular cup, the last two hemispherical shel
 like the phantom:
 
 1. :func:`draw_implant` draws sizes, materials and placement from the anatomy's hip landmarks
-   (:class:`~sim_scanner.phantom.HipJoint`) and a seeded generator -> :class:`ImplantParams`;
+   (:class:`~sim_scanner.physics.phantom.HipJoint`) and a seeded generator -> :class:`ImplantParams`;
 2. :func:`rasterize_implant` labels the voxels of each :class:`Component` on a
-   :class:`~sim_scanner.grid.Grid` (uint8 [z, y, x], by voxel centre);
+   :class:`~sim_scanner.physics.grid.Grid` (uint8 [z, y, x], by voxel centre);
 3. :func:`postop_labels` turns the native tissue labels into the post-operative anatomy
    (resected femoral head and neck, implant voxels labelled ``Tissue.IMPLANT``), and
    :func:`implant_chi_ppm` gives each component's volume susceptibility.
 
-Coordinates follow :mod:`sim_scanner.grid`: points and directions are (z, y, x) in mm, DICOM LPS
+Coordinates follow :mod:`sim_scanner.physics.grid`: points and directions are (z, y, x) in mm, DICOM LPS
 (+x patient left, +y posterior, +z superior).
 
 Cup orientation uses the *radiographic* definitions of Murray (J Bone Joint Surg Br 1993;
@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from sim_scanner.grid import Grid
-from sim_scanner.tissues import Tissue
+from sim_scanner.physics.grid import Grid
+from sim_scanner.physics.tissues import Tissue
 
 if TYPE_CHECKING:
-    from sim_scanner.phantom import Anatomy, HipJoint
+    from sim_scanner.physics.phantom import Anatomy, HipJoint
 
 
 class Component(IntEnum):

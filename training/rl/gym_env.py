@@ -1,6 +1,6 @@
 """The acquisition MDP as a standard single-episode Gymnasium environment.
 
-``ActiveAcquisitionEnv`` is a one-env view of :class:`training.env.BatchedAcquisitionEnv` (same
+``ActiveAcquisitionEnv`` is a one-env view of :class:`training.rl.env.BatchedAcquisitionEnv` (same
 reconstruction, MAR correction and reward), for Gymnasium tooling: the env checker, wrappers,
 ``gymnasium.make("masc/ActiveAcquisition-v0", data_dir=..., split=..., config=...)`` and
 masked-action libraries (``action_masks()``, as sb3-contrib's MaskablePPO expects). MASC's own
@@ -20,7 +20,7 @@ import torch
 from gymnasium import spaces
 from torch import nn
 
-from masc_gadget.acquisition import AcquisitionConfig
+from masc_gadget.acquisition.episode import AcquisitionConfig
 from masc_gadget.config import (
     Config,
     build_config,
@@ -29,7 +29,7 @@ from masc_gadget.config import (
     load_config,
 )
 from training.data import SliceSet, load_split
-from training.env import BatchedAcquisitionEnv, EnvConfig, Observation
+from training.rl.env import BatchedAcquisitionEnv, EnvConfig, Observation
 
 __all__ = ["ENV_ID", "ActiveAcquisitionEnv", "FreeLineSpace", "episode_config", "register_env"]
 
@@ -40,7 +40,7 @@ ENV_ID = "masc/ActiveAcquisition-v0"
 def register_env() -> None:
     """Register :data:`ENV_ID` with Gymnasium (idempotent)."""
     if ENV_ID not in gymnasium.registry:
-        gymnasium.register(id=ENV_ID, entry_point="training.gym_env:ActiveAcquisitionEnv")
+        gymnasium.register(id=ENV_ID, entry_point="training.rl.gym_env:ActiveAcquisitionEnv")
 
 
 class FreeLineSpace(spaces.Discrete):

@@ -5,7 +5,7 @@
 table and optionally writes JSON.
 
 ``masc bench env``: acquisition-environment steps per second, batched (:func:`bench_env`: one
-:class:`~training.env.BatchedAcquisitionEnv` stepping ``n_envs`` slices together) against one
+:class:`~training.rl.env.BatchedAcquisitionEnv` stepping ``n_envs`` slices together) against one
 slice at a time (a one-env batched env and the Gymnasium env), and end-to-end PPO training
 throughput (:func:`bench_ppo`: our batched PPO against sb3-contrib's MaskablePPO on the
 Gymnasium env, the optional ``bench`` extra).
@@ -48,13 +48,13 @@ import torch
 from torch import nn
 
 from masc_gadget import __version__
-from masc_gadget.acquisition import AcquisitionConfig
+from masc_gadget.acquisition.episode import AcquisitionConfig
 from masc_gadget.device import resolve_device
 from masc_gadget.models.policy_net import PolicyNet, PolicyNetConfig
 from masc_gadget.models.unet import MarModelConfig, MarNet, build_mar
 from training.data import SliceSet
-from training.env import BatchedAcquisitionEnv, EnvConfig
-from training.ppo import PPOConfig, collect_rollout, make_optimizer, ppo_update, start
+from training.rl.env import BatchedAcquisitionEnv, EnvConfig
+from training.rl.ppo import PPOConfig, collect_rollout, make_optimizer, ppo_update, start
 
 log = logging.getLogger("masc.bench")
 
@@ -179,7 +179,7 @@ def bench_unet(
     gen = torch.Generator().manual_seed(seed)
     trained = None
     if checkpoint is not None:
-        from masc_gadget.checkpoint import load_mar
+        from masc_gadget.models.checkpoint import load_mar
 
         trained, _ = load_mar(checkpoint, device)
         widths, depth = [trained.config.width], trained.config.depth
@@ -470,7 +470,7 @@ def bench_env(
 
     * batched: one :class:`BatchedAcquisitionEnv` with ``n_envs`` slices, ``steps`` steps;
     * single: a one-env :class:`BatchedAcquisitionEnv`, ``n_envs * steps`` steps;
-    * gym: the Gymnasium :class:`~training.gym_env.ActiveAcquisitionEnv` (numpy observations,
+    * gym: the Gymnasium :class:`~training.rl.gym_env.ActiveAcquisitionEnv` (numpy observations,
       ``action_masks()``), ``n_envs * steps`` steps (skipped with ``gym=False``: None values).
 
     Finished episodes restart inside the timed loops (auto-reset, or ``reset()`` for the
@@ -482,7 +482,7 @@ def bench_env(
     cuda:N or auto; ``mar`` must be on it.
     Returns a dict with the keys :data:`ENV_KEYS`. The global RNG state is left alone.
     """
-    from training.gym_env import ActiveAcquisitionEnv
+    from training.rl.gym_env import ActiveAcquisitionEnv
 
     for name, value in (("n_envs", n_envs), ("steps", steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -607,7 +607,7 @@ def _time_sb3(data: SliceSet, initial: int, budget: int, total: int, mar: nn.Mod
     import sb3_contrib
     from sb3_contrib import MaskablePPO
 
-    from training.gym_env import ActiveAcquisitionEnv
+    from training.rl.gym_env import ActiveAcquisitionEnv
 
     config = {"acquisition": AcquisitionConfig(initial=initial, budget=budget), "env": env_cfg}
     env = ActiveAcquisitionEnv(data=data, config=config, mar=mar, device=device)
@@ -652,7 +652,7 @@ def bench_ppo(
 ) -> dict[str, Any]:
     """End-to-end PPO training throughput (environment steps per second, updates included).
 
-    Ours: :func:`~training.ppo.collect_rollout` + :func:`~training.ppo.ppo_update` of a
+    Ours: :func:`~training.rl.ppo.collect_rollout` + :func:`~training.rl.ppo.ppo_update` of a
     :class:`PolicyNet` on a :class:`BatchedAcquisitionEnv` with ``n_envs`` slices. sb3-contrib:
     ``MaskablePPO("MultiInputPolicy")`` (its default MLP over the flattened observation, action
     masks from ``action_masks()``) on the Gymnasium env, one episode at a time. Both use

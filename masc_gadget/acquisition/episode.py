@@ -1,7 +1,7 @@
 """Acquisition episodes: which phase-encoding (PE) lines of a slice are acquired, in what order.
 
 An episode is one slice with ``n_pe`` PE lines. The ``initial`` lines around the k-space centre
-are acquired first, then a sampling policy (:mod:`masc_gadget.policies`) chooses ``budget``
+are acquired first, then a sampling policy (:mod:`masc_gadget.acquisition.policies`) chooses ``budget``
 further lines one at a time; an acquired line is never chosen again, so every method acquires
 exactly ``initial + budget`` lines. Paper setting: 10x = 2 + 18, 5x = 8 + 32 of ~200 PE lines.
 
@@ -26,7 +26,7 @@ class AcquisitionConfig:
     budget: int = 18
     """Lines chosen by the policy, one at a time, after the initial ones; paper 10x: 18, 5x: 32."""
     policy: str = "center-out"
-    """Sampling policy name (``masc_gadget.policies.POLICIES``): center-out, random,
+    """Sampling policy name (``masc_gadget.acquisition.policies.POLICIES``): center-out, random,
     random-lowbias, equispaced, or a learned policy registered by another package."""
     seed: int = 0
     """Seed of the per-slice random streams of random policies (``slice_rng(seed, slice, ...)``)."""
