@@ -333,7 +333,7 @@ def test_equispaced_paper_setting():
 def test_equispaced_targets_are_distinct_exhaustively():
     for n_pe in range(1, 41):
         for initial in range(1, n_pe + 1):
-            for budget in range(n_pe - initial + 1):
+            for budget in range(1, n_pe - initial + 1):
                 targets = equispaced_lines(n_pe, initial, budget)
                 assert np.unique(targets).size == budget, (n_pe, initial, budget)
                 assert not np.isin(targets, initial_lines(n_pe, initial)).any()

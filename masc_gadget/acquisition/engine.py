@@ -29,18 +29,15 @@ import operator
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from masc_gadget.acquisition.episode import AcquisitionState, initial_lines
-from masc_gadget.models.checkpoint import load_mar
 from masc_gadget.acquisition.decision import Decision
-from masc_gadget.device import resolve_device
+from masc_gadget.acquisition.episode import EpisodeBatch, check_episode, select_lines
+from masc_gadget.acquisition.policies import SamplingPolicy, slice_rng
 from masc_gadget.core.kspace import zero_filled
-from masc_gadget.acquisition.policies import SamplingPolicy, make_policy, slice_rng
+from masc_gadget.device import resolve_device
 
 __all__ = ["AcquisitionEngine", "Decision", "EngineSettings", "SliceResult"]
 
@@ -53,8 +50,9 @@ def _is_int(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """What the engine needs to know about a scan (built by the gadget from the ISMRMRD header
-    and its configuration)."""
+    """What the engine needs to know about a scan, built by the gadget from the ISMRMRD header
+    and its settings. No defaults here: every value comes from the configuration
+    (``acquisition`` and ``gadget`` sections), the one source of defaults."""
 
     n_pe: int
     """Phase-encoding lines per slice (encoded matrix y)."""
@@ -65,44 +63,23 @@ class EngineSettings:
     budget: int
     """Lines the policy chooses per slice after the initial ones; decisions stop once a slice
     has ``initial + budget`` lines."""
-    policy: str = "center-out"
-    """Sampling policy name (``masc_gadget.acquisition.policies.make_policy``)."""
-    mar_checkpoint: str = ""
-    """MAR network checkpoint (``masc_gadget.models.checkpoint.load_mar``); "" = MAR off, the output
-    image is the zero-filled one."""
-    device: str = "auto"
-    """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda``, ``cuda:N``."""
-    seed: int = 0
+    seed: int
     """Seed of the per-slice random streams ``slice_rng(seed, slice)`` of random policies."""
-    return_zero_filled: bool = False
-    """Whether the gadget also returns the zero-filled image of each slice (the engine always
-    puts it in :attr:`SliceResult.zero_filled`)."""
+    device: str
+    """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda``, ``cuda:N``."""
 
     def __post_init__(self) -> None:
         for name in ("n_pe", "n_readout", "initial", "budget", "seed"):
             value = getattr(self, name)
             if not _is_int(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
-        for name, low in (("n_pe", 1), ("n_readout", 1), ("initial", 1), ("budget", 0), ("seed", 0)):
-            if getattr(self, name) < low:
-                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
-        if self.initial + self.budget > self.n_pe:
-            raise ValueError(
-                f"initial + budget must be <= number of PE lines ({self.n_pe}), "
-                f"got {self.initial} + {self.budget}"
-            )
-        if not isinstance(self.policy, str) or not self.policy:
-            raise ValueError(f"policy must be a non-empty policy name, got {self.policy!r}")
-        if not isinstance(self.mar_checkpoint, (str, Path)):
-            raise ValueError(
-                f"mar_checkpoint must be a path or '' (MAR off), got {self.mar_checkpoint!r}"
-            )
+        if self.n_readout < 1:
+            raise ValueError(f"n_readout must be >= 1, got {self.n_readout}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        check_episode(self.n_pe, self.initial, self.budget)
         if not isinstance(self.device, str) or not self.device:
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if not isinstance(self.return_zero_filled, bool):
-            raise ValueError(
-                f"return_zero_filled must be true or false, got {self.return_zero_filled!r}"
-            )
 
     @property
     def total(self) -> int:
@@ -132,62 +109,53 @@ class SliceResult:
 
 @dataclass(eq=False)
 class _Slice:
-    """One slice's buffers (released by :meth:`AcquisitionEngine.finish_slice`)."""
+    """One slice's buffers (released by :meth:`AcquisitionEngine.finish_slices`)."""
 
     kspace: np.ndarray  # (n_pe, n_readout) complex64, zero where not acquired
-    mask: np.ndarray  # (n_pe,) bool
-    rng: np.random.Generator  # slice_rng(seed, slice), kept across steps
-    lines: list[int] = field(default_factory=list)
+    episode: EpisodeBatch  # a batch of one: its mask, arrival order and slice_rng(seed, slice)
     decided: list[int] = field(default_factory=list)
     issued: set[int] = field(default_factory=set)  # every line the engine asked for
     awaiting: bool = False  # a decision was issued since the last new line
-
-    @property
-    def n_acquired(self) -> int:
-        return len(self.lines)
 
 
 class AcquisitionEngine:
     """Per-slice line buffers, batched next-line decisions and final images (module docstring).
 
+    The engine does no I/O: it receives ready models.
+
     Args:
         settings: the scan and what to run on it.
-        policy: a ready policy; None builds ``make_policy(settings.policy)``.
-        mar: a ready MAR network ``(B, H, W) -> (B, H, W)``; None loads
-            ``settings.mar_checkpoint`` (when set). A given module is moved to the engine's
-            device and put in eval mode (in place).
-        mar_metadata: the checkpoint metadata of a given ``mar`` (``load_mar``'s second value),
-            for :attr:`SliceResult.mar` ("mar.pt (epoch 12)"); optional.
+        policy: the sampling policy (``make_policy(name)``, or a learned one).
+        mar: a MAR network ``(B, H, W) -> (B, H, W)``, or None (MAR off: the output image is
+            the zero-filled one). It is moved to the engine's device and put in eval mode (in
+            place).
+        mar_name: how reports name the MAR network ("mar.pt (epoch 12)"); default: its class
+            name, or "none" without one.
 
-    Both are built once, here, under a forked torch RNG; then one dummy pass (zero-filled
-    recon + MAR + policy) warms them up before the first line, so the first real decision does
-    not pay for lazy initialisation (CUDA context, cuDNN autotuning, allocator).
+    A dummy pass (zero-filled recon + MAR + policy) warms them up before the first line, so the
+    first real decision does not pay for lazy initialisation (CUDA context, cuDNN autotuning,
+    allocator).
     """
 
     def __init__(
         self,
         settings: EngineSettings,
-        policy: SamplingPolicy | None = None,
+        policy: SamplingPolicy,
         mar: torch.nn.Module | None = None,
-        mar_metadata: dict[str, Any] | None = None,
+        mar_name: str = "",
     ) -> None:
         if not isinstance(settings, EngineSettings):
             raise TypeError(f"settings must be an EngineSettings, got {type(settings).__name__}")
-        self.settings = settings
-        self.device = resolve_device(settings.device)
-        fork_devices = [] if self.device.type != "cuda" else [self.device.index or 0]
-        self.mar_metadata: dict[str, Any] = dict(mar_metadata or {})
-        with torch.random.fork_rng(devices=fork_devices):  # model init never moves global RNG
-            if policy is None:
-                policy = make_policy(settings.policy)
-            if mar is None and settings.mar_checkpoint:
-                mar, self.mar_metadata = load_mar(settings.mar_checkpoint, self.device)
         if not isinstance(policy, SamplingPolicy):
             raise TypeError(f"policy must be a SamplingPolicy, got {type(policy).__name__}")
+        self.settings = settings
+        self.device = resolve_device(settings.device)
         self.policy = policy
         self.policy_name = policy.name or type(policy).__name__
         self.mar = None if mar is None else mar.to(self.device).eval()
-        self.mar_name = self._describe_mar()
+        self.mar_name = mar_name or ("none" if mar is None else type(mar).__name__)
+        self.sees_mar = policy.sees_mar(self.mar is not None)
+        """Whether the policy is shown the MAR image (else the zero-filled one)."""
         self._slices: dict[int, _Slice] = {}
         self.warmup_us = self._warm_up()
         self.warmed_up = True
@@ -198,26 +166,9 @@ class AcquisitionEngine:
             settings.initial, settings.budget, self.warmup_us / 1e3,
         )
 
-    # --- set-up ---------------------------------------------------------------------------------
-
-    def _describe_mar(self) -> str:
-        if self.mar is None:
-            return "none"
-        if not self.settings.mar_checkpoint:
-            return type(self.mar).__name__
-        name = Path(self.settings.mar_checkpoint).name
-        epoch = self.mar_metadata.get("epoch")
-        return f"{name} (epoch {epoch})" if epoch is not None else name
-
-    @property
-    def sees_mar(self) -> bool:
-        """Whether the policy is shown the MAR image (else the zero-filled one): MAR on, the
-        policy reads images, and it does not opt out with ``observes_mar = False``."""
-        return (
-            self.mar is not None
-            and self.policy.needs_image
-            and getattr(self.policy, "observes_mar", True)
-        )
+    def _episode(self, rng: np.random.Generator, start: bool = False) -> EpisodeBatch:
+        s = self.settings
+        return EpisodeBatch(s.n_pe, s.initial, s.budget, 1, rngs=[rng], start=start, name="slice")
 
     def _warm_up(self) -> int:
         """One dummy pass through every stage; returns its wall time in microseconds."""
@@ -225,16 +176,12 @@ class AcquisitionEngine:
         start = time.perf_counter_ns()
         kspace = np.zeros((1, s.n_pe, s.n_readout), dtype=np.complex64)
         kspace[0, s.n_pe // 2, s.n_readout // 2] = 1.0
-        mask = np.zeros((1, s.n_pe), dtype=bool)
-        mask[0, initial_lines(s.n_pe, s.initial)] = True
-        zf, mar = self._reconstruct(kspace, mask, with_mar=self.mar is not None)
+        # a private stream: the slices' own streams are not advanced by the warm-up
+        episode = self._episode(np.random.default_rng(0), start=True)
+        zf, mar = self._reconstruct(kspace, episode.mask.numpy(), with_mar=self.mar is not None)
         if s.budget > 0:
-            image = (mar if self.sees_mar else zf)[0] if self.policy.needs_image else None
-            state = AcquisitionState(
-                mask=mask[0], steps_left=s.budget, step=0, image=image, n_initial=s.initial
-            )
-            # a private stream: the slices' own streams are not advanced by the warm-up
-            self.policy.select_batch([state], [np.random.default_rng(0)])
+            images = (mar if self.sees_mar else zf) if self.policy.needs_image else None
+            episode.select(self.policy, images=images)
         return (time.perf_counter_ns() - start) // 1000
 
     # --- reconstruction ---------------------------------------------------------------------------
@@ -264,6 +211,26 @@ class AcquisitionEngine:
             raise ValueError(f"slice must be a non-negative integer, got {slice!r}")
         return int(slice)
 
+    def _samples(self, slice: int, line: int, data: np.ndarray) -> np.ndarray:
+        """``data`` as one (n_readout,) complex64 row; ValueError naming the problem."""
+        s = self.settings
+        samples = np.asarray(data)
+        if samples.dtype.kind not in "iufc":
+            raise ValueError(
+                f"slice {slice} line {line}: samples must be numbers, got dtype {samples.dtype}"
+            )
+        if samples.shape not in ((s.n_readout,), (1, s.n_readout)):
+            raise ValueError(
+                f"slice {slice} line {line}: expected one channel of {s.n_readout} readout "
+                f"samples, shape ({s.n_readout},) or (1, {s.n_readout}), got shape "
+                f"{samples.shape}"
+            )
+        with np.errstate(over="ignore", invalid="ignore"):
+            row = samples.reshape(s.n_readout).astype(np.complex64)
+        if not (np.isfinite(samples).all() and np.isfinite(row).all()):
+            raise ValueError(f"slice {slice} line {line} contains NaN/inf samples")
+        return row
+
     def add_line(self, slice: int, line: int, data: np.ndarray) -> None:
         """Store PE line ``line`` of slice ``slice``: ``data`` (n_readout,) or (1, n_readout)
         samples of one channel (complex or real numbers).
@@ -284,40 +251,23 @@ class AcquisitionEngine:
                 f"got {line!r}"
             )
         line = operator.index(line)
-        samples = np.asarray(data)
-        if samples.dtype.kind not in "iufc":
-            raise ValueError(
-                f"slice {slice} line {line}: samples must be numbers, got dtype {samples.dtype}"
-            )
-        if samples.shape not in ((s.n_readout,), (1, s.n_readout)):
-            raise ValueError(
-                f"slice {slice} line {line}: expected one channel of {s.n_readout} readout "
-                f"samples, shape ({s.n_readout},) or (1, {s.n_readout}), got shape "
-                f"{samples.shape}"
-            )
-        with np.errstate(over="ignore", invalid="ignore"):
-            row = samples.reshape(s.n_readout).astype(np.complex64)
-        if not (np.isfinite(samples).all() and np.isfinite(row).all()):
-            raise ValueError(f"slice {slice} line {line} contains NaN/inf samples")
+        row = self._samples(slice, line, data)
         buf = self._slices.get(slice)
         if buf is None:
             buf = _Slice(
                 kspace=np.zeros((s.n_pe, s.n_readout), dtype=np.complex64),
-                mask=np.zeros(s.n_pe, dtype=bool),
-                rng=slice_rng(s.seed, slice),
+                episode=self._episode(slice_rng(s.seed, slice)),
             )
             self._slices[slice] = buf
         buf.kspace[line] = row
-        if buf.mask[line]:
+        if not buf.episode.record(0, line):
             return  # a repeat: new samples, same line
-        buf.mask[line] = True
-        buf.lines.append(line)
         if line in buf.issued:
             buf.decided.append(line)
         buf.awaiting = False
 
     def _decidable(self, buf: _Slice) -> bool:
-        return self.settings.initial <= buf.n_acquired < self.settings.total
+        return bool(buf.episode.deciding[0])
 
     def wanting(self) -> list[int]:
         """Slices that need a decision now, ascending: at least ``initial`` lines, fewer than
@@ -327,14 +277,26 @@ class AcquisitionEngine:
             if not buf.awaiting and self._decidable(buf)
         ]
 
+    def _chosen(self, slices: Iterable[int] | None) -> list[int]:
+        if slices is None:
+            return self.wanting()
+        chosen = []
+        for k in slices:
+            k = self._check_slice(k)
+            if k not in self._slices:
+                raise ValueError(f"unknown slice {k}: no line of it has arrived (or it is finished)")
+            if k not in chosen and self._decidable(self._slices[k]):
+                chosen.append(k)
+        return chosen
+
     def decide(self, slices: Iterable[int] | None = None) -> list[Decision]:
         """Decide the next line of every wanting slice (or of ``slices``) in one batched pass.
 
         Zero-filled recon of the B slices -> one MAR forward on the (B, n_pe, n_readout) batch
         (only when the policy reads images and observes MAR) -> ``policy.select_batch`` on their
-        :class:`AcquisitionState` s (mask, steps left, step = lines beyond ``initial``, image,
-        ``n_initial = initial``) with each slice's own ``slice_rng(seed, slice)``. Policies with
-        ``needs_image = False`` get no image, so the pass skips the reconstruction.
+        :class:`AcquisitionState` s (:meth:`EpisodeBatch.states`) with each slice's own
+        ``slice_rng(seed, slice)``. Policies with ``needs_image = False`` get no image, so the
+        pass skips the reconstruction.
 
         ``slices`` may name slices that already have an outstanding decision (it is re-issued:
         the same line for a deterministic policy); those of them with fewer than ``initial`` or
@@ -343,54 +305,25 @@ class AcquisitionEngine:
         Returns one :class:`Decision` per decided slice, in order (wanting: ascending), all
         with the wall time of the whole pass as ``latency_us``; the slices are marked decided.
         """
-        if slices is None:
-            chosen = self.wanting()
-        else:
-            chosen = []
-            for k in slices:
-                k = self._check_slice(k)
-                if k not in self._slices:
-                    raise ValueError(f"unknown slice {k}: no line of it has arrived (or it is finished)")
-                if k not in chosen and self._decidable(self._slices[k]):
-                    chosen.append(k)
+        chosen = self._chosen(slices)
         if not chosen:
             return []
-        s = self.settings
         start = time.perf_counter_ns()
         bufs = [self._slices[k] for k in chosen]
         images: Sequence[np.ndarray | None] = [None] * len(bufs)
         if self.policy.needs_image:
             kspace = np.stack([b.kspace for b in bufs])  # (B, n_pe, n_readout)
-            mask = np.stack([b.mask for b in bufs])  # (B, n_pe)
+            mask = np.concatenate([b.episode.mask.numpy() for b in bufs])  # (B, n_pe)
             zf, mar = self._reconstruct(kspace, mask, with_mar=self.sees_mar)
             images = mar if mar is not None else zf
-        states = [
-            AcquisitionState(
-                mask=b.mask,
-                steps_left=s.total - b.n_acquired,
-                step=b.n_acquired - s.initial,
-                image=image,
-                n_initial=s.initial,
-            )
-            for b, image in zip(bufs, images)
-        ]
-        lines = np.asarray(self.policy.select_batch(states, [b.rng for b in bufs]))
+        states = [b.episode.states(images=[image])[0] for b, image in zip(bufs, images)]
+        lines = select_lines(self.policy, states, [b.episode.rngs[0] for b in bufs])
         latency_us = (time.perf_counter_ns() - start) // 1000
-        if lines.shape != (len(bufs),):
-            raise RuntimeError(
-                f"policy {self.policy_name!r} returned {lines.shape} choices for {len(bufs)} slices"
-            )
         decisions = []
         for k, b, state, line in zip(chosen, bufs, states, lines):
-            line = int(line)
-            if not 0 <= line < s.n_pe or b.mask[line]:
-                raise RuntimeError(
-                    f"policy {self.policy_name!r} chose line {line} for slice {k}, which is not "
-                    f"a free line of {s.n_pe}"
-                )
-            b.issued.add(line)
+            b.issued.add(int(line))
             b.awaiting = True
-            decisions.append(Decision(slice=k, line=line, step=state.step, latency_us=int(latency_us)))
+            decisions.append(Decision(slice=k, line=int(line), step=state.step, latency_us=int(latency_us)))
         log.debug("decided %d slice(s) in %d us: %s", len(decisions), latency_us, decisions)
         return decisions
 
@@ -410,7 +343,7 @@ class AcquisitionEngine:
         """Whether the slice has ``initial + budget`` lines (False for a slice with no line
         stored, e.g. one already finished)."""
         buf = self._slices.get(self._check_slice(slice))
-        return buf is not None and buf.n_acquired >= self.settings.total
+        return buf is not None and bool(buf.episode.done[0])
 
     def slices(self) -> list[int]:
         """Slices with lines stored (not finished yet), ascending."""
@@ -419,7 +352,7 @@ class AcquisitionEngine:
     def acquired(self, slice: int) -> list[int]:
         """The lines of a slice stored so far, arrival order; [] for an unknown slice."""
         buf = self._slices.get(self._check_slice(slice))
-        return [] if buf is None else list(buf.lines)
+        return [] if buf is None else buf.episode.lines(0)
 
     def finish_slice(self, slice: int) -> SliceResult:
         """The slice's final image from all its acquired lines; its buffers are released (a
@@ -444,7 +377,7 @@ class AcquisitionEngine:
         bufs = [self._slices[k] for k in keys]
         zf, mar = self._reconstruct(
             np.stack([b.kspace for b in bufs]),
-            np.stack([b.mask for b in bufs]),
+            np.concatenate([b.episode.mask.numpy() for b in bufs]),
             with_mar=self.mar is not None,
         )
         images = zf if mar is None else mar
@@ -453,7 +386,7 @@ class AcquisitionEngine:
                 slice=k,
                 image=images[i].copy(),
                 zero_filled=zf[i].copy(),
-                lines=list(b.lines),
+                lines=b.episode.lines(0),
                 decided=list(b.decided),
                 policy=self.policy_name,
                 mar=self.mar_name,

@@ -6,15 +6,23 @@ further lines one at a time; an acquired line is never chosen again, so every me
 exactly ``initial + budget`` lines. Paper setting: 10x = 2 + 18, 5x = 8 + 32 of ~200 PE lines.
 
 Line ``k`` is row ``k`` of centred k-space (``fft2c``): the centre, DC, is line ``n_pe // 2``.
-This module is numpy only; the policies and the streaming gadget share its state record.
+:class:`AcquisitionState` is what a policy sees of one episode; :class:`EpisodeBatch` is the one
+record of a batch of episodes that the engine, the simulated scanner, the training environment
+and the evaluation all keep their episodes in.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from masc_gadget.acquisition.policies import SamplingPolicy
 
 
 @dataclass(frozen=True)
@@ -32,10 +40,7 @@ class AcquisitionConfig:
     """Seed of the per-slice random streams of random policies (``slice_rng(seed, slice, ...)``)."""
 
     def __post_init__(self) -> None:
-        if self.initial < 1:
-            raise ValueError(f"initial must be >= 1 centre line, got {self.initial}")
-        if self.budget < 1:
-            raise ValueError(f"budget must be >= 1 line, got {self.budget}")
+        check_counts(self.initial, self.budget)
         if not self.policy:
             raise ValueError("policy must be a non-empty policy name, got ''")
         if self.seed < 0:
@@ -51,15 +56,22 @@ class AcquisitionConfig:
         check_episode(n_pe, self.initial, self.budget)
 
 
+def check_counts(initial: int, budget: int) -> None:
+    """The one rule on an episode's line counts: ValueError unless ``initial >= 1`` (the
+    reconstruction needs the k-space centre) and ``budget >= 1`` (an episode has at least one
+    choice)."""
+    if initial < 1:
+        raise ValueError(f"initial must be >= 1 centre line, got {initial}")
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1 line, got {budget}")
+
+
 def check_episode(n_pe: int, initial: int, budget: int) -> None:
-    """Raise ValueError stating the rule unless ``1 <= initial``, ``0 <= budget`` and
+    """Raise ValueError stating the rule unless :func:`check_counts` holds and
     ``initial + budget <= n_pe``."""
     if n_pe < 1:
         raise ValueError(f"number of PE lines must be >= 1, got {n_pe}")
-    if initial < 1:
-        raise ValueError(f"initial must be >= 1 centre line, got {initial}")
-    if budget < 0:
-        raise ValueError(f"budget must be >= 0 lines, got {budget}")
+    check_counts(initial, budget)
     if initial + budget > n_pe:
         raise ValueError(
             f"initial + budget must be <= number of PE lines ({n_pe}), got {initial} + {budget}"
@@ -173,3 +185,231 @@ class AcquisitionState:
             step=self.step + 1,
             image=image,
         )
+
+
+def _as_lines(lines: Any, n: int, name: str) -> np.ndarray:
+    """(n,) int64 host array of PE line indices; ValueError for a wrong dtype or shape."""
+    a = lines.detach().cpu().numpy() if isinstance(lines, torch.Tensor) else np.asarray(lines)
+    if a.dtype == bool or a.dtype.kind not in "iu":
+        raise ValueError(f"actions must be integer PE line indices, got dtype {a.dtype}")
+    if a.shape != (n,):
+        raise ValueError(
+            f"actions must be ({n},) line indices, one per {name}, got shape {tuple(a.shape)}"
+        )
+    return a.astype(np.int64, copy=False)
+
+
+def select_lines(
+    policy: SamplingPolicy,
+    states: Sequence[AcquisitionState],
+    rngs: Sequence[np.random.Generator | None],
+) -> np.ndarray:
+    """``policy.select_batch(states, rngs)``, checked: (B,) int64, one free line per state.
+
+    RuntimeError when the policy returns the wrong number of choices or a line that is not free:
+    a broken policy, never bad input.
+    """
+    lines = np.asarray(policy.select_batch(states, rngs))
+    name = policy.name or type(policy).__name__
+    if lines.shape != (len(states),):
+        raise RuntimeError(
+            f"policy {name!r} returned {lines.shape} choices for {len(states)} states"
+        )
+    for state, line in zip(states, lines):
+        if not 0 <= line < state.n_pe or state.mask[line]:
+            raise RuntimeError(
+                f"policy {name!r} chose line {int(line)}, which is not a free line of {state.n_pe}"
+            )
+    return lines.astype(np.int64, copy=False)
+
+
+class EpisodeBatch:
+    """B acquisition episodes of one size, one slice each: the one record of which PE lines
+    are acquired, in what order, and how many choices are left.
+
+    The acquisition engine (one batch of one per slice, lines arriving from the scanner), the
+    simulated scanner (one batch per subject), the training environment and the offline
+    evaluation (one batch of many slices, stepped in lockstep) all keep their episodes here.
+
+    An episode counts every acquired line, whoever chose it: ``step = n_acquired - initial``
+    lines beyond the initial ones, ``steps_left = initial + budget - n_acquired`` (at least 0),
+    so a scanner that acquires the initial lines itself, or streams lines nobody asked for,
+    is tracked the same way as a policy's choices.
+
+    State: ``mask`` (B, n_pe) bool on ``device``, replaced (never written in place) on every
+    change, so a mask handed out earlier is never modified; ``n_acquired`` (B,) and the arrival
+    order ``order`` (B, n_pe) (-1 = not yet) on the host, so stepping needs no device sync to
+    count. ``rngs``: one ``numpy.random.Generator`` per episode for random policies
+    (``slice_rng(seed, slice)``), kept across its steps.
+
+    Args:
+        n_pe, initial, budget: the episode size (:func:`check_episode`).
+        batch: B.
+        device: where ``mask`` lives.
+        rngs: B generators, or None (deterministic policies only).
+        start: True: every episode starts with its ``initial`` centre lines acquired;
+            False: empty (the lines, initial ones included, come from :meth:`record`).
+        name: what an episode is called in error messages ("env", "slice", ...).
+    """
+
+    def __init__(self, n_pe: int, initial: int, budget: int, batch: int,
+                 device: str | torch.device = "cpu",
+                 rngs: Sequence[np.random.Generator | None] | None = None,
+                 start: bool = True, name: str = "episode") -> None:
+        check_episode(n_pe, initial, budget)
+        if batch < 0:
+            raise ValueError(f"batch must be >= 0 episodes, got {batch}")
+        self.n_pe, self.initial, self.budget = int(n_pe), int(initial), int(budget)
+        self.device = torch.device(device)
+        self.name = name
+        self.rngs: list[np.random.Generator | None] = [None] * batch if rngs is None else list(rngs)
+        if len(self.rngs) != batch:
+            raise ValueError(f"need one rng per {name}: got {len(self.rngs)} rngs for {batch}")
+        self.initial_lines = initial_lines(self.n_pe, self.initial)
+        first = np.zeros(self.n_pe, dtype=bool)
+        first[self.initial_lines] = True
+        self._first = torch.from_numpy(first).to(self.device)  # (n_pe,) the initial mask
+        self.mask = torch.zeros(batch, self.n_pe, dtype=torch.bool, device=self.device)
+        self.n_acquired = np.zeros(batch, dtype=np.int64)
+        self.order = np.full((batch, self.n_pe), -1, dtype=np.int64)
+        if start:
+            self.reset()
+
+    # --- counts ---------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return int(self.n_acquired.size)
+
+    @property
+    def total(self) -> int:
+        """Lines per episode once its budget is spent, ``initial + budget``."""
+        return self.initial + self.budget
+
+    @property
+    def steps_left(self) -> np.ndarray:
+        """(B,) int64 choices still to make, ``max(total - n_acquired, 0)``."""
+        return np.maximum(self.total - self.n_acquired, 0)
+
+    @property
+    def step(self) -> np.ndarray:
+        """(B,) int64 lines acquired beyond the initial ones (negative before they are in)."""
+        return self.n_acquired - self.initial
+
+    @property
+    def done(self) -> np.ndarray:
+        """(B,) bool: the episode has all its ``initial + budget`` lines."""
+        return self.n_acquired >= self.total
+
+    @property
+    def deciding(self) -> np.ndarray:
+        """(B,) bool: the initial lines are in and choices are left (a policy decides next)."""
+        return (self.n_acquired >= self.initial) & (self.n_acquired < self.total)
+
+    def steps_left_tensor(self) -> torch.Tensor:
+        """:attr:`steps_left` as a (B,) long tensor on ``device``."""
+        return torch.from_numpy(self.steps_left).to(self.device)
+
+    def lines(self, row: int) -> list[int]:
+        """Acquired lines of episode ``row`` in arrival order."""
+        return [int(v) for v in self.order[row, : self.n_acquired[row]]]
+
+    def chosen(self) -> np.ndarray:
+        """(B, initial + budget) int64: the lines of finished episodes in arrival order."""
+        if not self.done.all():
+            raise ValueError(f"every {self.name} must be finished to list its lines")
+        return self.order[:, : self.total].copy()
+
+    # --- changes --------------------------------------------------------------------------------
+
+    def _rows(self, rows: Any) -> np.ndarray:
+        if rows is None:
+            return np.arange(len(self))
+        return np.asarray(rows, dtype=np.int64).reshape(-1)
+
+    def reset(self, rows: Any = None, rngs: Sequence[np.random.Generator | None] | None = None) -> None:
+        """Start episodes ``rows`` (all: None) again with their initial centre lines acquired;
+        ``rngs``: their new generators (default: keep the old ones)."""
+        rows = self._rows(rows)
+        if rows.size == 0:
+            return
+        mask = self.mask.clone()
+        mask[torch.from_numpy(rows).to(self.device)] = self._first
+        self.mask = mask
+        self.n_acquired[rows] = self.initial
+        self.order[rows] = -1
+        self.order[rows, : self.initial] = self.initial_lines
+        if rngs is not None:
+            if len(rngs) != rows.size:
+                raise ValueError(f"need one rng per reset {self.name}: got {len(rngs)} for {rows.size}")
+            for r, rng in zip(rows, rngs):
+                self.rngs[r] = rng
+
+    def acquire(self, lines: Any, rows: Any = None, allow_finished: bool = False) -> torch.Tensor:
+        """Episode ``rows[i]`` (all: None) acquires line ``lines[i]``: one step each.
+
+        Raises ValueError naming the episode and the line for a line out of range or already
+        acquired, or (unless ``allow_finished``) an episode that has no choice left; nothing is
+        changed then. Returns the lines as a (k,) long tensor on ``device``.
+        """
+        rows = self._rows(rows)
+        a = _as_lines(lines, rows.size, self.name)
+        finished = np.zeros(rows.size, dtype=bool) if allow_finished else self.done[rows]
+        out_of_range = (a < 0) | (a >= self.n_pe)
+        rows_t = torch.from_numpy(rows).to(self.device)
+        taken = self.mask[rows_t, torch.from_numpy(a.clip(0, self.n_pe - 1)).to(self.device)]
+        bad = finished | out_of_range | taken.cpu().numpy()
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            if finished[i]:
+                raise ValueError(f"{self.name} {i} has finished its episode ({self.budget} lines "
+                                 "chosen); call reset() before stepping it again")
+            if out_of_range[i]:
+                raise ValueError(f"{self.name} {i}: action (PE line) must be in [0, {self.n_pe}), "
+                                 f"got {a[i]}")
+            raise ValueError(f"{self.name} {i}: line {a[i]} is already acquired; an action must "
+                             "be a line not yet acquired (mask False)")
+        return self._set(rows, a)
+
+    def _set(self, rows: np.ndarray, a: np.ndarray) -> torch.Tensor:
+        lines = torch.from_numpy(a).to(self.device)
+        mask = self.mask.clone()
+        mask[torch.from_numpy(rows).to(self.device), lines] = True
+        self.mask = mask
+        self.order[rows, self.n_acquired[rows]] = a
+        self.n_acquired[rows] += 1
+        return lines
+
+    def record(self, row: int, line: int) -> bool:
+        """A line the scanner acquired for episode ``row``, asked for or not, budget spent or
+        not (the scanner is the authority). Returns False, changing nothing, for a line that
+        is already acquired (a repeat). ``line`` must be in [0, n_pe)."""
+        if not 0 <= line < self.n_pe:
+            raise ValueError(f"{self.name} {row}: line must be in [0, {self.n_pe}), got {line}")
+        if bool(self.mask[row, line]):
+            return False
+        self._set(np.array([row]), np.array([line], dtype=np.int64))
+        return True
+
+    # --- policies -------------------------------------------------------------------------------
+
+    def states(self, rows: Any = None, images: Sequence[np.ndarray] | np.ndarray | None = None
+               ) -> list[AcquisitionState]:
+        """The :class:`AcquisitionState` of episodes ``rows`` (all: None), with ``images[i]``
+        as the image of ``rows[i]`` (None: no image)."""
+        rows = self._rows(rows)
+        masks = self.mask[torch.from_numpy(rows).to(self.device)].cpu().numpy()
+        if images is None:
+            images = [None] * rows.size
+        steps_left, step = self.steps_left, self.step
+        return [
+            AcquisitionState(mask=m, steps_left=int(steps_left[r]), step=max(int(step[r]), 0),
+                             image=image, n_initial=self.initial)
+            for r, m, image in zip(rows, masks, images)
+        ]
+
+    def select(self, policy: SamplingPolicy, rows: Any = None,
+               images: Sequence[np.ndarray] | np.ndarray | None = None) -> np.ndarray:
+        """The policy's next line for episodes ``rows`` (all: None), one batched
+        ``select_batch`` with their own generators: (k,) int64 (:func:`select_lines`)."""
+        rows = self._rows(rows)
+        return select_lines(policy, self.states(rows, images), [self.rngs[r] for r in rows])

@@ -99,15 +99,8 @@ class LearnedPolicy(SamplingPolicy):
     # --- choosing lines -------------------------------------------------------------------------
 
     def _check(self, state: AcquisitionState) -> None:
-        """The checks of :meth:`SamplingPolicy.select`, plus the network's sizes."""
-        if state.steps_left <= 0:
-            raise ValueError(f"policy {self.name!r}: no steps left (budget of {state.budget} lines spent)")
-        if state.mask.all():
-            raise ValueError(
-                f"policy {self.name!r}: no free line left, all {state.n_pe} PE lines are acquired"
-            )
-        if state.image is None:
-            raise ValueError(f"policy {self.name!r} needs state.image (the current image)")
+        """The checks of :meth:`SamplingPolicy.check`, plus the network's sizes."""
+        self.check(state)
         if state.n_pe != self.net.n_pe:
             raise ValueError(
                 f"policy {self.name!r} was trained for {self.net.n_pe} PE lines, got a state with "

@@ -17,14 +17,18 @@ numpy's global RNG; :func:`slice_rng` gives each slice its own reproducible stre
 from __future__ import annotations
 
 import abc
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from importlib import metadata
 
 import numpy as np
 
-from masc_gadget.acquisition.episode import AcquisitionState, check_episode, initial_lines
+from masc_gadget.acquisition.episode import (
+    AcquisitionState,
+    EpisodeBatch,
+    check_episode,
+    initial_lines,
+)
 
 POLICIES_GROUP = "masc.policies"
 
@@ -92,6 +96,9 @@ class SamplingPolicy(abc.ABC):
     """Registry name, e.g. "center-out"."""
     needs_image: bool = False
     """Whether :meth:`select` reads ``state.image`` (run_episode then calls ``image_fn``)."""
+    observes_mar: bool = True
+    """For a policy that reads images: whether the image is the MAR-corrected one when a MAR
+    network runs (else the zero-filled one). :meth:`sees_mar` is the one place that decides."""
     deterministic: bool = True
     """False when choices are drawn from ``rng``, which is then required."""
 
@@ -100,12 +107,11 @@ class SamplingPolicy(abc.ABC):
         """Return a line not acquired in ``state``; called by :meth:`select` once the state is
         known to have a free line and a step left (and ``rng`` to be a Generator when random)."""
 
-    def select(self, state: AcquisitionState, rng: np.random.Generator | None = None) -> int:
-        """The next line to acquire, one of ``state.free_lines()``.
-
-        Raises ValueError when no line is free, no step is left, a random policy gets no
-        Generator, or a policy that needs the image gets none.
-        """
+    def check(self, state: AcquisitionState, rng: np.random.Generator | None = None
+              ) -> np.random.Generator | None:
+        """Raise ValueError unless the policy can choose in ``state``: a free line and a step
+        left, a Generator for a random policy, the image for a policy that reads it. Returns
+        ``rng`` (checked)."""
         if state.steps_left <= 0:
             raise ValueError(
                 f"policy {self.name!r}: no steps left (budget of {state.budget} lines spent)"
@@ -118,7 +124,14 @@ class SamplingPolicy(abc.ABC):
             rng = _require_rng(rng, self.name)
         if self.needs_image and state.image is None:
             raise ValueError(f"policy {self.name!r} needs state.image (the current image)")
-        line = self.choose(state, rng)
+        return rng
+
+    def select(self, state: AcquisitionState, rng: np.random.Generator | None = None) -> int:
+        """The next line to acquire, one of ``state.free_lines()``.
+
+        Raises ValueError when :meth:`check` fails.
+        """
+        line = self.choose(state, self.check(state, rng))
         if not 0 <= line < state.n_pe or state.mask[line]:
             raise RuntimeError(
                 f"policy {self.name!r} chose line {line}, which is not a free line of {state.n_pe}"
@@ -143,6 +156,11 @@ class SamplingPolicy(abc.ABC):
                 f"need one rng per state: got {len(rngs)} rngs for {len(states)} states"
             )
         return np.array([self.select(s, r) for s, r in zip(states, rngs)], dtype=np.int64)
+
+    def sees_mar(self, mar_runs: bool) -> bool:
+        """Whether this policy is shown the MAR image: it reads images, it observes MAR, and a
+        MAR network runs (``mar_runs``). Otherwise it is shown the zero-filled image (or none)."""
+        return mar_runs and self.needs_image and self.observes_mar
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -350,21 +368,15 @@ def run_episodes(
     ``image_fn(masks) -> images`` maps (B, n_pe) bool masks to (B, H, W) images; called before
     each step, only when ``policy.needs_image``. Deterministic policies take ``[None] * B``.
     """
-    check_episode(n_pe, initial, budget)
-    n = len(rngs)
+    episodes = EpisodeBatch(n_pe, initial, budget, len(rngs), rngs=rngs)
     if policy.needs_image and image_fn is None:
         raise ValueError(f"policy {policy.name!r} needs the image: pass image_fn")
-    states = [AcquisitionState.initial(n_pe, initial, budget) for _ in range(n)]
-    lines = np.empty((n, initial + budget), dtype=np.int64)
-    lines[:, :initial] = initial_lines(n_pe, initial)
-    for t in range(budget):
-        if policy.needs_image and n:
-            images = image_fn(np.stack([s.mask for s in states]))
-            states = [dataclasses.replace(s, image=im) for s, im in zip(states, images)]
-        chosen = policy.select_batch(states, rngs)
-        lines[:, initial + t] = chosen
-        states = [s.after(int(k)) for s, k in zip(states, chosen)]
-    return lines
+    for _ in range(budget):
+        images = None
+        if policy.needs_image and len(episodes):
+            images = image_fn(episodes.mask.numpy())
+        episodes.acquire(episodes.select(policy, images=images))
+    return episodes.chosen()
 
 
 def episode_masks(lines: np.ndarray, n_pe: int, initial: int) -> np.ndarray:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from masc_gadget.acquisition.episode import check_episode, initial_lines
+from masc_gadget.acquisition.episode import EpisodeBatch, check_episode
 from masc_gadget.device import resolve_device
 from masc_gadget.core.kspace import to_hybrid, zero_filled_hybrid
 from masc_gadget.core.metrics import QualityReference, slice_metrics
@@ -135,8 +135,6 @@ class BatchedAcquisitionEnv:
             raise ValueError("data must hold at least one slice, got an empty SliceSet")
         n_pe = data.n_pe
         check_episode(n_pe, initial, budget)
-        if budget < 1:
-            raise ValueError(f"budget must be >= 1 line, got {budget}")
         self.cfg = cfg
         self.device = resolve_device(device)
         self.autoreset = bool(autoreset)
@@ -154,9 +152,8 @@ class BatchedAcquisitionEnv:
         self._target_all = data.target.to(self.device, torch.float32)  # (N, H, W)
         self._n_slices = len(data)
         self._generator = torch.Generator().manual_seed(int(seed))
-        mask0 = torch.zeros(n_pe, dtype=torch.bool, device=self.device)
-        mask0[torch.from_numpy(initial_lines(n_pe, initial)).to(self.device)] = True
-        self._mask0 = mask0  # (PE,) initial mask
+        self._n_pe = int(n_pe)
+        self._episodes: EpisodeBatch | None = None  # the current episodes, from reset()
         self.mar: nn.Module | None = None
         self._check_mar(mar)
         self.mar = mar
@@ -171,7 +168,7 @@ class BatchedAcquisitionEnv:
     @property
     def n_pe(self) -> int:
         """Number of PE lines (the action count)."""
-        return int(self._mask0.numel())
+        return self._n_pe
 
     @property
     def image_shape(self) -> tuple[int, int]:
@@ -246,6 +243,10 @@ class BatchedAcquisitionEnv:
             )
         return out.to(torch.float32)
 
+    def _new_episodes(self, b: int) -> EpisodeBatch:
+        """``b`` episodes with their initial centre lines acquired."""
+        return EpisodeBatch(self.n_pe, self._initial, self._budget, b, self.device, name="env")
+
     def _reference(self, slices: torch.Tensor) -> QualityReference:
         """The reward's target side for these slices ((n,) long), computed once per episode."""
         return QualityReference(self._target_all[slices], self.cfg.l_ssim, self.cfg.l_nmse)
@@ -284,32 +285,6 @@ class BatchedAcquisitionEnv:
             raise ValueError(f"{what} must be in [0, {self._n_slices}), got {bad}")
         return idx.long().to(self.device)
 
-    def _check_actions(self, actions: torch.Tensor | Sequence[int] | np.ndarray, mask: torch.Tensor,
-                       steps_left: torch.Tensor | None = None) -> torch.Tensor:
-        """(B,) long actions on the device; ValueError naming the env and line of a bad one."""
-        b = mask.shape[0]
-        a = torch.as_tensor(actions)
-        if a.dtype == torch.bool or a.is_floating_point() or a.is_complex():
-            raise ValueError(f"actions must be integer PE line indices, got dtype {a.dtype}")
-        if a.shape != (b,):
-            raise ValueError(f"actions must be ({b},) line indices, one per env, got shape {tuple(a.shape)}")
-        a = a.to(self.device, torch.long)
-        out_of_range = (a < 0) | (a >= self.n_pe)
-        taken = mask.gather(1, a.clamp(0, self.n_pe - 1)[:, None])[:, 0]
-        finished = torch.zeros_like(taken) if steps_left is None else steps_left <= 0
-        bad = out_of_range | taken | finished
-        if bool(bad.any()):
-            i = int(torch.nonzero(bad)[0, 0])
-            line = int(a[i])
-            if bool(finished[i]):
-                raise ValueError(f"env {i} has finished its episode ({self._budget} lines chosen); "
-                                 "call reset() before stepping it again")
-            if bool(out_of_range[i]):
-                raise ValueError(f"env {i}: action (PE line) must be in [0, {self.n_pe}), got {line}")
-            raise ValueError(f"env {i}: line {line} is already acquired; an action must be a line "
-                             "not yet acquired (mask False)")
-        return a
-
     # ------------------------------------------------------------------ API
     @torch.no_grad()
     def reset(self, indices: Sequence[int] | np.ndarray | torch.Tensor | None = None) -> Observation:
@@ -326,9 +301,9 @@ class BatchedAcquisitionEnv:
         self._slice = slices
         self._kspace = self._kspace_all[slices]  # (B, PE, RO)
         self._ref = self._reference(slices)  # Q's target side, (B, H, W) clean images
-        self._mask = self._mask0.expand(b, -1).clone()
-        self._steps_left = torch.full((b,), self._budget, dtype=torch.long, device=self.device)
-        self._steps_left_cpu = np.full(b, self._budget, dtype=np.int64)
+        self._episodes = self._new_episodes(b)
+        self._mask = self._episodes.mask
+        self._steps_left = self._episodes.steps_left_tensor()
         self._return = torch.zeros(b, dtype=torch.float32, device=self.device)
         m = self._measure(self._kspace, self._mask, self._ref)
         self._image, self._quality = m.observed, m.quality
@@ -360,15 +335,13 @@ class BatchedAcquisitionEnv:
                 the env and the line), or (without autoreset) an env has finished its episode.
         """
         self._require_started()
-        a = self._check_actions(actions, self._mask, None if self.autoreset else self._steps_left)
+        episodes = self._episodes
+        episodes.acquire(actions, allow_finished=self.autoreset)
         b = self.n_envs
-        rows = torch.arange(b, device=self.device)
-        mask = self._mask.clone()
-        mask[rows, a] = True
-        steps_left = self._steps_left - 1
-        self._steps_left_cpu = self._steps_left_cpu - 1
-        done_cpu = self._steps_left_cpu <= 0
-        done = steps_left <= 0
+        mask = episodes.mask
+        steps_left = episodes.steps_left_tensor()
+        done_cpu = episodes.done
+        done = torch.from_numpy(done_cpu).to(self.device)
         slice_stepped = self._slice
 
         reset_envs = np.flatnonzero(done_cpu) if self.autoreset else np.zeros(0, dtype=np.int64)
@@ -377,7 +350,8 @@ class BatchedAcquisitionEnv:
             new_slices = self._draw(n_new)
             kspace_new = self._kspace_all[new_slices]
             ref_new = self._reference(new_slices)
-            mask_new = self._mask0.expand(n_new, -1)
+            episodes.reset(reset_envs)  # ``mask`` keeps the stepped masks
+            mask_new = episodes.mask[torch.from_numpy(reset_envs).to(self.device)]
             # one recon + one MAR forward for the stepped states and the new episodes together
             m = self._measure(torch.cat([self._kspace, kspace_new]), torch.cat([mask, mask_new]),
                               self._ref.cat(ref_new))
@@ -404,15 +378,12 @@ class BatchedAcquisitionEnv:
             kspace = self._kspace.clone()
             kspace[envs] = kspace_new
             ref = self._ref.replace(envs, ref_new)
-            next_mask = mask.clone()
-            next_mask[envs] = mask_new
+            next_mask = episodes.mask
             next_image = image.clone()
             next_image[envs] = m.observed[b:]
             next_q = q.clone()
             next_q[envs] = m.quality[b:]
-            steps_left = steps_left.clone()
-            steps_left[envs] = self._budget
-            self._steps_left_cpu[reset_envs] = self._budget
+            steps_left = episodes.steps_left_tensor()
             returns = torch.where(done, torch.zeros_like(returns), returns)
             self._slice, self._kspace, self._ref = slices, kspace, ref
             mask, image, q = next_mask, next_image, next_q
@@ -473,20 +444,15 @@ class BatchedAcquisitionEnv:
             idx = idx_all[start:start + batch_size]
             b = idx.numel()
             kspace, target, ref = self._kspace_all[idx], self._target_all[idx], self._reference(idx)
-            mask = self._mask0.expand(b, -1).clone()
-            steps_left = torch.full((b,), self._budget, dtype=torch.long, device=self.device)
-            m = self._measure(kspace, mask, ref)
+            episodes = self._new_episodes(b)
+            m = self._measure(kspace, episodes.mask, ref)
             q0 = m.quality
             q, ret = q0, torch.zeros_like(q0)
-            lines = torch.zeros(b, self._budget, dtype=torch.long, device=self.device)
             for t in range(self._budget):
-                a = self._check_actions(policy_fn(Observation(m.observed, mask, steps_left)), mask)
-                lines[:, t] = a
-                mask = mask.clone()
-                mask[torch.arange(b, device=self.device), a] = True
-                steps_left = steps_left - 1
+                episodes.acquire(policy_fn(Observation(m.observed, episodes.mask,
+                                                       episodes.steps_left_tensor())))
                 last = t == self._budget - 1
-                m = self._measure(kspace, mask, ref, force_mar=last)
+                m = self._measure(kspace, episodes.mask, ref, force_mar=last)
                 ret = ret + self.cfg.alpha * (m.quality - q)
                 q = m.quality
             final = m.corrected if self.mar is not None else m.zero_filled
@@ -494,8 +460,8 @@ class BatchedAcquisitionEnv:
             parts["final_quality"].append(q)
             parts["returns"].append(ret)
             parts["images"].append(final)
-            parts["masks"].append(mask)
-            parts["lines"].append(lines)
+            parts["masks"].append(episodes.mask)
+            parts["lines"].append(torch.from_numpy(episodes.chosen()[:, self._initial:]))
             for key, value in slice_metrics(final, target).items():
                 metric_parts.setdefault(key, []).append(value)
         out: dict[str, Any] = {k: torch.cat(v).cpu() for k, v in parts.items()}
