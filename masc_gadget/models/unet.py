@@ -20,7 +20,9 @@ of the concatenation have equal width, which would contradict the paper's 1024.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -86,8 +88,8 @@ class UNet(nn.Module):
     weights still receive gradients, so training moves off the identity from the first step.
     """
 
-    def __init__(self, in_channels: int = 1, out_channels: int = 1, width: int = 64,
-                 depth: int = 4) -> None:
+    def __init__(self, in_channels: int = 1, out_channels: int = 1, *, width: int,
+                 depth: int) -> None:
         super().__init__()
         if width < 1 or depth < 1 or in_channels < 1 or out_channels < 1:
             raise ValueError(
@@ -190,14 +192,17 @@ class MarNet(nn.Module):
     with the image, g(c I) = c g(I) for any c > 0: the network is independent of the scanner's
     intensity units. The scale is a constant for autograd (gradients flow only through r).
 
-    ``residual`` is the :class:`UNet` computing r; ``config`` the :class:`MarModelConfig`.
+    ``residual`` is the :class:`UNet` computing r; ``config`` the :class:`MarModelConfig`:
+    ``MarNet(cfg)``, or ``MarNet(width=8)`` for the config's defaults with overrides (the
+    defaults live in :class:`MarModelConfig` alone).
     """
 
-    def __init__(self, width: int = 64, depth: int = 4, scale_quantile: float = 0.99) -> None:
+    def __init__(self, config: MarModelConfig | None = None, /, **overrides: Any) -> None:
         super().__init__()
-        self.config = MarModelConfig(width=width, depth=depth, scale_quantile=scale_quantile)
-        self.scale_quantile = float(scale_quantile)
-        self.residual = UNet(in_channels=1, out_channels=1, width=width, depth=depth)
+        self.config = dataclasses.replace(config or MarModelConfig(), **overrides)
+        self.scale_quantile = float(self.config.scale_quantile)
+        self.residual = UNet(in_channels=1, out_channels=1, width=self.config.width,
+                             depth=self.config.depth)
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
         """image: magnitude images (B, H, W) or (B, 1, H, W) -> corrected images, same shape."""
@@ -216,4 +221,4 @@ class MarNet(nn.Module):
 
 def build_mar(cfg: MarModelConfig) -> MarNet:
     """The MAR network described by ``cfg`` (fresh weights, identity at initialisation)."""
-    return MarNet(width=cfg.width, depth=cfg.depth, scale_quantile=cfg.scale_quantile)
+    return MarNet(cfg)
