@@ -8,14 +8,16 @@ import torch
 
 from masc_gadget.device import resolve_device
 from sim_scanner.physics.grid import Grid
-from sim_scanner.physics.forward import (
-    PhysicsConfig,
+from sim_scanner.physics.field import (
     dipole_field_hz,
     fit_shim,
-    object_grid,
-    slice_profile,
     sphere_field_analytic_hz,
     sphere_susceptibility,
+)
+from sim_scanner.physics.forward import (
+    PhysicsConfig,
+    object_grid,
+    slice_profile,
     synthesize_kspace,
     tse_signal,
 )

@@ -337,6 +337,43 @@ def draw_implant(cfg: ImplantConfig, anatomy: "Anatomy", rng: np.random.Generato
     centre = native + jitter
 
     # Cup and head sizes.
+    outer_r, thickness, inner_r, head_r = _draw_cup_and_head(cfg, hip, rng)
+
+    inclination = _uniform(rng, cfg.cup_inclination_deg)
+    anteversion = _uniform(rng, cfg.cup_anteversion_deg)
+    axis = cup_axis_from_angles(inclination, anteversion, side)
+
+    # Stem: head centre -> prosthetic neck -> down the native shaft axis inside the canal.
+    points, radii, length, nsa, resection = _draw_stem(cfg, hip, centre, head_r, rng)
+    neck_native = _unit(hip.neck_axis)
+
+    chi = cfg.materials_chi_ppm()
+    materials = {comp: getattr(cfg, f"{comp}_material") for comp in COMPONENT_NAMES}
+    return ImplantParams(
+        side=side,
+        centre_mm=_vec(centre),
+        cup_axis=_vec(axis),
+        cup_inclination_deg=inclination,
+        cup_anteversion_deg=anteversion,
+        cup_outer_radius_mm=outer_r,
+        cup_thickness_mm=thickness,
+        liner_thickness_mm=inner_r - head_r,
+        head_radius_mm=head_r,
+        stem_points_mm=tuple(_vec(p) for p in points),
+        stem_radii_mm=tuple(float(r) for r in radii),
+        stem_length_mm=length,
+        stem_neck_shaft_angle_deg=nsa,
+        resection_point_mm=_vec(native + resection * neck_native),
+        resection_normal=_vec(neck_native),
+        materials=materials,
+        chi_ppm={comp: float(chi[mat]) for comp, mat in materials.items()},
+    )
+
+
+def _draw_cup_and_head(cfg: ImplantConfig, hip: HipJoint,
+                       rng: np.random.Generator) -> tuple[float, float, float, float]:
+    """Cup outer radius, cup thickness, cup inner radius and head radius (mm): the cup sized
+    from the native acetabulum, the head drawn from the sizes that leave a thick enough liner."""
     diameter = 2.0 * hip.acetabulum_radius_mm + _uniform(rng, cfg.cup_oversize_mm)
     diameter = float(np.clip(2.0 * round(diameter / 2.0), *cfg.cup_diameter_limits_mm))
     outer_r = diameter / 2.0
@@ -347,14 +384,19 @@ def draw_implant(cfg: ImplantConfig, anatomy: "Anatomy", rng: np.random.Generato
     heads = sorted(d for d in cfg.head_diameters_mm if inner_r - d / 2 >= min_liner)
     head_d = float(heads[int(rng.integers(len(heads)))]) if heads else min(cfg.head_diameters_mm)
     head_r = head_d / 2.0
+    return outer_r, thickness, inner_r, head_r
 
-    inclination = _uniform(rng, cfg.cup_inclination_deg)
-    anteversion = _uniform(rng, cfg.cup_anteversion_deg)
-    axis = cup_axis_from_angles(inclination, anteversion, side)
 
-    # Stem: neck-shaft junction J on the native shaft line where the neck from the (jittered)
-    # centre meets the shaft at the stem's neck-shaft angle (angle between J->centre and the
-    # shaft axis pointing distally).
+def _draw_stem(
+    cfg: ImplantConfig, hip: HipJoint, centre: np.ndarray, head_r: float, rng: np.random.Generator
+) -> tuple[tuple[np.ndarray, ...], tuple[float, ...], float, float, float]:
+    """Stem centre line and radii, its length and neck-shaft angle, and the resection depth.
+
+    The neck-shaft junction J lies on the native shaft line where the neck from the (jittered)
+    ``centre`` meets the shaft at the stem's neck-shaft angle (angle between J->centre and the
+    shaft axis pointing distally). Returns ``(points, radii, length_mm, neck_shaft_angle_deg,
+    resection_mm)``, the resection measured from the native head centre along the native neck.
+    """
     shaft = _unit(hip.shaft_axis)
     neck_native = _unit(hip.neck_axis)
     top = np.asarray(hip.shaft_top_mm, dtype=np.float64)
@@ -384,28 +426,7 @@ def draw_implant(cfg: ImplantConfig, anatomy: "Anatomy", rng: np.random.Generato
     tip = junction + length * shaft
     points = (centre, neck_base, junction, mid, tip)
     radii = (0.9 * neck_r, neck_r, prox_r, mid_r, tip_r)
-
-    chi = cfg.materials_chi_ppm()
-    materials = {comp: getattr(cfg, f"{comp}_material") for comp in COMPONENT_NAMES}
-    return ImplantParams(
-        side=side,
-        centre_mm=_vec(centre),
-        cup_axis=_vec(axis),
-        cup_inclination_deg=inclination,
-        cup_anteversion_deg=anteversion,
-        cup_outer_radius_mm=outer_r,
-        cup_thickness_mm=thickness,
-        liner_thickness_mm=inner_r - head_r,
-        head_radius_mm=head_r,
-        stem_points_mm=tuple(_vec(p) for p in points),
-        stem_radii_mm=tuple(float(r) for r in radii),
-        stem_length_mm=length,
-        stem_neck_shaft_angle_deg=nsa,
-        resection_point_mm=_vec(native + resection * neck_native),
-        resection_normal=_vec(neck_native),
-        materials=materials,
-        chi_ppm={comp: float(chi[mat]) for comp, mat in materials.items()},
-    )
+    return points, radii, length, nsa, resection
 
 
 def _vec(v: np.ndarray) -> tuple[float, float, float]:

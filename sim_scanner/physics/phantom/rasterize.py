@@ -1,0 +1,50 @@
+"""Rasterising an anatomy: :func:`rasterize_anatomy` paints a label volume slab by slab, from
+the outside in (soft tissue, then bones and hip joints)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sim_scanner.physics.grid import Grid
+from sim_scanner.physics.phantom.bones import _paint_hip_joint, _paint_pelvis_side
+from sim_scanner.physics.phantom.chunk import _Chunk
+from sim_scanner.physics.phantom.config import PhantomConfig
+from sim_scanner.physics.phantom.layout import _Layout
+from sim_scanner.physics.phantom.records import Anatomy
+from sim_scanner.physics.phantom.soft_tissue import (
+    _cavity_mask,
+    _paint_body,
+    _paint_muscles,
+    _paint_pelvic_organs,
+    _paint_vessels,
+)
+
+
+def rasterize_anatomy(anatomy: Anatomy, grid: Grid, cfg: PhantomConfig) -> np.ndarray:
+    """Label volume (uint8 [z, y, x], values of :class:`~sim_scanner.physics.tissues.Tissue`) of ``anatomy`` on ``grid``.
+
+    Deterministic: the same anatomy, grid and config give bit-identical labels. Works in z slabs
+    of about ``cfg.chunk_voxels`` voxels.
+    """
+    lay = _Layout(anatomy, cfg)
+    nz, ny, nx = grid.shape
+    out = np.empty(grid.shape, dtype=np.uint8)
+    step = max(1, int(cfg.chunk_voxels) // (ny * nx))
+    for z0 in range(0, nz, step):
+        z1 = min(nz, z0 + step)
+        chunk = _Chunk(grid.zslab(z0, z1), lay)
+        _rasterize_chunk(chunk, lay)
+        out[z0:z1] = chunk.labels
+    return out
+
+
+def _rasterize_chunk(ch: _Chunk, lay: _Layout) -> None:
+    env = _paint_body(ch, lay)
+    cav = _cavity_mask(ch, lay, env)
+    _paint_muscles(ch, lay, env, cav)
+    _paint_pelvic_organs(ch, lay, cav)
+    _paint_vessels(ch, lay)
+    for side in ("left", "right"):
+        _paint_pelvis_side(ch, lay, side)
+    for side in ("left", "right"):
+        _paint_hip_joint(ch, lay, side)
