@@ -312,3 +312,20 @@ def test_settings_from_xml_and_json():
     with pytest.raises(ValueError, match="feedback"):
         settings_from_json('{"feedback": "smoke"}', base)
     assert settings_from_json('{"initial": 3}', base).initial == 3
+
+
+def test_settings_defaults_and_checks_come_from_the_config_sections():
+    from masc_gadget.acquisition.episode import AcquisitionConfig
+    from masc_gadget.serving.gadget import GadgetConfig
+
+    s = GadgetSettings()
+    assert s.acquisition == AcquisitionConfig() and s.gadget == GadgetConfig()
+    assert (s.policy, s.budget) == (AcquisitionConfig.policy, AcquisitionConfig.budget)
+    assert s.feedback == GadgetConfig.feedback
+    config = load_config(CONFIGS / "tiny.yaml")
+    assert GadgetSettings.from_config(config).acquisition is config["acquisition"]
+    t = s.updated({"budget": 3, "feedback": "inband"}, "parameters")  # each key to its own section
+    assert t.acquisition == AcquisitionConfig(budget=3) and t.gadget == GadgetConfig(feedback="inband")
+    assert GadgetSettings(budget=3, feedback="inband") == t
+    with pytest.raises(ValueError, match="parameters: budget must be >= 1"):  # the section's own check
+        s.updated({"budget": 0}, "parameters")

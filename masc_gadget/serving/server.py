@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from masc_gadget.config import Config, ConfigError, load_config
-from masc_gadget.serving.gadget import DEFAULT_CACHE, GadgetSettings, ModelCache, process, settings_from_xml
+from masc_gadget.serving.gadget import process
+from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache, build_engine, load_models
+from masc_gadget.serving.settings import GadgetSettings, settings_from_xml
 from masc_gadget.mrd.header import parse_header
 from masc_gadget.acquisition.policies import POLICIES
 from masc_gadget.mrd.protocol import (
@@ -233,21 +235,13 @@ class MascServer:
 
         import numpy as np
 
-        from masc_gadget.acquisition.engine import AcquisitionEngine, EngineSettings
-
         start = time.perf_counter()
         s = GadgetSettings.from_config(self.named.config)
-        policy, mar = None, self.cache.mar(s.mar_checkpoint, s.device)
-        if s.policy == "masc":
-            policy, masc_mar = self.cache.masc(s.policy_checkpoint, s.device)
-            mar = mar if mar is not None else masc_mar
+        policy = load_models(s, self.cache).policy
+        if policy is not None:  # a learned policy knows its matrix
             n_pe, n_readout = policy.net.n_pe, policy.net.width
         initial = min(s.initial, n_pe - 1)
-        engine = AcquisitionEngine(
-            EngineSettings(n_pe=n_pe, n_readout=n_readout, initial=initial, budget=1, policy=s.policy,
-                           mar_checkpoint=s.mar_checkpoint, device=s.device, seed=s.seed),
-            policy=policy, mar=mar,
-        )
+        engine = build_engine(s, n_pe, n_readout, self.cache, initial=initial, budget=1)
         zeros = np.zeros(n_readout, np.complex64)
         for line in range(n_pe // 2 - initial // 2, n_pe // 2 - initial // 2 + initial):
             engine.on_line(0, line, zeros)

@@ -1,0 +1,235 @@
+"""The gadget loop as small generator stages, each ``(iterable, context) -> iterable``, the way
+gadgetron-python's examples are written::
+
+    items -> parameters -> imaging_lines -> start_engine -> well_formed -> decide -> images -> send
+
+Stages pull lazily, so each acquisition runs through the whole chain (decisions and images
+sent) before the next item is read. What the stages share — the settings, the engine, the
+templates of the images, the counters, where errors go — is the :class:`Context` of the
+connection. :func:`masc_gadget.serving.gadget.process` chains them; the Gadgetron entry point
+``masc(connection)`` and the standalone server both run ``process``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import ismrmrd
+import numpy as np
+
+from masc_gadget import __version__
+from masc_gadget.acquisition.engine import AcquisitionEngine, SliceResult
+from masc_gadget.mrd.feedback import ZmqFeedback, feedback_acquisition, is_feedback
+from masc_gadget.mrd.header import EncodingGeometry, encoding_geometry
+from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache, build_engine
+from masc_gadget.serving.settings import GadgetSettings, settings_from_json
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Context", "STAGES", "decide", "imaging_lines", "images", "make_image", "parameters",
+           "pipeline", "send", "start_engine", "well_formed"]
+
+# acquisitions that carry no imaging data for this reconstruction
+_SKIP_FLAGS = (
+    ismrmrd.ACQ_IS_NOISE_MEASUREMENT,
+    ismrmrd.ACQ_IS_NAVIGATION_DATA,
+    ismrmrd.ACQ_IS_PHASECORR_DATA,
+    ismrmrd.ACQ_IS_DUMMYSCAN_DATA,
+    ismrmrd.ACQ_IS_PARALLEL_CALIBRATION,
+)
+
+
+def _new_stats() -> dict[str, int]:
+    return {"acquisitions": 0, "decisions": 0, "images": 0, "rejected": 0}
+
+
+@dataclass(eq=False)
+class Context:
+    """One connection's state, shared by its stages."""
+
+    header: Any
+    """The parsed ISMRMRD header (``ismrmrd.xsd.ismrmrdHeader``)."""
+    settings: GadgetSettings
+    """Replaced by JSON parameters that come before the first acquisition."""
+    send_item: Callable[[Any], None]
+    """Delivers images and in-band feedback to the client."""
+    on_error: Callable[[str], None] | None = None
+    """Also told about every rejected or ignored item (besides the log)."""
+    cache: ModelCache = DEFAULT_CACHE
+    geometry: EncodingGeometry = field(init=False)
+    engine: AcquisitionEngine | None = None
+    """Built at the first imaging acquisition (:func:`start_engine`)."""
+    zmq_out: ZmqFeedback | None = None
+    closed_loop: bool = False
+    """Feedback goes somewhere, so a slice is also finished once its budget is spent."""
+    templates: dict[int, ismrmrd.AcquisitionHeader] = field(default_factory=dict)
+    """Per slice, the header of its first stored line (position, orientation of its image)."""
+    stats: dict[str, int] = field(default_factory=_new_stats)
+
+    def __post_init__(self) -> None:
+        self.geometry = encoding_geometry(self.header)
+
+    def report(self, message: str) -> None:
+        log.warning("%s", message)
+        if self.on_error is not None:
+            self.on_error(message)
+
+    def reject(self, message: str) -> None:
+        """An acquisition is skipped: counted, logged and reported."""
+        self.stats["rejected"] += 1
+        self.report(message)
+
+    def start(self) -> None:
+        """The engine (models loaded through the cache) and the side channel of the settings."""
+        s = self.settings
+        self.engine = build_engine(s, self.geometry.n_pe, self.geometry.n_readout, self.cache)
+        if s.zmq_address:
+            self.zmq_out = ZmqFeedback(s.zmq_address)
+        # a slice is finished by the scanner (ACQ_LAST_IN_SLICE); in closed loop also when
+        # its budget is spent. Open loop (no feedback asked for), the client decides what
+        # it acquires, so the image waits for its last line or the close and uses them all.
+        self.closed_loop = s.feedback == "inband" or bool(s.zmq_address)
+
+    def close(self) -> None:
+        if self.zmq_out is not None:
+            self.zmq_out.close()
+
+
+def parameters(items: Iterable[Any], ctx: Context) -> Iterator[Any]:
+    """Apply JSON parameter text (str items) that comes before the first acquisition to
+    ``ctx.settings``; later text is reported and ignored. Everything else passes."""
+    for item in items:
+        if not isinstance(item, str):
+            yield item
+        elif ctx.engine is not None:
+            ctx.report("parameters text after the first acquisition is ignored")
+        else:
+            ctx.settings = settings_from_json(item, ctx.settings)
+            log.info("parameters: %s", json.dumps(ctx.settings.flat()))
+
+
+def imaging_lines(items: Iterable[Any], ctx: Context) -> Iterator[ismrmrd.Acquisition]:
+    """Only the acquisitions that carry imaging lines: no other item types, no feedback
+    acquisitions, no noise / navigation / phase-correction / dummy / calibration data."""
+    for item in items:
+        if not isinstance(item, ismrmrd.Acquisition):
+            log.debug("ignoring %s", type(item).__name__)
+        elif not (is_feedback(item) or any(item.is_flag_set(f) for f in _SKIP_FLAGS)):
+            yield item
+
+
+def start_engine(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[ismrmrd.Acquisition]:
+    """Build the connection's engine at the first imaging acquisition, before it is checked."""
+    for acq in acqs:
+        if ctx.engine is None:
+            ctx.start()
+        yield acq
+
+
+def well_formed(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[ismrmrd.Acquisition]:
+    """Reject (``ctx.reject``) acquisitions that are not one channel of the header's readout."""
+    n_readout = ctx.geometry.n_readout
+    for acq in acqs:
+        slice_index, line = int(acq.idx.slice), int(acq.idx.kspace_encode_step_1)
+        data = acq.data
+        if data.ndim != 2 or data.shape[0] != 1:
+            ctx.reject(f"slice {slice_index} line {line}: acquisition has {data.shape[0]} channels; "
+                       "MASC expects coil-combined single-channel data")
+        elif data.shape[1] != n_readout:
+            ctx.reject(f"slice {slice_index} line {line}: {data.shape[1]} samples, but the header's "
+                       f"encoded matrix has {n_readout} readout samples")
+        else:
+            yield acq
+
+
+def decide(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[SliceResult]:
+    """Feed each line to the engine, send its decisions (in-band and / or ZeroMQ) and yield the
+    slices that are finished: by the scanner (``ACQ_LAST_IN_SLICE``), in closed loop once their
+    budget is spent, and every slice still held when the stream ends."""
+    for acq in acqs:
+        engine = ctx.engine
+        slice_index, line = int(acq.idx.slice), int(acq.idx.kspace_encode_step_1)
+        try:
+            decisions = engine.on_line(slice_index, line, acq.data[0])
+        except ValueError as err:
+            ctx.reject(str(err))
+            continue
+        ctx.stats["acquisitions"] += 1
+        ctx.templates.setdefault(slice_index, acq.getHead())
+        for decision in decisions:
+            ctx.stats["decisions"] += 1
+            if ctx.settings.feedback == "inband":
+                ctx.send_item(feedback_acquisition(decision, acq.getHead()))
+            if ctx.zmq_out is not None:
+                ctx.zmq_out.send(decision)
+        if acq.is_flag_set(ismrmrd.ACQ_LAST_IN_SLICE) or (ctx.closed_loop and engine.complete(slice_index)):
+            yield engine.finish_slice(slice_index)
+    if ctx.engine is not None:
+        for slice_index in ctx.engine.slices():
+            yield ctx.engine.finish_slice(slice_index)
+
+
+def images(results: Iterable[SliceResult], ctx: Context) -> Iterator[ismrmrd.Image]:
+    """The ``ismrmrd.Image`` of each finished slice (series 1), and its zero-filled image
+    (series 2) when ``return_zero_filled`` is set."""
+    for result in results:
+        template = ctx.templates.get(result.slice)
+        yield make_image(result, template, ctx.header, series=1)
+        ctx.stats["images"] += 1
+        if ctx.settings.return_zero_filled:
+            yield make_image(result, template, ctx.header, series=2, zero_filled=True)
+
+
+def send(items: Iterable[Any], ctx: Context) -> None:
+    """The end of the chain: deliver every item to the client."""
+    for item in items:
+        ctx.send_item(item)
+
+
+STAGES = (parameters, imaging_lines, start_engine, well_formed, decide, images)
+"""The stages from the connection's items to its images, in order (then :func:`send`)."""
+
+
+def pipeline(items: Iterable[Any], ctx: Context) -> Iterable[Any]:
+    """``items`` through every stage of :data:`STAGES`: the images to send."""
+    for stage in STAGES:
+        items = stage(items, ctx)
+    return items
+
+
+def make_image(result: SliceResult, template: ismrmrd.AcquisitionHeader | None, header: Any,
+               series: int, zero_filled: bool = False) -> ismrmrd.Image:
+    """The finished slice as an ``ismrmrd.Image`` (magnitude, float32, (y, x) = (PE, RO)) with
+    meta attributes listing the acquired lines, the policy and the versions."""
+    data = (result.zero_filled if zero_filled else result.image).astype(np.float32)
+    image = ismrmrd.Image.from_array(data, transpose=False)
+    image.image_type = ismrmrd.IMTYPE_MAGNITUDE
+    image.image_series_index = series
+    image.image_index = result.slice + 1
+    image.slice = result.slice
+    if template is not None:
+        for name in ("position", "read_dir", "phase_dir", "slice_dir", "patient_table_position"):
+            setattr(image, name, tuple(getattr(template, name)))
+        image.measurement_uid = template.measurement_uid
+        image.acquisition_time_stamp = template.acquisition_time_stamp
+        image.repetition = template.idx.repetition
+        image.contrast = template.idx.contrast
+    try:
+        fov = header.encoding[0].reconSpace.fieldOfView_mm
+        image.field_of_view = (float(fov.x), float(fov.y), float(fov.z))
+    except (AttributeError, IndexError):
+        pass
+    meta = ismrmrd.Meta()
+    meta["MASC.lines"] = [int(v) for v in result.lines]
+    meta["MASC.decided"] = [int(v) for v in result.decided]
+    meta["MASC.policy"] = result.policy
+    meta["MASC.mar"] = "none (zero-filled)" if zero_filled else result.mar
+    meta["MASC.version"] = __version__
+    meta["DataRole"] = "Image"
+    meta["ImageComments"] = "MASC zero-filled" if zero_filled else "MASC MAR-corrected"
+    image.attribute_string = meta.serialize()
+    return image
