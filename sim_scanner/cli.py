@@ -79,7 +79,7 @@ def cmd_sphere(args: argparse.Namespace) -> int:
 
     from masc_gadget.config import ConfigError
     from sim_scanner.physics.grid import Grid
-    from sim_scanner.physics.forward import (
+    from sim_scanner.physics.field import (
         dipole_field_hz,
         sphere_field_analytic_hz,
         sphere_susceptibility,

@@ -15,8 +15,9 @@ from masc_gadget.acquisition.episode import AcquisitionConfig
 from masc_gadget.config import load_config
 from masc_gadget.acquisition.policies import make_policy, run_episode
 from masc_gadget.serving.server import MascServer
-from sim_scanner.dataset.simulate import read_manifest, subject_path
-from sim_scanner.scanner.session import ScannerConfig, run_scan, scan_subject
+from sim_scanner.dataset.layout import read_manifest, subject_path
+from sim_scanner.scanner.config import ScannerConfig
+from sim_scanner.scanner.session import run_scan, scan_subject
 
 from .conftest import CONFIGS
 

@@ -11,16 +11,9 @@ import pytest
 import torch
 
 from masc_gadget.config import load_config
-from sim_scanner.dataset import simulate as ds
-from sim_scanner.dataset.simulate import (
-    SPLITS,
-    assign_splits,
-    read_manifest,
-    simulate_dataset,
-    simulate_subject,
-    subject_path,
-    write_subject,
-)
+from sim_scanner.dataset import layout
+from sim_scanner.dataset.layout import SPLITS, read_manifest, subject_path, write_subject
+from sim_scanner.dataset.simulate import assign_splits, simulate_dataset, simulate_subject
 
 from .conftest import CONFIGS
 
@@ -155,7 +148,7 @@ def test_failed_write_leaves_nothing_behind(tmp_path, tiny_config, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ds.h5py, "File", broken)
+    monkeypatch.setattr(layout.h5py, "File", broken)
     with pytest.raises(OSError, match="disk full"):
         write_subject(data, path, tiny_config, "train")
     assert not path.exists() and not list(tmp_path.iterdir())

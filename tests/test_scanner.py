@@ -33,13 +33,13 @@ from masc_gadget.mrd.protocol import (
     ID_TEXT,
     MrdStream,
 )
-from sim_scanner.scanner.session import (
+from sim_scanner.scanner.config import (
     IMAGE_FROM_GADGET,
     IMAGE_ZERO_FILLED,
     ScannerConfig,
     parse_server,
-    run_scan,
 )
+from sim_scanner.scanner.session import run_scan
 
 from .conftest import CONFIGS
 

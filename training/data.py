@@ -1,4 +1,7 @@
-"""Loading simulated datasets (the folder layout of DESIGN.md "Data") into batched tensors."""
+"""Loading simulated datasets (the folder layout of DESIGN.md "Data") into batched tensors.
+
+The files are read through :mod:`sim_scanner.dataset.layout`, the owner of the format.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +9,15 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import h5py
 import numpy as np
 import torch
 
+from sim_scanner.dataset.layout import read_subject, split_files
+
 log = logging.getLogger(__name__)
 
-SPLITS = ("train", "val", "test")
+_ARRAYS = ("kspace_metal", "kspace_clean", "images_clean", "images_metal", "implant_mask")
+"""The fast arrays a SliceSet holds (layout.SubjectFile fields)."""
 
 
 @dataclass
@@ -52,21 +57,6 @@ class SliceSet:
         return f"{self.subjects[i]}/{int(self.slices[i])}"
 
 
-def split_files(data_dir: str | Path, split: str) -> list[Path]:
-    """Subject files of ``split`` (sorted), with errors that say what is wrong."""
-    data_dir = Path(data_dir)
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
-    if not (data_dir / "manifest.json").is_file():
-        raise FileNotFoundError(
-            f"{data_dir} is not a MASC dataset (no manifest.json); create one with masc simulate dataset"
-        )
-    files = sorted((data_dir / split).glob("*.h5"))
-    if not files:
-        raise ValueError(f"{data_dir} has no subjects in split {split!r}")
-    return files
-
-
 def load_split(data_dir: str | Path, split: str, max_slices: int = 0) -> SliceSet:
     """Read the fast arrays of every subject of ``split`` (first ``max_slices`` slices if > 0)."""
     parts: dict[str, list[np.ndarray]] = {k: [] for k in ("km", "kc", "t", "m", "mask")}
@@ -74,15 +64,8 @@ def load_split(data_dir: str | Path, split: str, max_slices: int = 0) -> SliceSe
     slices: list[np.ndarray] = []
     shape = None
     for path in split_files(data_dir, split):
-        try:
-            with h5py.File(path, "r") as f:
-                km = f["kspace/metal"][()]
-                kc = f["kspace/clean"][()]
-                tgt = f["images/clean"][()]
-                met = f["images/metal"][()]
-                mask = f["implant_mask"][()]
-        except (OSError, KeyError) as err:
-            raise ValueError(f"{path} is not a readable MASC subject file: {err}") from None
+        sub = read_subject(path, _ARRAYS)
+        km, kc, tgt, met, mask = (getattr(sub, name) for name in _ARRAYS)
         if shape is None:
             shape = km.shape[1:]
         elif km.shape[1:] != shape:

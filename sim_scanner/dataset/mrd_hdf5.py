@@ -32,7 +32,13 @@ import ismrmrd.xsd as xsd
 import numpy as np
 from ismrmrd.hdf5 import acquisition_dtype, acquisition_header_dtype
 
-from masc_gadget.mrd.header import encoding_geometry, flag_mask, parse_header, serialize_header
+from masc_gadget.mrd.header import (
+    EncodingGeometry,
+    encoding_geometry,
+    flag_mask,
+    parse_header,
+    serialize_header,
+)
 from sim_scanner.physics.sequence import SequenceConfig
 
 TIMESTAMP_TICK_MS = 2.5
@@ -93,6 +99,49 @@ def _fov_centre_xy(fov_centre_mm: tuple[float, float]) -> tuple[float, float]:
     return float(fov_centre_mm[1]), float(fov_centre_mm[0])
 
 
+def _user_parameters(params: dict[str, object]) -> xsd.userParametersType:
+    user = xsd.userParametersType()
+    for name, value in params.items():
+        item = _user_parameter(name, value)
+        if isinstance(item, xsd.userParameterLongType):
+            user.userParameterLong.append(item)
+        elif isinstance(item, xsd.userParameterDoubleType):
+            user.userParameterDouble.append(item)
+        else:
+            user.userParameterString.append(item)
+    return user
+
+
+def _encoding(seq: SequenceConfig) -> xsd.encodingType:
+    """The single 2D Cartesian encoding: matrix, FOV and limits (slices as the slice index)."""
+    n_ro, n_pe, n_slices = seq.n_readout, seq.n_pe, seq.n_slices
+    space = xsd.encodingSpaceType(
+        matrixSize=xsd.matrixSizeType(x=n_ro, y=n_pe, z=1),
+        fieldOfView_mm=xsd.fieldOfViewMm(
+            x=float(seq.fov_mm[0]), y=float(seq.fov_mm[1]), z=float(seq.slice_thickness_mm)
+        ),
+    )
+    limits = xsd.encodingLimitsType(
+        kspace_encoding_step_0=_limit(n_ro - 1, n_ro // 2),
+        kspace_encoding_step_1=_limit(n_pe - 1, n_pe // 2),
+        kspace_encoding_step_2=_limit(0, 0),
+        average=_limit(0, 0),
+        slice=_limit(n_slices - 1, n_slices // 2),
+        contrast=_limit(0, 0),
+        phase=_limit(0, 0),
+        repetition=_limit(0, 0),
+        set=_limit(0, 0),
+        segment=_limit(0, 0),
+    )
+    return xsd.encodingType(
+        encodedSpace=space,
+        reconSpace=space,
+        encodingLimits=limits,
+        trajectory=xsd.trajectoryType.CARTESIAN,
+        echoTrainLength=int(seq.echo_train_length),
+    )
+
+
 def build_header(
     seq: SequenceConfig,
     *,
@@ -120,26 +169,6 @@ def build_header(
     if not all(math.isfinite(z) for z in centres):
         raise ValueError(f"slice_centres_mm must be finite, got {centres}")
     centre_x, centre_y = _fov_centre_xy(fov_centre_mm)
-
-    n_ro, n_pe, n_slices = seq.n_readout, seq.n_pe, seq.n_slices
-    space = xsd.encodingSpaceType(
-        matrixSize=xsd.matrixSizeType(x=n_ro, y=n_pe, z=1),
-        fieldOfView_mm=xsd.fieldOfViewMm(
-            x=float(seq.fov_mm[0]), y=float(seq.fov_mm[1]), z=float(seq.slice_thickness_mm)
-        ),
-    )
-    limits = xsd.encodingLimitsType(
-        kspace_encoding_step_0=_limit(n_ro - 1, n_ro // 2),
-        kspace_encoding_step_1=_limit(n_pe - 1, n_pe // 2),
-        kspace_encoding_step_2=_limit(0, 0),
-        average=_limit(0, 0),
-        slice=_limit(n_slices - 1, n_slices // 2),
-        contrast=_limit(0, 0),
-        phase=_limit(0, 0),
-        repetition=_limit(0, 0),
-        set=_limit(0, 0),
-        segment=_limit(0, 0),
-    )
     params: dict[str, object] = {
         "readout_bandwidth_hz_per_px": float(seq.readout_bw_hz_per_px),
         "rf_bandwidth_hz": float(seq.rf_bw_hz),
@@ -158,15 +187,7 @@ def build_header(
                 f"user parameter {name!r} is written by build_header; choose another name"
             )
         params[name] = value
-    user = xsd.userParametersType()
-    for name, value in params.items():
-        item = _user_parameter(name, value)
-        if isinstance(item, xsd.userParameterLongType):
-            user.userParameterLong.append(item)
-        elif isinstance(item, xsd.userParameterDoubleType):
-            user.userParameterDouble.append(item)
-        else:
-            user.userParameterString.append(item)
+    user = _user_parameters(params)
 
     header = xsd.ismrmrdHeader(
         subjectInformation=xsd.subjectInformationType(patientID=subject_id),
@@ -185,15 +206,7 @@ def build_header(
         experimentalConditions=xsd.experimentalConditionsType(
             H1resonanceFrequency_Hz=int(round(seq.larmor_hz))
         ),
-        encoding=[
-            xsd.encodingType(
-                encodedSpace=space,
-                reconSpace=space,
-                encodingLimits=limits,
-                trajectory=xsd.trajectoryType.CARTESIAN,
-                echoTrainLength=int(seq.echo_train_length),
-            )
-        ],
+        encoding=[_encoding(seq)],
         sequenceParameters=xsd.sequenceParametersType(
             TR=[float(seq.tr_ms)],
             TE=[float(seq.te_ms)],
@@ -531,14 +544,10 @@ def write_mrd_group(
     return len(records)
 
 
-def read_mrd_group(path: str | os.PathLike, group: str) -> MrdGroup:
-    """Read an ISMRMRD group into a (slice, pe, ro) k-space, by ``idx.slice`` and line.
-
-    Single-channel Cartesian data only; non-imaging acquisitions (noise, navigators, phase
-    correction, dummy scans, in-band feedback ``ACQ_USER1``) are skipped; a line delivered twice
-    keeps its last copy. Raises ValueError naming the group and file when missing or malformed.
-    """
-    where = f"MRD group {group!r} in {path}"
+def _read_group(
+    path: str | os.PathLike, group: str, where: str
+) -> tuple[str, EncodingGeometry, np.ndarray]:
+    """The header XML, its encoding geometry and the raw acquisition records of a group."""
     if not os.path.isfile(path):
         raise ValueError(f"{where}: no such file")
     try:
@@ -572,7 +581,18 @@ def read_mrd_group(path: str | os.PathLike, group: str) -> MrdGroup:
                 f"{where}: 'data' is not an ISMRMRD acquisition dataset ({dset.dtype})"
             )
         records = dset[...]
+    return header_xml, geometry, records
 
+
+def read_mrd_group(path: str | os.PathLike, group: str) -> MrdGroup:
+    """Read an ISMRMRD group into a (slice, pe, ro) k-space, by ``idx.slice`` and line.
+
+    Single-channel Cartesian data only; non-imaging acquisitions (noise, navigators, phase
+    correction, dummy scans, in-band feedback ``ACQ_USER1``) are skipped; a line delivered twice
+    keeps its last copy. Raises ValueError naming the group and file when missing or malformed.
+    """
+    where = f"MRD group {group!r} in {path}"
+    header_xml, geometry, records = _read_group(path, group, where)
     shape = (geometry.n_slices, geometry.n_pe, geometry.n_readout)
     kspace = np.zeros(shape, dtype=np.complex64)
     acquired = np.zeros(shape[:2], dtype=bool)

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import h5py
 import numpy as np
 
-from sim_scanner.dataset.simulate import read_manifest, subject_path
+from sim_scanner.dataset.layout import (
+    default_subject,
+    implant_material_attr,
+    read_manifest,
+    read_subject,
+    sequence_attr,
+    subject_path,
+)
 
 
 def pick_slices(implant_mask: np.ndarray, count: int) -> list[int]:
@@ -29,22 +35,16 @@ def write_preview(folder: str | Path, subject: str | None, out: str | Path, n_sl
 
     manifest = read_manifest(folder)
     if subject is None:
-        for split in ("test", "val", "train"):
-            if manifest["splits"].get(split):
-                subject = manifest["splits"][split][0]
-                break
+        subject = default_subject(manifest)
     path = subject_path(folder, subject, manifest)
     if not path.is_file():
         raise FileNotFoundError(f"{path} has not been simulated yet (run masc simulate dataset)")
-    with h5py.File(path, "r") as f:
-        clean = f["images/clean"][()]
-        metal = f["images/metal"][()]
-        mask = f["implant_mask"][()]
-        fmap = f["field_map_hz"][()]
-        bw = float(f.attrs.get("sequence.readout_bw_hz_per_px", 710.0))
-        b0 = float(f.attrs.get("sequence.b0_t", 3.0))
-        centres = np.asarray(f.attrs["slice_centres_mm"])
-        materials = f.attrs.get("implant.stem_material", "?")
+    sub = read_subject(path, ("images_clean", "images_metal", "implant_mask", "field_map_hz"))
+    clean, metal, mask, fmap = sub.images_clean, sub.images_metal, sub.implant_mask, sub.field_map_hz
+    bw = float(sub.attrs.get(sequence_attr("readout_bw_hz_per_px"), 710.0))
+    b0 = float(sub.attrs.get(sequence_attr("b0_t"), 3.0))
+    centres = np.asarray(sub.slice_centres_mm)
+    materials = sub.attrs.get(implant_material_attr("stem"), "?")
     slices = pick_slices(mask, n_slices)
     vmax = float(np.percentile(clean, 99.5)) or 1.0
     flim = 5 * bw

@@ -1,12 +1,8 @@
 """Paired metal / clean datasets: one subject through the whole physics pipeline, and the
-dataset folder layout of DESIGN.md ("Data").
+simulation of a whole dataset folder (DESIGN.md, "Data").
 
-A dataset is a folder with ``manifest.json`` and ``{train,val,test}/<subject>.h5``. Each
-subject file holds the ISMRMRD groups ``metal`` and ``clean`` (header + one acquisition per PE
-line per slice), the fast arrays ``kspace/{metal,clean}`` (complex64 [slice, pe, ro]),
-``images/{metal,clean}`` (float32 [slice, y, x]), ``implant_mask`` (uint8 [slice, y, x]),
-``field_map_hz`` (float32 [slice, y, x], off-resonance with the implant at each slice centre),
-and every simulation parameter as attributes.
+The folder and subject file format (manifest, splits, HDF5 groups, datasets and attributes) is
+owned by :mod:`sim_scanner.dataset.layout`; this module simulates and hands it the data.
 """
 
 from __future__ import annotations
@@ -15,21 +11,32 @@ import json
 import logging
 import math
 import os
-import platform
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Literal
 
-import h5py
 import numpy as np
 import torch
 
-from masc_gadget import __version__
-from masc_gadget.config import Config, build_config, to_dict
+from masc_gadget.config import Config, build_config
 from masc_gadget.core.kspace import magnitude
-from sim_scanner.dataset import mrd_hdf5 as mrd
+from sim_scanner.dataset.layout import (  # noqa: F401  (read_manifest, subject_path: re-exported)
+    SIM_SECTIONS,
+    SPLITS,
+    SubjectData,
+    is_dataset,
+    prepare_folder,
+    read_manifest,
+    sim_config_dict,
+    subject_file,
+    subject_id,
+    subject_index,
+    subject_path,
+    write_manifest,
+    write_subject,
+)
 from sim_scanner.physics.grid import Grid
 from sim_scanner.physics.implant import (
     draw_implant,
@@ -38,10 +45,9 @@ from sim_scanner.physics.implant import (
     rasterize_implant,
 )
 from sim_scanner.physics.phantom import draw_anatomy, rasterize_anatomy, tissue_maps
+from sim_scanner.physics.field import dipole_field_hz, fit_shim
 from sim_scanner.physics.forward import (
     FAT_CHEMICAL_SHIFT_PPM,
-    dipole_field_hz,
-    fit_shim,
     object_grid,
     synthesize_kspace,
     tse_signal,
@@ -49,11 +55,6 @@ from sim_scanner.physics.forward import (
 from sim_scanner.physics.tissues import Tissue, tissue_properties
 
 log = logging.getLogger(__name__)
-
-SPLITS = ("train", "val", "test")
-MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
-SIM_SECTIONS = ("dataset", "phantom", "implant", "sequence", "physics")
 
 
 @dataclass(frozen=True)
@@ -84,10 +85,6 @@ class DatasetConfig:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
 
 
-def subject_id(index: int) -> str:
-    return f"sub-{index:04d}"
-
-
 def assign_splits(cfg: DatasetConfig) -> dict[str, list[str]]:
     """Subject ids per split: a seeded permutation, cut by the fractions (each non-empty split
     fraction gets at least one subject when there are enough subjects)."""
@@ -106,23 +103,6 @@ def assign_splits(cfg: DatasetConfig) -> dict[str, list[str]]:
         splits[name] = [subject_id(int(i)) for i in sorted(order[start : start + count])]
         start += count
     return splits
-
-
-@dataclass
-class SubjectData:
-    """One simulated subject, everything that goes into its file."""
-
-    subject_id: str
-    kspace_metal: np.ndarray
-    kspace_clean: np.ndarray
-    images_metal: np.ndarray
-    images_clean: np.ndarray
-    implant_mask: np.ndarray
-    field_map_hz: np.ndarray
-    slice_centres_mm: list[float]
-    fov_centre_mm: tuple[float, float]
-    anatomy: dict[str, Any] = field(default_factory=dict)
-    implant: dict[str, Any] = field(default_factory=dict)
 
 
 def image_of(kspace: np.ndarray) -> np.ndarray:
@@ -190,6 +170,27 @@ def simulate_subject(index: int, config: Config, progress=None) -> SubjectData:
 
     k_metal = synthesize_kspace(signal_metal, field_metal, grid, seq, phys, slice_centres, progress)
     k_clean = synthesize_kspace(signal_clean, field_clean, grid, seq, phys, slice_centres, progress)
+    k_metal, k_clean = _add_noise(k_metal, k_clean, phys, rng)
+    fmap, implant_mask = _image_grid_maps(fmap_metal, components, grid, seq, phys, slice_centres)
+    return SubjectData(
+        subject_id=subject_id(index),
+        kspace_metal=k_metal,
+        kspace_clean=k_clean,
+        images_metal=image_of(k_metal),
+        images_clean=image_of(k_clean),
+        implant_mask=implant_mask,
+        field_map_hz=fmap,
+        slice_centres_mm=[float(v) for v in slice_centres],
+        fov_centre_mm=fov_centre,
+        anatomy=dict(anatomy.params),
+        implant=implant.to_dict(),
+    )
+
+
+def _add_noise(k_metal: np.ndarray, k_clean: np.ndarray, phys: Any,
+               rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Complex Gaussian noise at ``phys.snr`` (vs the mean clean tissue signal) on the metal
+    partner, and the same noise on the clean one when ``phys.noise_in_clean``."""
     if phys.snr > 0:
         ref = image_of(k_clean)
         sigma = float(ref[ref > 0.1 * ref.max()].mean()) / phys.snr
@@ -199,7 +200,12 @@ def simulate_subject(index: int, config: Config, progress=None) -> SubjectData:
         k_metal = (k_metal + noise).astype(np.complex64)
         if phys.noise_in_clean:
             k_clean = (k_clean + noise).astype(np.complex64)
+    return k_metal, k_clean
 
+
+def _image_grid_maps(fmap_metal: np.ndarray, components: np.ndarray, grid: Grid, seq: Any, phys: Any,
+                     slice_centres: list[float]) -> tuple[np.ndarray, np.ndarray]:
+    """The field map at each slice centre and the implant mask of each slice, on the image grid."""
     s = phys.inplane_oversampling
     margin_cols = (grid.shape[2] - seq.n_readout * s) // 2
     z = grid.axis_mm(0)
@@ -210,76 +216,7 @@ def simulate_subject(index: int, config: Config, progress=None) -> SubjectData:
         planes = np.nonzero(np.abs(z - zc) < seq.slice_thickness_mm / 2)[0]
         occupied = (components[planes] > 0).any(axis=0)[None].astype(np.uint8)
         masks.append(_to_image_grid(occupied, grid, s, margin_cols, [0], seq.n_pe, seq.n_readout, "max")[0])
-    return SubjectData(
-        subject_id=subject_id(index),
-        kspace_metal=k_metal,
-        kspace_clean=k_clean,
-        images_metal=image_of(k_metal),
-        images_clean=image_of(k_clean),
-        implant_mask=np.stack(masks).astype(np.uint8),
-        field_map_hz=fmap,
-        slice_centres_mm=[float(v) for v in slice_centres],
-        fov_centre_mm=fov_centre,
-        anatomy=dict(anatomy.params),
-        implant=implant.to_dict(),
-    )
-
-
-def write_subject(data: SubjectData, path: Path, config: Config, split: str) -> None:
-    """Write one subject file atomically (temporary name, then rename)."""
-    seq = config["sequence"]
-    dcfg = config["dataset"]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        for group, kspace in (("metal", data.kspace_metal), ("clean", data.kspace_clean)):
-            header = mrd.build_header(
-                seq,
-                subject_id=data.subject_id,
-                slice_centres_mm=data.slice_centres_mm,
-                fov_centre_mm=data.fov_centre_mm,
-                measurement_id=f"{dcfg.name}/{data.subject_id}/{group}",
-                extra_user_parameters={"masc_partner": group},
-            )
-            acqs = mrd.acquisitions_from_kspace(kspace, seq, data.slice_centres_mm, data.fov_centre_mm)
-            mrd.write_mrd_group(tmp, group, header, acqs)
-        comp = None if dcfg.compression == "none" else dcfg.compression
-        with h5py.File(tmp, "a") as f:
-            opts = {"compression": comp} if comp else {}
-            f.create_dataset("kspace/metal", data=data.kspace_metal, **opts)
-            f.create_dataset("kspace/clean", data=data.kspace_clean, **opts)
-            f.create_dataset("images/metal", data=data.images_metal, **opts)
-            f.create_dataset("images/clean", data=data.images_clean, **opts)
-            f.create_dataset("implant_mask", data=data.implant_mask, **opts)
-            f.create_dataset("field_map_hz", data=data.field_map_hz, **opts)
-            attrs = f.attrs
-            attrs["subject_id"] = data.subject_id
-            attrs["split"] = split
-            attrs["format_version"] = FORMAT_VERSION
-            attrs["masc_version"] = __version__
-            attrs["seed"] = dcfg.seed
-            attrs["slice_centres_mm"] = np.asarray(data.slice_centres_mm)
-            attrs["fov_centre_mm"] = np.asarray(data.fov_centre_mm)
-            for key, value in to_dict(seq).items():
-                attrs[f"sequence.{key}"] = value
-            for key, value in to_dict(config["physics"]).items():
-                attrs[f"physics.{key}"] = value
-            attrs["implant.side"] = data.implant.get("side", "")
-            for key in ("stem", "head", "liner", "cup"):
-                mat = data.implant.get("materials", {}).get(key)
-                if mat is not None:
-                    attrs[f"implant.{key}_material"] = mat
-            attrs["config_json"] = json.dumps({k: to_dict(config[k]) for k in SIM_SECTIONS})
-            attrs["anatomy_json"] = json.dumps(data.anatomy)
-            attrs["implant_json"] = json.dumps(data.implant)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _sim_config_dict(config: Config) -> dict[str, Any]:
-    return {k: to_dict(config[k]) for k in SIM_SECTIONS}
+    return fmap, np.stack(masks).astype(np.uint8)
 
 
 def _worker(index: int, config_dict: dict[str, Any], path: str, split: str, threads: int) -> str:
@@ -299,58 +236,6 @@ def _comparable(sim: dict[str, Any]) -> dict[str, Any]:
     return sim
 
 
-def write_manifest(out: Path, config: Config, splits: dict[str, list[str]]) -> dict[str, Any]:
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "name": config["dataset"].name,
-        "seed": config["dataset"].seed,
-        "splits": splits,
-        "subjects": sorted(s for ids in splits.values() for s in ids),
-        "config": _sim_config_dict(config),
-        "versions": {
-            "masc": __version__,
-            "python": platform.python_version(),
-            "numpy": np.__version__,
-            "torch": torch.__version__,
-            "h5py": h5py.__version__,
-        },
-        "layout": {
-            "kspace": "complex64 [slice, pe, ro]; image = |centred orthonormal 2D IFFT|",
-            "images": "float32 magnitude [slice, y, x]",
-            "implant_mask": "uint8 [slice, y, x], 1 where the pixel contains implant",
-            "field_map_hz": "float32 [slice, y, x], off-resonance with the implant, slice centre",
-            "mrd_groups": ["metal", "clean"],
-        },
-    }
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, out / MANIFEST)
-    return manifest
-
-
-def read_manifest(folder: str | Path) -> dict[str, Any]:
-    path = Path(folder) / MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(f"{folder} is not a MASC dataset: {MANIFEST} is missing")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from None
-
-
-def subject_path(folder: str | Path, subject: str, manifest: dict[str, Any] | None = None) -> Path:
-    """Path of ``subject``'s file in dataset ``folder`` (ValueError naming the known subjects)."""
-    manifest = manifest or read_manifest(folder)
-    for split, ids in manifest["splits"].items():
-        if subject in ids:
-            return Path(folder) / split / f"{subject}.h5"
-    known = manifest.get("subjects", [])
-    raise ValueError(
-        f"subject {subject!r} is not in {folder}; known subjects: "
-        + ", ".join(known[:10]) + (" ..." if len(known) > 10 else "")
-    )
-
-
 def simulate_dataset(config: Config, out: str | Path, progress: bool = True) -> dict[str, Any]:
     """Simulate every subject of ``config`` into ``out``; finished subjects are skipped, so an
     interrupted run resumes. Returns the manifest."""
@@ -359,29 +244,24 @@ def simulate_dataset(config: Config, out: str | Path, progress: bool = True) -> 
     out = Path(out)
     dcfg = config["dataset"]
     splits = assign_splits(dcfg)
-    manifest_path = out / MANIFEST
-    if manifest_path.exists():
+    if is_dataset(out):
         old = read_manifest(out)
-        if _comparable(old.get("config", {})) != _comparable(_sim_config_dict(config)) or old.get(
+        if _comparable(old.get("config", {})) != _comparable(sim_config_dict(config)) or old.get(
             "splits"
         ) != splits:
             raise ValueError(
                 f"{out} already holds a dataset simulated with other parameters; "
                 "choose another --out or delete it"
             )
-    out.mkdir(parents=True, exist_ok=True)
-    for split in SPLITS:
-        (out / split).mkdir(exist_ok=True)
-        for stale in (out / split).glob("*.h5.tmp"):
-            stale.unlink()
+    prepare_folder(out)
     manifest = write_manifest(out, config, splits)
 
     todo = []
     for split, ids in splits.items():
         for sid in ids:
-            path = out / split / f"{sid}.h5"
+            path = subject_file(out, split, sid)
             if not path.exists():
-                todo.append((int(sid.split("-")[1]), path, split))
+                todo.append((subject_index(sid), path, split))
     done = dcfg.subjects - len(todo)
     if done:
         log.info("%d of %d subjects already simulated in %s; skipping them", done, dcfg.subjects, out)
@@ -395,7 +275,7 @@ def simulate_dataset(config: Config, out: str | Path, progress: bool = True) -> 
                 bar.update()
         else:
             threads = max(1, (os.cpu_count() or 1) // dcfg.workers)
-            sim = _sim_config_dict(config)
+            sim = sim_config_dict(config)
             with ProcessPoolExecutor(dcfg.workers, mp_context=get_context("spawn")) as pool:
                 futures = [pool.submit(_worker, i, sim, str(p), s, threads) for i, p, s in todo]
                 for future in as_completed(futures):

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from masc_gadget.config import Config
-    from sim_scanner.scanner.session import ScannerConfig
+    from sim_scanner.scanner.config import ScannerConfig
 
 log = logging.getLogger("masc.scan")
 
@@ -60,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
 
 def scanner_config_from_args(args: argparse.Namespace, config: Config) -> ScannerConfig:
     """The ``scanner`` section of ``config`` with the command-line flags applied (validated)."""
-    from sim_scanner.scanner.session import ScannerConfig
+    from sim_scanner.scanner.config import ScannerConfig
 
     base = config.sections["scanner"] if "scanner" in config.sections else ScannerConfig()
     values = {

@@ -22,7 +22,7 @@ The scanner is the authority on what was acquired: it keeps its own k-space of e
 acquired, so when the gadget dies mid-scan it finishes on the fallback order (sending nothing)
 and scores its own zero-filled reconstruction for slices that got no image back.
 
-Results: :class:`ScanReport` (``OUTDIR/report.json``) and the returned images
+Results: :class:`~sim_scanner.scanner.report.ScanReport` (``OUTDIR/report.json``) and the returned images
 (``OUTDIR/images.h5``, one ISMRMRD group per subject: ``<subject>/images`` as returned by the
 gadget, ``<subject>/scanner_zero_filled`` for slices without a returned image).
 
@@ -30,626 +30,65 @@ Time stamps: ``acquisition_time_stamp`` (2.5 ms ticks) starts at the time of day
 subject's scan starts and advances by the sequence's nominal line period
 (:func:`sim_scanner.dataset.mrd_hdf5.line_period_ms`), strictly increasing; the scanner does not pace its
 lines in real time, only the decision deadlines are real time.
+
+Modules: :mod:`~sim_scanner.scanner.config` (``ScannerConfig``, names), :mod:`~sim_scanner.scanner.link`
+(the gadget connection and the decisions it delivers), :mod:`~sim_scanner.scanner.report` (what
+is reported) and this one (the scan itself). Subject files are read through
+:mod:`sim_scanner.dataset.layout`; the scanner imports nothing of the simulator.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import math
 import os
-import socket
-import struct
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any
 
-import h5py
 import ismrmrd
 import numpy as np
 import torch
 
-from masc_gadget import __version__
 from masc_gadget.acquisition.episode import AcquisitionConfig, AcquisitionState, initial_lines
-from masc_gadget.config import Config, from_dict, to_dict
-from masc_gadget.core.kspace import zero_filled
-from masc_gadget.core.metrics import METRICS, slice_metrics
-from masc_gadget.mrd.header import flag_mask
 from masc_gadget.acquisition.policies import SamplingPolicy, make_policy
+from masc_gadget.config import Config, to_dict
+from masc_gadget.core.kspace import zero_filled
+from masc_gadget.core.metrics import slice_metrics
+from masc_gadget.mrd.header import flag_mask
 from sim_scanner.dataset import mrd_hdf5 as mrd
-from sim_scanner.dataset.simulate import read_manifest, subject_path
-from sim_scanner.physics.sequence import SequenceConfig
+from sim_scanner.dataset.layout import (
+    read_manifest,
+    read_scan_input,
+    split_subjects,
+    subject_path,
+    subject_slices,
+)
+from sim_scanner.scanner.config import (
+    IMAGE_FROM_GADGET,
+    IMAGE_ZERO_FILLED,
+    IMAGES_FILE,
+    REASON_DISCONNECTED,
+    REASON_INVALID,
+    REASON_MISS,
+    REASON_OPEN_LOOP,
+    REPORT_FILE,
+    SOURCE_FALLBACK,
+    SOURCE_GADGET,
+    SOURCE_INITIAL,
+    ScannerConfig,
+)
+from sim_scanner.scanner.link import _DecisionBoard, _GadgetLink, _ZmqPump
+from sim_scanner.scanner.report import ScanReport, SliceReport, SubjectReport, _log_subject, _totals
 
 log = logging.getLogger(__name__)
-
-FEEDBACK_MODES = ("inband", "zmq", "none")
-IMAGE_FROM_GADGET = "gadget"
-IMAGE_ZERO_FILLED = "scanner zero-filled"
-REPORT_FILE = "report.json"
-IMAGES_FILE = "images.h5"
-
-SOURCE_INITIAL, SOURCE_GADGET, SOURCE_FALLBACK = "initial", "gadget", "fallback"
-"""Where each acquired line came from (``SliceReport.sources``)."""
-
-REASON_MISS = "miss"
-"""No decision by the deadline while the gadget was connected."""
-REASON_INVALID = "invalid"
-"""The decision's line was out of range or already acquired."""
-REASON_DISCONNECTED = "disconnected"
-"""No gadget connection (lost mid-scan, or unreachable for a later subject)."""
-REASON_OPEN_LOOP = "open-loop"
-"""``feedback = "none"``: the scanner never waits for decisions."""
 
 _F_FIRST_IN_SLICE = flag_mask(ismrmrd.ACQ_FIRST_IN_SLICE)
 _F_LAST_IN_SLICE = flag_mask(ismrmrd.ACQ_LAST_IN_SLICE)
 _F_LAST_IN_MEASUREMENT = flag_mask(ismrmrd.ACQ_LAST_IN_MEASUREMENT)
-_READER_JOIN_S = 2.0
-"""How long to wait for the reader thread after the socket is shut down."""
-_ZMQ_POLL_MS = 10
-"""Poll period of the ZeroMQ side-channel thread."""
-
-
-# --------------------------------------------------------------------------------------- config
-
-
-def parse_server(server: str) -> tuple[str, int]:
-    """``"HOST:PORT"`` (or ``"[v6addr]:PORT"``) -> ``(host, port)``; ValueError stating the rule."""
-    if not isinstance(server, str):
-        raise ValueError(f"server must be HOST:PORT, got {server!r}")
-    host, sep, port_text = server.strip().rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-        raise ValueError(f"server must be HOST:PORT with a port in 1..65535, got {server!r}")
-    return host, int(port_text)
-
-
-@dataclass(frozen=True)
-class ScannerConfig:
-    """The simulated scanner client (config section ``scanner``)."""
-
-    server: str = "127.0.0.1:9002"
-    """Gadget to connect to, HOST:PORT (``masc serve`` or Gadgetron)."""
-    feedback: Literal["inband", "zmq", "none"] = "inband"
-    """How next-line decisions come back: in-band feedback acquisitions on the MRD connection,
-    the ZeroMQ side channel (the scanner binds ``zmq_address``), or none (open loop: stream the
-    initial lines and the fallback order without waiting, like a plain MRD client)."""
-    deadline_ms: float = 200.0
-    """How long the scanner waits for the decision for a slice's next line, from sending the
-    previous line of that slice, ms; later decisions are misses and the fallback line is taken."""
-    fallback: str = "center-out"
-    """Deterministic policy (``masc_gadget.acquisition.policies``) whose choice on the current mask is
-    taken when the gadget's decision is missing, late or invalid, e.g. center-out (low
-    frequencies first) or equispaced."""
-    interleave: bool = False
-    """Interleave slices as a multi-slice TSE: the initial lines of every slice first, then one
-    chosen line per slice in turn. False: slice after slice."""
-    zmq_address: str = "tcp://127.0.0.1:9003"
-    """ZeroMQ PULL endpoint the scanner binds for ``feedback = "zmq"`` (``tcp://HOST:*`` picks
-    a free port); sent to the gadget in the JSON parameters."""
-    config_name: str = "default"
-    """Stream configuration name sent as config-by-name (message id 1), e.g. "default" or a
-    policy name."""
-    connect_timeout_s: float = 5.0
-    """Timeout of the TCP connection to the gadget, s."""
-    close_timeout_s: float = 10.0
-    """After its close message, how long the scanner waits for the remaining images and the
-    gadget's close, s (also the send timeout on a gadget that stops reading)."""
-    max_subjects: int = 0
-    """Scan at most this many subjects of the split (0 = all)."""
-    max_slices: int = 0
-    """Scan at most this many slices per subject, the first ones (0 = all)."""
-
-    def __post_init__(self) -> None:
-        parse_server(self.server)
-        if self.feedback not in FEEDBACK_MODES:
-            raise ValueError(
-                f"feedback must be one of {', '.join(FEEDBACK_MODES)}, got {self.feedback!r}"
-            )
-        for name in ("deadline_ms", "connect_timeout_s", "close_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{name} must be a number, got {value!r}")
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {value}")
-        for name in ("max_subjects", "max_slices"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0 (0 = all), got {value!r}")
-        if not self.zmq_address.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError(
-                "zmq_address must be a ZeroMQ endpoint (tcp://HOST:PORT, ipc://PATH), "
-                f"got {self.zmq_address!r}"
-            )
-        name = self.config_name
-        if not name or len(name.encode("utf-8")) >= 1024 or "\x00" in name:
-            raise ValueError(
-                "config_name must be a non-empty name shorter than 1024 bytes without NUL, "
-                f"got {name!r}"
-            )
-        policy = make_policy(self.fallback)
-        if not policy.deterministic or policy.needs_image:
-            raise ValueError(
-                f"fallback must be a deterministic policy that needs no image (e.g. center-out, "
-                f"equispaced), got {self.fallback!r}"
-            )
-
-    @property
-    def host_port(self) -> tuple[str, int]:
-        """``server`` as ``(host, port)``."""
-        return parse_server(self.server)
-
-
-# -------------------------------------------------------------------------------------- records
-
-
-class LatencySummary(NamedTuple):
-    """Percentiles of decision latencies, ms (None when there were none)."""
-
-    count: int
-    p50: float | None
-    p90: float | None
-    p99: float | None
-    max: float | None
-
-    @classmethod
-    def of(cls, values: list[float]) -> LatencySummary:
-        if not values:
-            return cls(0, None, None, None, None)
-        v = np.asarray(values, dtype=np.float64)
-        p50, p90, p99 = (float(x) for x in np.percentile(v, [50, 90, 99]))
-        return cls(int(v.size), p50, p90, p99, float(v.max()))
-
-
-@dataclass
-class SliceReport:
-    """One slice of one subject: what was acquired, from where, and how good the image is."""
-
-    slice: int
-    lines: list[int] = field(default_factory=list)
-    """PE lines in acquisition order (initial + budget)."""
-    sources: list[str] = field(default_factory=list)
-    """Per line: "initial", "gadget" or "fallback"."""
-    fallback_reasons: list[str | None] = field(default_factory=list)
-    """Per chosen line (budget steps): None when the gadget's line was taken, else "miss",
-    "invalid", "disconnected" or "open-loop"."""
-    latencies_ms: list[float | None] = field(default_factory=list)
-    """Per budget step: scanner-side round trip from sending the previous line of the slice to
-    receiving the decision (None: no decision by the deadline)."""
-    gadget_latencies_ms: list[float | None] = field(default_factory=list)
-    """Per budget step: the decision latency the gadget reported (``user_int[1]`` / 1000)."""
-    from_gadget: int = 0
-    fallbacks: int = 0
-    misses: int = 0
-    """Deadline misses (no decision in time while the gadget was connected)."""
-    invalid: int = 0
-    """Decisions whose line was out of range or already acquired."""
-    image_source: str = ""
-    """"gadget" (the returned image) or "scanner zero-filled" (no image came back)."""
-    image_lines: list[int] | None = None
-    """The lines the returned image says it was built from (meta ``MASC.lines``), if any; a
-    mismatch with ``lines`` is reported as a gadget error."""
-    metrics: dict[str, float] = field(default_factory=dict)
-    """ssim, psnr, mse, nmse, mae of the scored image vs the clean fully sampled image."""
-    zero_filled_metrics: dict[str, float] = field(default_factory=dict)
-    """The same metrics of the scanner's zero-filled reconstruction of its acquired lines."""
-
-
-@dataclass
-class SubjectReport:
-    """One subject's scan."""
-
-    subject: str
-    path: str
-    n_slices: int
-    """Slices scanned (``max_slices`` may be fewer than the file holds)."""
-    n_pe: int
-    slices: list[SliceReport] = field(default_factory=list)
-    connection: str = "ok"
-    """"ok", "lost" (the gadget went away mid-scan: the rest was acquired on the fallback
-    order) or "unreachable" (no connection for a later subject: all on the fallback order)."""
-    connection_lost_at: int | None = None
-    """Scan counter of the first line acquired after the connection was found lost."""
-    connection_error: str = ""
-    server_closed: bool = False
-    """Whether the gadget answered the scanner's close with its own close message (id 4)."""
-    gadget_errors: list[str] = field(default_factory=list)
-    """Text / error messages from the gadget and problems with what it sent."""
-    images_returned: int = 0
-    late_decisions: int = 0
-    """Decisions that arrived after their deadline (the fallback line was taken)."""
-    late_latencies_ms: list[float] = field(default_factory=list)
-    lines: int = 0
-    from_gadget: int = 0
-    fallbacks: int = 0
-    misses: int = 0
-    invalid: int = 0
-    duration_s: float = 0.0
-
-
-@dataclass
-class ScanTotals:
-    """Totals over every subject of a scan."""
-
-    subjects: int = 0
-    slices: int = 0
-    lines: int = 0
-    from_gadget: int = 0
-    fallbacks: int = 0
-    misses: int = 0
-    invalid: int = 0
-    late_decisions: int = 0
-    gadget_errors: int = 0
-    connections_lost: int = 0
-    images_from_gadget: int = 0
-    images_zero_filled: int = 0
-    latency_ms: LatencySummary = field(default_factory=lambda: LatencySummary.of([]))
-    """Scanner-side decision latencies, every decision received (late ones included)."""
-    gadget_latency_ms: LatencySummary = field(default_factory=lambda: LatencySummary.of([]))
-    """Latencies the gadget reported for the decisions that arrived in time."""
-    metrics_mean: dict[str, float] = field(default_factory=dict)
-    metrics_std: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class ScanReport:
-    """``report.json``: the configuration, every subject and the totals."""
-
-    data_dir: str
-    split: str
-    scanner: dict[str, Any]
-    acquisition: dict[str, Any]
-    subjects: list[SubjectReport] = field(default_factory=list)
-    totals: ScanTotals = field(default_factory=ScanTotals)
-    created: str = ""
-    masc_version: str = __version__
-
-    def to_dict(self) -> dict[str, Any]:
-        return _plain(dataclasses.asdict(self))
-
-    def summary(self) -> str:
-        """A few human-readable lines (what ``masc scan`` prints)."""
-        t = self.totals
-        lat = t.latency_ms
-        lines = [
-            (
-                f"scanned {t.subjects} subject(s), {t.slices} slices, {t.lines} lines "
-                f"(feedback {self.scanner.get('feedback')}, deadline "
-                f"{self.scanner.get('deadline_ms')} ms, fallback {self.scanner.get('fallback')})"
-            ),
-            (
-                f"decisions from gadget: {t.from_gadget}, fallbacks: {t.fallbacks} "
-                f"(deadline misses {t.misses}, invalid {t.invalid}, late {t.late_decisions}), "
-                f"gadget errors: {t.gadget_errors}, connections lost: {t.connections_lost}"
-            ),
-        ]
-        if lat.count:
-            lines.append(
-                f"decision latency ms: p50 {lat.p50:.2f}, p90 {lat.p90:.2f}, p99 {lat.p99:.2f}, "
-                f"max {lat.max:.2f} ({lat.count} decisions)"
-            )
-        if t.metrics_mean:
-            lines.append(
-                "images: "
-                f"{t.images_from_gadget} from gadget, {t.images_zero_filled} scanner zero-filled; "
-                + ", ".join(
-                    f"{k} {t.metrics_mean[k]:.4g} +- {t.metrics_std.get(k, 0.0):.2g}"
-                    for k in METRICS
-                    if k in t.metrics_mean
-                )
-            )
-        return "\n".join(lines)
-
-
-def _plain(obj: Any) -> Any:
-    """JSON-able data: NamedTuples become dicts, non-finite floats None."""
-    if isinstance(obj, tuple) and hasattr(obj, "_asdict"):
-        return {k: _plain(v) for k, v in obj._asdict().items()}
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, (float, np.floating)):
-        return float(obj) if math.isfinite(obj) else None
-    if isinstance(obj, np.integer):
-        return int(obj)
-    return obj
-
-
-# ---------------------------------------------------------------------------------- subject data
-
-
-class ScanInput(NamedTuple):
-    """What the scanner replays for one subject."""
-
-    header_xml: str
-    """ISMRMRD header of the ``metal`` group."""
-    kspace: np.ndarray
-    """(n_slices, n_pe, n_readout) complex64, the fully sampled metal k-space."""
-    clean: np.ndarray
-    """(n_slices, y, x) float32, the clean fully sampled images (ground truth)."""
-    seq: SequenceConfig
-    slice_centres_mm: list[float]
-    fov_centre_mm: tuple[float, float]
-    """(y, x), as everywhere in the simulator."""
-
-
-def load_scan_input(path: str | os.PathLike) -> ScanInput:
-    """Read a subject file: metal header + k-space, clean images, sequence and geometry."""
-    group = mrd.read_mrd_group(path, "metal")
-    with h5py.File(path, "r") as f:
-        if "images/clean" not in f:
-            raise ValueError(f"{path}: no images/clean dataset (not a MASC subject file?)")
-        clean = np.asarray(f["images/clean"][()], dtype=np.float32)
-        attrs = f.attrs
-        missing = [k for k in ("config_json", "slice_centres_mm", "fov_centre_mm") if k not in attrs]
-        if missing:
-            raise ValueError(f"{path}: missing attributes {missing} (not a MASC subject file?)")
-        sim = json.loads(attrs["config_json"])
-        centres = [float(z) for z in np.atleast_1d(attrs["slice_centres_mm"])]
-        fov = tuple(float(v) for v in np.atleast_1d(attrs["fov_centre_mm"]))
-    seq = from_dict(SequenceConfig, sim.get("sequence"), "sequence")
-    n_slices, n_pe, n_ro = group.kspace.shape
-    if (seq.n_slices, seq.n_pe, seq.n_readout) != (n_slices, n_pe, n_ro):
-        raise ValueError(
-            f"{path}: metal k-space {group.kspace.shape} does not match the sequence "
-            f"({seq.n_slices}, {seq.n_pe}, {seq.n_readout})"
-        )
-    if clean.shape != (n_slices, n_pe, n_ro):
-        raise ValueError(
-            f"{path}: images/clean {clean.shape} does not match the k-space {group.kspace.shape}"
-        )
-    if len(centres) != n_slices or len(fov) != 2:
-        raise ValueError(f"{path}: slice_centres_mm / fov_centre_mm do not match {n_slices} slices")
-    return ScanInput(group.header_xml, group.kspace, clean, seq, centres, (fov[0], fov[1]))
-
-
-# ------------------------------------------------------------------------------------ decisions
-
-
-class _DecisionBoard:
-    """Decisions received so far, keyed by (slice, step); waits wake on arrival or closure."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._items: dict[tuple[int, int], tuple[Any, float]] = {}
-        self._expired: dict[tuple[int, int], float] = {}
-        self._closed = False
-        self.late_latencies_ms: list[float] = []
-
-    def put(self, decision: Any, received: float) -> None:
-        key = (int(decision.slice), int(decision.step))
-        with self._cond:
-            if key in self._expired:
-                self.late_latencies_ms.append((received - self._expired.pop(key)) * 1e3)
-                return
-            self._items.setdefault(key, (decision, received))
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        """No more decisions will come (the source is gone): wake every wait."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def wait(self, key: tuple[int, int], sent: float, deadline: float) -> tuple[Any, float] | None:
-        """The decision for ``key`` with its arrival time, or None at the deadline / closure.
-
-        A decision that arrived after ``deadline`` counts as late (None); so does one arriving
-        later still, measured from ``sent``.
-        """
-        with self._cond:
-            while True:
-                item = self._items.pop(key, None)
-                if item is not None:
-                    if item[1] <= deadline:
-                        return item
-                    self.late_latencies_ms.append((item[1] - sent) * 1e3)
-                    return None
-                if self._closed:
-                    return None
-                remaining = deadline - time.perf_counter()
-                if remaining <= 0:
-                    self._expired[key] = sent
-                    return None
-                self._cond.wait(remaining)
-
-
-class _ZmqPump:
-    """Reads the ZeroMQ side channel on its own thread into a :class:`_DecisionBoard`."""
-
-    def __init__(self, address: str, board: _DecisionBoard, errors: list[str]) -> None:
-        from masc_gadget.mrd.feedback import ZmqFeedbackReceiver
-
-        self.receiver = ZmqFeedbackReceiver(address)
-        self.endpoint = str(self.receiver.endpoint)
-        self._board = board
-        self._errors = errors
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="masc-scan-zmq", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                decision = self.receiver.receive(_ZMQ_POLL_MS)
-            except ValueError as err:  # a malformed decision: report it, keep listening
-                self._errors.append(f"bad ZeroMQ decision: {err}")
-                log.warning("bad ZeroMQ decision from the gadget: %s", err)
-                continue
-            if decision is not None:
-                self._board.put(decision, time.perf_counter())
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=_READER_JOIN_S + 1.0)
-        self.receiver.close()
-
-
-# ----------------------------------------------------------------------------------- connection
-
-
-class _GadgetLink:
-    """One MRD connection to the gadget: sends from the caller, a reader thread for replies."""
-
-    def __init__(
-        self, sock: socket.socket, mode: str, board: _DecisionBoard, errors: list[str]
-    ) -> None:
-        from masc_gadget.mrd.protocol import MrdStream
-
-        self.sock = sock
-        self.stream = MrdStream(sock)
-        self.mode = mode
-        self.board = board
-        self.errors = errors
-        self.images: list[ismrmrd.Image] = []
-        self.lost_reason = ""
-        self.server_closed = False
-        self._close_sent = False
-        self._shut = False
-        self._lock = threading.Lock()
-        self._lost = threading.Event()
-        self._done = threading.Event()
-        self._reader = threading.Thread(target=self._read_loop, name="masc-scan-reader", daemon=True)
-
-    @classmethod
-    def connect(
-        cls, scfg: ScannerConfig, board: _DecisionBoard, errors: list[str]
-    ) -> _GadgetLink:
-        host, port = scfg.host_port
-        try:
-            sock = socket.create_connection((host, port), timeout=scfg.connect_timeout_s)
-        except OSError as err:
-            raise ConnectionError(
-                f"cannot connect to gadget at {host}:{port}: {err} (is masc serve running?)"
-            ) from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(None)  # the reader blocks; it is woken by shutdown() at the end
-        try:  # a gadget that stops reading must not block a send forever
-            seconds = float(scfg.close_timeout_s)
-            timeval = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-        except (OSError, struct.error):
-            log.debug("could not set SO_SNDTIMEO on the gadget socket")
-        link = cls(sock, scfg.feedback, board, errors)
-        link._reader.start()
-        return link
-
-    @property
-    def alive(self) -> bool:
-        return not self._lost.is_set()
-
-    def _mark_lost(self, reason: str) -> None:
-        with self._lock:
-            if self._lost.is_set():
-                return
-            self.lost_reason = reason
-            self._lost.set()
-        log.warning("gadget connection lost: %s", reason)
-        self.board.close()
-
-    def _read_loop(self) -> None:
-        from masc_gadget.mrd import protocol
-        from masc_gadget.mrd.feedback import decision_from_acquisition, is_feedback
-
-        try:
-            while True:
-                try:
-                    message = self.stream.read_message()
-                except (EOFError, OSError, ValueError) as err:
-                    # ConnectionClosed is an EOFError, ProtocolError a ValueError.
-                    if not self._close_sent:
-                        self._mark_lost(
-                            f"the gadget closed the connection before the scan ended ({err})"
-                            if isinstance(err, EOFError)
-                            else f"error reading from the gadget: {err}"
-                        )
-                    elif not isinstance(err, EOFError):
-                        self.errors.append(f"error reading from the gadget after close: {err}")
-                    return
-                mid, payload = message.id, message.payload
-                if mid == protocol.ID_CLOSE:
-                    self.server_closed = True
-                    if not self._close_sent:
-                        self._mark_lost("the gadget sent close (4) before the scan ended")
-                    return
-                if mid == protocol.ID_ACQUISITION:
-                    if is_feedback(payload):
-                        if self.mode == "inband":
-                            try:
-                                decision = decision_from_acquisition(payload)
-                            except ValueError as err:
-                                self.errors.append(f"bad in-band decision: {err}")
-                                continue
-                            self.board.put(decision, time.perf_counter())
-                        else:
-                            log.debug("ignoring an in-band decision (feedback=%s)", self.mode)
-                    else:
-                        log.debug("ignoring an acquisition returned by the gadget")
-                elif mid == protocol.ID_IMAGE:
-                    self.images.append(payload)
-                elif mid in (protocol.ID_TEXT, protocol.ID_ERROR):
-                    text = str(payload).strip("\x00").strip()
-                    self.errors.append(text)
-                    log.warning("gadget error: %s", text)
-                else:
-                    log.debug("ignoring message id %s from the gadget", mid)
-        finally:
-            self.board.close()
-            self._done.set()
-
-    def _send(self, what: str, send: Callable[[], None]) -> bool:
-        if not self.alive:
-            return False
-        try:
-            send()
-        except (OSError, ValueError) as err:
-            self._mark_lost(f"sending {what} failed: {err}")
-            return False
-        return True
-
-    def handshake(self, config_name: str, header_xml: str, params: dict[str, Any]) -> bool:
-        return (
-            self._send("config name", lambda: self.stream.send_config_file(config_name))
-            and self._send("header", lambda: self.stream.send_header(header_xml))
-            and self._send("parameters", lambda: self.stream.send_text(json.dumps(params)))
-        )
-
-    def send_acquisition(self, acq: ismrmrd.Acquisition) -> bool:
-        return self._send("an acquisition", lambda: self.stream.send_acquisition(acq))
-
-    def finish(self, timeout_s: float) -> None:
-        """Send close, wait (bounded) for the remaining images and the gadget's close."""
-        if self.alive:
-            self._close_sent = True  # before sending: the reply may beat the assignment
-            if self._send("close", self.stream.send_close) and not self._done.wait(timeout_s):
-                self.errors.append(
-                    f"the gadget did not close the connection within {timeout_s:g} s of the "
-                    "scanner's close"
-                )
-                log.warning("the gadget did not close within %.1f s; giving up", timeout_s)
-        self.shutdown()
-
-    def shutdown(self) -> None:
-        """Stop the reader and close the socket (idempotent)."""
-        self._close_sent = True
-        if self._shut:
-            return
-        self._shut = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # already closed by the peer
-        self._reader.join(timeout=_READER_JOIN_S)
-        try:
-            self.stream.close()
-        except OSError:
-            pass
 
 
 # ------------------------------------------------------------------------------------- scanning
@@ -755,8 +194,9 @@ def scan_subject(
     fallback order and record ``connection = "unreachable"``); on_slice_done(slice) is called
     when a slice has all its lines (progress bars).
     """
+    # Long on purpose: the schedule loop stays inline and unchanged until slice episodes are reworked.
     started = time.perf_counter()
-    data = load_scan_input(path)
+    data = read_scan_input(path)
     n_total_slices, n_pe, _ = data.kspace.shape
     acq.check(n_pe)
     n_slices = min(n_total_slices, scfg.max_slices or n_total_slices)
@@ -781,15 +221,7 @@ def scan_subject(
     try:
         if scfg.feedback == "zmq":
             pump = _ZmqPump(scfg.zmq_address, board, errors)
-        try:
-            link = _GadgetLink.connect(scfg, board, errors)
-        except ConnectionError as err:
-            if require_gadget:
-                raise
-            log.warning("%s: %s; scanning on the fallback order", subject_id, err)
-            report.connection = "unreachable"
-            report.connection_error = str(err)
-            board.close()
+        link = _connect(scfg, board, report, require_gadget)
         if link is not None:
             link.handshake(scfg.config_name, data.header_xml, gadget_parameters(scfg, acq, pump))
 
@@ -842,13 +274,7 @@ def scan_subject(
                 on_slice_done(s)
 
         if link is not None:
-            link.finish(scfg.close_timeout_s)
-            report.server_closed = link.server_closed
-            if link.lost_reason:
-                report.connection = "lost"
-                report.connection_error = link.lost_reason
-                if report.connection_lost_at is None:
-                    report.connection_lost_at = len(schedule)
+            _finish_link(link, report, scfg, len(schedule))
     finally:
         if link is not None:
             link.shutdown()
@@ -856,49 +282,8 @@ def scan_subject(
             pump.close()
 
     images = link.images if link is not None else []
-    report.images_returned = len(images)
-    report.late_decisions = len(board.late_latencies_ms)
-    report.late_latencies_ms = [float(v) for v in board.late_latencies_ms]
-    by_slice = _images_by_slice(images, n_slices, errors)
-    zf = zero_filled(torch.from_numpy(acquired), torch.from_numpy(np.stack([st.mask for st in states])))
-    zf_images = zf.numpy().astype(np.float32)
-    shape = tuple(data.clean.shape[1:])
-    targets = data.clean[:n_slices]
-    preds = zf_images.copy()
-    zero_filled_written: dict[int, np.ndarray] = {}
-    for st in states:
-        s = st.report.slice
-        image = by_slice.get(s)
-        if image is not None:
-            st.report.image_lines = _image_lines(image)
-            if st.report.image_lines is not None and sorted(st.report.image_lines) != sorted(
-                st.report.lines
-            ):
-                errors.append(
-                    f"slice {s}: the gadget's image lists lines {st.report.image_lines}, the "
-                    f"scanner acquired {st.report.lines}"
-                )
-            try:
-                preds[s] = _image_array(image, shape)
-                st.report.image_source = IMAGE_FROM_GADGET
-                continue
-            except ValueError as err:
-                errors.append(f"slice {s}: {err}")
-        st.report.image_source = IMAGE_ZERO_FILLED
-        zero_filled_written[s] = zf_images[s]
-    zf_scores = _scores(zf_images, targets)
-    scores = _scores(preds, targets)
-    for st in states:
-        s = st.report.slice
-        st.report.zero_filled_metrics = {k: v[s] for k, v in zf_scores.items()}
-        st.report.metrics = {k: v[s] for k, v in scores.items()}
-        report.slices.append(st.report)
-    for rep in report.slices:
-        report.lines += len(rep.lines)
-        report.from_gadget += rep.from_gadget
-        report.fallbacks += rep.fallbacks
-        report.misses += rep.misses
-        report.invalid += rep.invalid
+    by_slice = _collect_images(report, images, board, n_slices)
+    zero_filled_written = _score_slices(report, states, by_slice, acquired, data.clean[:n_slices])
     report.duration_s = time.perf_counter() - started
 
     if images_path is not None:
@@ -958,6 +343,108 @@ def _next_line(
     return fallback.select(state), SOURCE_FALLBACK
 
 
+def _connect(
+    scfg: ScannerConfig, board: _DecisionBoard, report: SubjectReport, require_gadget: bool
+) -> _GadgetLink | None:
+    """The connection to the gadget; None (the subject recorded as unreachable) when it cannot
+    be reached and ``require_gadget`` is false."""
+    try:
+        return _GadgetLink.connect(scfg, board, report.gadget_errors)
+    except ConnectionError as err:
+        if require_gadget:
+            raise
+        log.warning("%s: %s; scanning on the fallback order", report.subject, err)
+        report.connection = "unreachable"
+        report.connection_error = str(err)
+        board.close()
+        return None
+
+
+def _finish_link(link: _GadgetLink, report: SubjectReport, scfg: ScannerConfig, n_lines: int) -> None:
+    """Close the scan on the connection and record how the connection ended."""
+    link.finish(scfg.close_timeout_s)
+    report.server_closed = link.server_closed
+    if link.lost_reason:
+        report.connection = "lost"
+        report.connection_error = link.lost_reason
+        if report.connection_lost_at is None:
+            report.connection_lost_at = n_lines
+
+
+def _collect_images(
+    report: SubjectReport, images: list[ismrmrd.Image], board: _DecisionBoard, n_slices: int
+) -> dict[int, ismrmrd.Image]:
+    """Record the returned images and late decisions; the first returned image of each slice."""
+    report.images_returned = len(images)
+    report.late_decisions = len(board.late_latencies_ms)
+    report.late_latencies_ms = [float(v) for v in board.late_latencies_ms]
+    return _images_by_slice(images, n_slices, report.gadget_errors)
+
+
+def _score_slices(
+    report: SubjectReport,
+    states: list[_SliceState],
+    by_slice: dict[int, ismrmrd.Image],
+    acquired: np.ndarray,
+    targets: np.ndarray,
+) -> dict[int, np.ndarray]:
+    """Score every slice (the gadget's image, else the scanner's zero-filled one) and its
+    zero-filled reconstruction against ``targets``; fill the slice reports into ``report`` and
+    sum them. Returns the zero-filled images that stand in for missing ones, by slice."""
+    zf = zero_filled(torch.from_numpy(acquired), torch.from_numpy(np.stack([st.mask for st in states])))
+    zf_images = zf.numpy().astype(np.float32)
+    shape = tuple(targets.shape[1:])
+    preds, zero_filled_written = _pick_images(states, by_slice, zf_images, shape, report.gadget_errors)
+    zf_scores = _scores(zf_images, targets)
+    scores = _scores(preds, targets)
+    for st in states:
+        s = st.report.slice
+        st.report.zero_filled_metrics = {k: v[s] for k, v in zf_scores.items()}
+        st.report.metrics = {k: v[s] for k, v in scores.items()}
+        report.slices.append(st.report)
+    for rep in report.slices:
+        report.lines += len(rep.lines)
+        report.from_gadget += rep.from_gadget
+        report.fallbacks += rep.fallbacks
+        report.misses += rep.misses
+        report.invalid += rep.invalid
+    return zero_filled_written
+
+
+def _pick_images(
+    states: list[_SliceState],
+    by_slice: dict[int, ismrmrd.Image],
+    zf_images: np.ndarray,
+    shape: tuple[int, ...],
+    errors: list[str],
+) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+    """The image scored for each slice: the gadget's when it came back usable, else the
+    scanner's zero-filled one (also returned by slice, to be written)."""
+    preds = zf_images.copy()
+    zero_filled_written: dict[int, np.ndarray] = {}
+    for st in states:
+        s = st.report.slice
+        image = by_slice.get(s)
+        if image is not None:
+            st.report.image_lines = _image_lines(image)
+            if st.report.image_lines is not None and sorted(st.report.image_lines) != sorted(
+                st.report.lines
+            ):
+                errors.append(
+                    f"slice {s}: the gadget's image lists lines {st.report.image_lines}, the "
+                    f"scanner acquired {st.report.lines}"
+                )
+            try:
+                preds[s] = _image_array(image, shape)
+                st.report.image_source = IMAGE_FROM_GADGET
+                continue
+            except ValueError as err:
+                errors.append(f"slice {s}: {err}")
+        st.report.image_source = IMAGE_ZERO_FILLED
+        zero_filled_written[s] = zf_images[s]
+    return preds, zero_filled_written
+
+
 def _images_by_slice(
     images: list[ismrmrd.Image], n_slices: int, errors: list[str]
 ) -> dict[int, ismrmrd.Image]:
@@ -995,62 +482,6 @@ def _write_images(
         dset.close()
 
 
-def _log_subject(report: SubjectReport, scfg: ScannerConfig) -> None:
-    latencies = [v for r in report.slices for v in r.latencies_ms if v is not None]
-    ssim = [r.metrics.get("ssim", float("nan")) for r in report.slices]
-    from_gadget_images = sum(r.image_source == IMAGE_FROM_GADGET for r in report.slices)
-    log.info(
-        "%s: %d slices, %d lines, %d from gadget, %d fallbacks (%d misses, %d invalid), "
-        "latency p50 %s ms, connection %s, %d/%d images from gadget, mean SSIM %.4f",
-        report.subject,
-        report.n_slices,
-        report.lines,
-        report.from_gadget,
-        report.fallbacks,
-        report.misses,
-        report.invalid,
-        f"{np.median(latencies):.2f}" if latencies else "-",
-        report.connection,
-        from_gadget_images,
-        report.n_slices,
-        float(np.mean(ssim)) if ssim else float("nan"),
-    )
-
-
-def _totals(subjects: list[SubjectReport]) -> ScanTotals:
-    t = ScanTotals(subjects=len(subjects))
-    latencies: list[float] = []
-    gadget_latencies: list[float] = []
-    metrics: dict[str, list[float]] = {k: [] for k in METRICS}
-    for sub in subjects:
-        t.slices += len(sub.slices)
-        t.lines += sub.lines
-        t.from_gadget += sub.from_gadget
-        t.fallbacks += sub.fallbacks
-        t.misses += sub.misses
-        t.invalid += sub.invalid
-        t.late_decisions += sub.late_decisions
-        t.gadget_errors += len(sub.gadget_errors)
-        t.connections_lost += sub.connection != "ok"
-        latencies += sub.late_latencies_ms
-        for rep in sub.slices:
-            latencies += [v for v in rep.latencies_ms if v is not None]
-            gadget_latencies += [
-                g for v, g in zip(rep.latencies_ms, rep.gadget_latencies_ms)
-                if v is not None and g is not None
-            ]
-            t.images_from_gadget += rep.image_source == IMAGE_FROM_GADGET
-            t.images_zero_filled += rep.image_source == IMAGE_ZERO_FILLED
-            for k in METRICS:
-                if k in rep.metrics:
-                    metrics[k].append(rep.metrics[k])
-    t.latency_ms = LatencySummary.of(latencies)
-    t.gadget_latency_ms = LatencySummary.of(gadget_latencies)
-    t.metrics_mean = {k: float(np.mean(v)) for k, v in metrics.items() if v}
-    t.metrics_std = {k: float(np.std(v)) for k, v in metrics.items() if v}
-    return t
-
-
 def run_scan(
     config: Config,
     data_dir: str | os.PathLike,
@@ -1073,12 +504,7 @@ def run_scan(
         scanner = config.sections["scanner"] if "scanner" in config.sections else ScannerConfig()
     acq: AcquisitionConfig = config["acquisition"]
     manifest = read_manifest(data_dir)
-    splits = manifest.get("splits", {})
-    if split not in splits:
-        raise ValueError(
-            f"split {split!r} is not in {data_dir}; splits: {', '.join(sorted(splits))}"
-        )
-    subjects = list(splits[split])
+    subjects = split_subjects(data_dir, split, manifest)
     if scanner.max_subjects:
         subjects = subjects[: scanner.max_subjects]
     if not subjects:
@@ -1086,8 +512,7 @@ def run_scan(
     paths = [subject_path(data_dir, sid, manifest) for sid in subjects]
     n_slices = 0
     for p in paths:
-        with h5py.File(p, "r") as f:
-            n = int(f["kspace/metal"].shape[0]) if "kspace/metal" in f else 0
+        n = subject_slices(p)
         n_slices += min(n, scanner.max_slices or n)
 
     out = Path(out_dir)

@@ -1,0 +1,401 @@
+"""The dataset format of DESIGN.md ("Data"): the one module that reads and writes it.
+
+A dataset is a folder with ``manifest.json`` and ``{train,val,test}/<subject>.h5``. Each
+subject file holds the ISMRMRD groups ``metal`` and ``clean`` (header + one acquisition per PE
+line per slice, written and read by :mod:`sim_scanner.dataset.mrd_hdf5`), the fast arrays
+``kspace/{metal,clean}`` (complex64 [slice, pe, ro]), ``images/{metal,clean}`` (float32
+[slice, y, x]), ``implant_mask`` (uint8 [slice, y, x]), ``field_map_hz`` (float32
+[slice, y, x], off-resonance with the implant at each slice centre), and every simulation
+parameter as attributes.
+
+Everything else (the simulator, the scanner, training, previews) goes through the writers and
+readers here; none of them names a file, group, dataset or attribute of the format itself.
+This module imports no physics: the scanner client depends on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import h5py
+import numpy as np
+
+from masc_gadget import __version__
+from masc_gadget.config import Config, from_dict, to_dict
+from sim_scanner.dataset import mrd_hdf5 as mrd
+from sim_scanner.physics.sequence import SequenceConfig
+
+# ---------------------------------------------------------------------------------- the folder
+
+SPLITS = ("train", "val", "test")
+"""Split names, also the names of the split folders."""
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+SUBJECT_SUFFIX = ".h5"
+TMP_SUFFIX = ".tmp"
+"""Suffix of a file being written (renamed into place when complete)."""
+SIM_SECTIONS = ("dataset", "phantom", "implant", "sequence", "physics")
+"""Config sections that describe the simulation (manifest ``config``, attribute ``config_json``)."""
+
+# ------------------------------------------------------------------------- inside a subject file
+
+MRD_METAL = "metal"
+MRD_CLEAN = "clean"
+MRD_GROUPS = (MRD_METAL, MRD_CLEAN)
+"""ISMRMRD groups: the partner with the implant's field, and the clean one."""
+
+KSPACE_METAL = "kspace/metal"
+KSPACE_CLEAN = "kspace/clean"
+IMAGES_METAL = "images/metal"
+IMAGES_CLEAN = "images/clean"
+IMPLANT_MASK = "implant_mask"
+FIELD_MAP_HZ = "field_map_hz"
+ARRAYS = {
+    # SubjectData / SubjectFile field -> HDF5 dataset
+    "kspace_metal": KSPACE_METAL,
+    "kspace_clean": KSPACE_CLEAN,
+    "images_metal": IMAGES_METAL,
+    "images_clean": IMAGES_CLEAN,
+    "implant_mask": IMPLANT_MASK,
+    "field_map_hz": FIELD_MAP_HZ,
+}
+"""The fast arrays of a subject file, in writing order."""
+
+ATTR_SUBJECT_ID = "subject_id"
+ATTR_SPLIT = "split"
+ATTR_FORMAT_VERSION = "format_version"
+ATTR_MASC_VERSION = "masc_version"
+ATTR_SEED = "seed"
+ATTR_SLICE_CENTRES = "slice_centres_mm"
+ATTR_FOV_CENTRE = "fov_centre_mm"
+ATTR_CONFIG_JSON = "config_json"
+ATTR_ANATOMY_JSON = "anatomy_json"
+ATTR_IMPLANT_JSON = "implant_json"
+ATTR_IMPLANT_SIDE = "implant.side"
+IMPLANT_PARTS = ("stem", "head", "liner", "cup")
+
+
+def sequence_attr(key: str) -> str:
+    """Attribute holding field ``key`` of the sequence config, e.g. ``sequence.b0_t``."""
+    return f"sequence.{key}"
+
+
+def physics_attr(key: str) -> str:
+    """Attribute holding field ``key`` of the physics config."""
+    return f"physics.{key}"
+
+
+def implant_material_attr(part: str) -> str:
+    """Attribute holding the material of implant ``part`` (one of IMPLANT_PARTS)."""
+    return f"implant.{part}_material"
+
+
+# ------------------------------------------------------------------------------------ subjects
+
+
+def subject_id(index: int) -> str:
+    return f"sub-{index:04d}"
+
+
+def subject_index(subject: str) -> int:
+    """The index a subject id was made from (inverse of :func:`subject_id`)."""
+    return int(subject.split("-")[1])
+
+
+def subject_file(folder: str | Path, split: str, subject: str) -> Path:
+    """Where ``subject`` of ``split`` lives in dataset ``folder`` (whether or not it exists)."""
+    return Path(folder) / split / f"{subject}{SUBJECT_SUFFIX}"
+
+
+def is_dataset(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a dataset (has a manifest)."""
+    return (Path(folder) / MANIFEST).is_file()
+
+
+def prepare_folder(out: str | Path) -> None:
+    """Create ``out`` and its split folders; remove files left half-written by a killed run."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for split in SPLITS:
+        (out / split).mkdir(exist_ok=True)
+        for stale in (out / split).glob(f"*{SUBJECT_SUFFIX}{TMP_SUFFIX}"):
+            stale.unlink()
+
+
+def split_files(data_dir: str | Path, split: str) -> list[Path]:
+    """Subject files of ``split`` (sorted), with errors that say what is wrong."""
+    data_dir = Path(data_dir)
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if not is_dataset(data_dir):
+        raise FileNotFoundError(
+            f"{data_dir} is not a MASC dataset (no {MANIFEST}); create one with masc simulate dataset"
+        )
+    files = sorted((data_dir / split).glob(f"*{SUBJECT_SUFFIX}"))
+    if not files:
+        raise ValueError(f"{data_dir} has no subjects in split {split!r}")
+    return files
+
+
+# ------------------------------------------------------------------------------------ manifest
+
+
+def sim_config_dict(config: Config) -> dict[str, Any]:
+    """The simulation sections of ``config`` as plain data (what the manifest records)."""
+    return {k: to_dict(config[k]) for k in SIM_SECTIONS}
+
+
+def write_manifest(out: Path, config: Config, splits: dict[str, list[str]]) -> dict[str, Any]:
+    """Write ``out/manifest.json`` atomically; returns the manifest."""
+    import torch  # for its version only; the scanner never writes a manifest
+
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "name": config["dataset"].name,
+        "seed": config["dataset"].seed,
+        "splits": splits,
+        "subjects": sorted(s for ids in splits.values() for s in ids),
+        "config": sim_config_dict(config),
+        "versions": {
+            "masc": __version__,
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "torch": torch.__version__,
+            "h5py": h5py.__version__,
+        },
+        "layout": {
+            "kspace": "complex64 [slice, pe, ro]; image = |centred orthonormal 2D IFFT|",
+            "images": "float32 magnitude [slice, y, x]",
+            IMPLANT_MASK: "uint8 [slice, y, x], 1 where the pixel contains implant",
+            FIELD_MAP_HZ: "float32 [slice, y, x], off-resonance with the implant, slice centre",
+            "mrd_groups": list(MRD_GROUPS),
+        },
+    }
+    tmp = out / (MANIFEST + TMP_SUFFIX)
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, out / MANIFEST)
+    return manifest
+
+
+def read_manifest(folder: str | Path) -> dict[str, Any]:
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} is not a MASC dataset: {MANIFEST} is missing")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+
+
+def subject_path(folder: str | Path, subject: str, manifest: dict[str, Any] | None = None) -> Path:
+    """Path of ``subject``'s file in dataset ``folder`` (ValueError naming the known subjects)."""
+    manifest = manifest or read_manifest(folder)
+    for split, ids in manifest["splits"].items():
+        if subject in ids:
+            return subject_file(folder, split, subject)
+    known = manifest.get("subjects", [])
+    raise ValueError(
+        f"subject {subject!r} is not in {folder}; known subjects: "
+        + ", ".join(known[:10]) + (" ..." if len(known) > 10 else "")
+    )
+
+
+def split_subjects(folder: str | Path, split: str, manifest: dict[str, Any] | None = None) -> list[str]:
+    """Subject ids of ``split`` as the manifest lists them (ValueError naming the splits)."""
+    manifest = manifest or read_manifest(folder)
+    splits = manifest.get("splits", {})
+    if split not in splits:
+        raise ValueError(f"split {split!r} is not in {folder}; splits: {', '.join(sorted(splits))}")
+    return list(splits[split])
+
+
+def default_subject(manifest: dict[str, Any]) -> str | None:
+    """The subject shown when none is named: the first test subject (else val, else train)."""
+    for split in ("test", "val", "train"):
+        if manifest["splits"].get(split):
+            return manifest["splits"][split][0]
+    return None
+
+
+# ------------------------------------------------------------------------------ writing subjects
+
+
+@dataclass
+class SubjectData:
+    """One simulated subject, everything that goes into its file."""
+
+    subject_id: str
+    kspace_metal: np.ndarray
+    kspace_clean: np.ndarray
+    images_metal: np.ndarray
+    images_clean: np.ndarray
+    implant_mask: np.ndarray
+    field_map_hz: np.ndarray
+    slice_centres_mm: list[float]
+    fov_centre_mm: tuple[float, float]
+    anatomy: dict[str, Any] = field(default_factory=dict)
+    implant: dict[str, Any] = field(default_factory=dict)
+
+
+def write_subject(data: SubjectData, path: Path, config: Config, split: str) -> None:
+    """Write one subject file atomically (temporary name, then rename)."""
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    tmp.unlink(missing_ok=True)
+    try:
+        _write_mrd_groups(tmp, data, config)
+        comp = None if config["dataset"].compression == "none" else config["dataset"].compression
+        with h5py.File(tmp, "a") as f:
+            opts = {"compression": comp} if comp else {}
+            for name, dataset in ARRAYS.items():
+                f.create_dataset(dataset, data=getattr(data, name), **opts)
+            _write_attrs(f.attrs, data, config, split)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_mrd_groups(path: Path, data: SubjectData, config: Config) -> None:
+    """The ISMRMRD groups ``metal`` and ``clean``: header + every line of every slice."""
+    seq = config["sequence"]
+    for group, kspace in ((MRD_METAL, data.kspace_metal), (MRD_CLEAN, data.kspace_clean)):
+        header = mrd.build_header(
+            seq,
+            subject_id=data.subject_id,
+            slice_centres_mm=data.slice_centres_mm,
+            fov_centre_mm=data.fov_centre_mm,
+            measurement_id=f"{config['dataset'].name}/{data.subject_id}/{group}",
+            extra_user_parameters={"masc_partner": group},
+        )
+        acqs = mrd.acquisitions_from_kspace(kspace, seq, data.slice_centres_mm, data.fov_centre_mm)
+        mrd.write_mrd_group(path, group, header, acqs)
+
+
+def _write_attrs(attrs: h5py.AttributeManager, data: SubjectData, config: Config, split: str) -> None:
+    attrs[ATTR_SUBJECT_ID] = data.subject_id
+    attrs[ATTR_SPLIT] = split
+    attrs[ATTR_FORMAT_VERSION] = FORMAT_VERSION
+    attrs[ATTR_MASC_VERSION] = __version__
+    attrs[ATTR_SEED] = config["dataset"].seed
+    attrs[ATTR_SLICE_CENTRES] = np.asarray(data.slice_centres_mm)
+    attrs[ATTR_FOV_CENTRE] = np.asarray(data.fov_centre_mm)
+    for key, value in to_dict(config["sequence"]).items():
+        attrs[sequence_attr(key)] = value
+    for key, value in to_dict(config["physics"]).items():
+        attrs[physics_attr(key)] = value
+    attrs[ATTR_IMPLANT_SIDE] = data.implant.get("side", "")
+    for part in IMPLANT_PARTS:
+        mat = data.implant.get("materials", {}).get(part)
+        if mat is not None:
+            attrs[implant_material_attr(part)] = mat
+    attrs[ATTR_CONFIG_JSON] = json.dumps(sim_config_dict(config))
+    attrs[ATTR_ANATOMY_JSON] = json.dumps(data.anatomy)
+    attrs[ATTR_IMPLANT_JSON] = json.dumps(data.implant)
+
+
+# ------------------------------------------------------------------------------ reading subjects
+
+
+@dataclass
+class SubjectFile:
+    """A subject file read back: the fast arrays asked for (None: not read) and every attribute."""
+
+    path: Path
+    kspace_metal: np.ndarray | None = None
+    kspace_clean: np.ndarray | None = None
+    images_metal: np.ndarray | None = None
+    images_clean: np.ndarray | None = None
+    implant_mask: np.ndarray | None = None
+    field_map_hz: np.ndarray | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    def require(self, *names: str) -> None:
+        """ValueError unless every attribute in ``names`` is present."""
+        missing = [k for k in names if k not in self.attrs]
+        if missing:
+            raise ValueError(f"{self.path}: missing attributes {missing} (not a MASC subject file?)")
+
+    @property
+    def slice_centres_mm(self) -> list[float]:
+        self.require(ATTR_SLICE_CENTRES)
+        return [float(z) for z in np.atleast_1d(self.attrs[ATTR_SLICE_CENTRES])]
+
+    @property
+    def fov_centre_mm(self) -> tuple[float, ...]:
+        """(y, x) in mm, as everywhere in the simulator (two values in a valid file)."""
+        self.require(ATTR_FOV_CENTRE)
+        return tuple(float(v) for v in np.atleast_1d(self.attrs[ATTR_FOV_CENTRE]))
+
+    @property
+    def sim_config(self) -> dict[str, Any]:
+        """The simulation sections the subject was simulated with (attribute ``config_json``)."""
+        self.require(ATTR_CONFIG_JSON)
+        return json.loads(self.attrs[ATTR_CONFIG_JSON])
+
+
+def read_subject(path: str | os.PathLike, arrays: Iterable[str] = tuple(ARRAYS)) -> SubjectFile:
+    """Read the fast ``arrays`` (SubjectFile field names, default all) and the attributes of a
+    subject file; ValueError when it is not a readable MASC subject file."""
+    out = SubjectFile(Path(path))
+    try:
+        with h5py.File(path, "r") as f:
+            for name in arrays:
+                dataset = ARRAYS[name]
+                if dataset not in f:
+                    raise ValueError(f"{path} is not a readable MASC subject file: no {dataset} dataset")
+                setattr(out, name, f[dataset][()])
+            out.attrs = dict(f.attrs)
+    except (OSError, KeyError) as err:
+        raise ValueError(f"{path} is not a readable MASC subject file: {err}") from None
+    return out
+
+
+def subject_slices(path: str | os.PathLike) -> int:
+    """Slices in a subject file (0 when it has no metal k-space), without reading the data."""
+    with h5py.File(path, "r") as f:
+        return int(f[KSPACE_METAL].shape[0]) if KSPACE_METAL in f else 0
+
+
+class ScanInput(NamedTuple):
+    """What the scanner replays for one subject."""
+
+    header_xml: str
+    """ISMRMRD header of the ``metal`` group."""
+    kspace: np.ndarray
+    """(n_slices, n_pe, n_readout) complex64, the fully sampled metal k-space."""
+    clean: np.ndarray
+    """(n_slices, y, x) float32, the clean fully sampled images (ground truth)."""
+    seq: SequenceConfig
+    slice_centres_mm: list[float]
+    fov_centre_mm: tuple[float, float]
+    """(y, x), as everywhere in the simulator."""
+
+
+def read_scan_input(path: str | os.PathLike) -> ScanInput:
+    """Read a subject file for the scanner: metal header + k-space (from the ISMRMRD group),
+    clean images, sequence and geometry, checked against each other."""
+    group = mrd.read_mrd_group(path, MRD_METAL)
+    sub = read_subject(path, ("images_clean",))
+    sub.require(ATTR_CONFIG_JSON, ATTR_SLICE_CENTRES, ATTR_FOV_CENTRE)
+    clean = np.asarray(sub.images_clean, dtype=np.float32)
+    centres, fov = sub.slice_centres_mm, sub.fov_centre_mm
+    seq = from_dict(SequenceConfig, sub.sim_config.get("sequence"), "sequence")
+    n_slices, n_pe, n_ro = group.kspace.shape
+    if (seq.n_slices, seq.n_pe, seq.n_readout) != (n_slices, n_pe, n_ro):
+        raise ValueError(
+            f"{path}: metal k-space {group.kspace.shape} does not match the sequence "
+            f"({seq.n_slices}, {seq.n_pe}, {seq.n_readout})"
+        )
+    if clean.shape != (n_slices, n_pe, n_ro):
+        raise ValueError(
+            f"{path}: {IMAGES_CLEAN} {clean.shape} does not match the k-space {group.kspace.shape}"
+        )
+    if len(centres) != n_slices or len(fov) != 2:
+        raise ValueError(f"{path}: slice_centres_mm / fov_centre_mm do not match {n_slices} slices")
+    return ScanInput(group.header_xml, group.kspace, clean, seq, centres, (fov[0], fov[1]))

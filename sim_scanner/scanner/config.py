@@ -1,0 +1,119 @@
+"""Configuration of the simulated scanner client (config section ``scanner``) and the names
+its reports use."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from masc_gadget.acquisition.policies import make_policy
+
+FEEDBACK_MODES = ("inband", "zmq", "none")
+IMAGE_FROM_GADGET = "gadget"
+IMAGE_ZERO_FILLED = "scanner zero-filled"
+REPORT_FILE = "report.json"
+IMAGES_FILE = "images.h5"
+
+SOURCE_INITIAL, SOURCE_GADGET, SOURCE_FALLBACK = "initial", "gadget", "fallback"
+"""Where each acquired line came from (``SliceReport.sources``)."""
+
+REASON_MISS = "miss"
+"""No decision by the deadline while the gadget was connected."""
+REASON_INVALID = "invalid"
+"""The decision's line was out of range or already acquired."""
+REASON_DISCONNECTED = "disconnected"
+"""No gadget connection (lost mid-scan, or unreachable for a later subject)."""
+REASON_OPEN_LOOP = "open-loop"
+"""``feedback = "none"``: the scanner never waits for decisions."""
+
+
+# --------------------------------------------------------------------------------------- config
+
+
+def parse_server(server: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` (or ``"[v6addr]:PORT"``) -> ``(host, port)``; ValueError stating the rule."""
+    if not isinstance(server, str):
+        raise ValueError(f"server must be HOST:PORT, got {server!r}")
+    host, sep, port_text = server.strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ValueError(f"server must be HOST:PORT with a port in 1..65535, got {server!r}")
+    return host, int(port_text)
+
+
+@dataclass(frozen=True)
+class ScannerConfig:
+    """The simulated scanner client (config section ``scanner``)."""
+
+    server: str = "127.0.0.1:9002"
+    """Gadget to connect to, HOST:PORT (``masc serve`` or Gadgetron)."""
+    feedback: Literal["inband", "zmq", "none"] = "inband"
+    """How next-line decisions come back: in-band feedback acquisitions on the MRD connection,
+    the ZeroMQ side channel (the scanner binds ``zmq_address``), or none (open loop: stream the
+    initial lines and the fallback order without waiting, like a plain MRD client)."""
+    deadline_ms: float = 200.0
+    """How long the scanner waits for the decision for a slice's next line, from sending the
+    previous line of that slice, ms; later decisions are misses and the fallback line is taken."""
+    fallback: str = "center-out"
+    """Deterministic policy (``masc_gadget.acquisition.policies``) whose choice on the current mask is
+    taken when the gadget's decision is missing, late or invalid, e.g. center-out (low
+    frequencies first) or equispaced."""
+    interleave: bool = False
+    """Interleave slices as a multi-slice TSE: the initial lines of every slice first, then one
+    chosen line per slice in turn. False: slice after slice."""
+    zmq_address: str = "tcp://127.0.0.1:9003"
+    """ZeroMQ PULL endpoint the scanner binds for ``feedback = "zmq"`` (``tcp://HOST:*`` picks
+    a free port); sent to the gadget in the JSON parameters."""
+    config_name: str = "default"
+    """Stream configuration name sent as config-by-name (message id 1), e.g. "default" or a
+    policy name."""
+    connect_timeout_s: float = 5.0
+    """Timeout of the TCP connection to the gadget, s."""
+    close_timeout_s: float = 10.0
+    """After its close message, how long the scanner waits for the remaining images and the
+    gadget's close, s (also the send timeout on a gadget that stops reading)."""
+    max_subjects: int = 0
+    """Scan at most this many subjects of the split (0 = all)."""
+    max_slices: int = 0
+    """Scan at most this many slices per subject, the first ones (0 = all)."""
+
+    def __post_init__(self) -> None:
+        parse_server(self.server)
+        if self.feedback not in FEEDBACK_MODES:
+            raise ValueError(
+                f"feedback must be one of {', '.join(FEEDBACK_MODES)}, got {self.feedback!r}"
+            )
+        for name in ("deadline_ms", "connect_timeout_s", "close_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        for name in ("max_subjects", "max_slices"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0 (0 = all), got {value!r}")
+        if not self.zmq_address.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(
+                "zmq_address must be a ZeroMQ endpoint (tcp://HOST:PORT, ipc://PATH), "
+                f"got {self.zmq_address!r}"
+            )
+        name = self.config_name
+        if not name or len(name.encode("utf-8")) >= 1024 or "\x00" in name:
+            raise ValueError(
+                "config_name must be a non-empty name shorter than 1024 bytes without NUL, "
+                f"got {name!r}"
+            )
+        policy = make_policy(self.fallback)
+        if not policy.deterministic or policy.needs_image:
+            raise ValueError(
+                f"fallback must be a deterministic policy that needs no image (e.g. center-out, "
+                f"equispaced), got {self.fallback!r}"
+            )
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        """``server`` as ``(host, port)``."""
+        return parse_server(self.server)
