@@ -53,7 +53,7 @@ import ismrmrd
 import numpy as np
 import torch
 
-from masc_gadget.acquisition.episode import AcquisitionConfig, AcquisitionState, initial_lines
+from masc_gadget.acquisition.episode import AcquisitionConfig, EpisodeBatch
 from masc_gadget.acquisition.policies import SamplingPolicy, make_policy
 from masc_gadget.config import Config, to_dict
 from masc_gadget.core.kspace import zero_filled
@@ -96,16 +96,11 @@ _F_LAST_IN_MEASUREMENT = flag_mask(ismrmrd.ACQ_LAST_IN_MEASUREMENT)
 
 @dataclass
 class _SliceState:
-    """Scanner-side bookkeeping of one slice during the scan."""
+    """Scanner-side bookkeeping of one slice during the scan (its episode, the lines acquired,
+    is row ``report.slice`` of the subject's :class:`EpisodeBatch`)."""
 
     report: SliceReport
-    mask: np.ndarray
-    initial: list[int]
     last_sent: float = 0.0
-
-    @property
-    def count(self) -> int:
-        return len(self.report.lines)
 
 
 def _ticks_since_midnight() -> int:
@@ -194,7 +189,7 @@ def scan_subject(
     fallback order and record ``connection = "unreachable"``); on_slice_done(slice) is called
     when a slice has all its lines (progress bars).
     """
-    # Long on purpose: the schedule loop stays inline and unchanged until slice episodes are reworked.
+    # Long on purpose: one pass over the schedule, each line from its source to the wire.
     started = time.perf_counter()
     data = read_scan_input(path)
     n_total_slices, n_pe, _ = data.kspace.shape
@@ -204,10 +199,9 @@ def scan_subject(
     report = SubjectReport(str(subject_id), str(path), n_slices, int(n_pe))
     errors = report.gadget_errors
     board = _DecisionBoard()
-    init = [int(k) for k in initial_lines(n_pe, acq.initial)]
-    states = [
-        _SliceState(SliceReport(s), np.zeros(n_pe, dtype=bool), list(init)) for s in range(n_slices)
-    ]
+    # every line the scanner acquires, initial ones included, whoever chose it
+    episodes = EpisodeBatch(n_pe, acq.initial, acq.budget, n_slices, start=False, name="slice")
+    states = [_SliceState(SliceReport(s)) for s in range(n_slices)]
     schedule = _schedule(n_slices, acq.initial, acq.budget, scfg.interleave)
     acquired = np.zeros_like(data.kspace[:n_slices])
     period_ticks = (
@@ -233,10 +227,11 @@ def scan_subject(
             connected = link is not None and link.alive
             if link is not None and not connected and report.connection_lost_at is None:
                 report.connection_lost_at = counter
+            count = int(episodes.n_acquired[s])
             if is_initial:
-                line, source = st.initial[st.count], SOURCE_INITIAL
+                line, source = int(episodes.initial_lines[count]), SOURCE_INITIAL
             else:
-                line, source = _next_line(st, s, acq, scfg, fallback, board, connected, deadline_s)
+                line, source = _next_line(st, episodes, scfg, fallback, board, connected, deadline_s)
                 if link is not None and not link.alive and rep.fallback_reasons[-1] == REASON_MISS:
                     # the wait ended because the connection died, not the deadline
                     rep.fallback_reasons[-1] = REASON_DISCONNECTED
@@ -244,9 +239,9 @@ def scan_subject(
                     if report.connection_lost_at is None:
                         report.connection_lost_at = counter
             flags = 0
-            if st.count == 0:
+            if count == 0:
                 flags |= _F_FIRST_IN_SLICE
-            if st.count == acq.total - 1:
+            if count == acq.total - 1:
                 flags |= _F_LAST_IN_SLICE
             if counter == len(schedule) - 1:
                 flags |= _F_LAST_IN_MEASUREMENT
@@ -267,10 +262,10 @@ def scan_subject(
             if link is not None:
                 link.send_acquisition(acquisition)
             acquired[s, line] = data.kspace[s, line]
-            st.mask[line] = True
+            episodes.record(s, line)
             rep.lines.append(int(line))
             rep.sources.append(source)
-            if st.count == acq.total and on_slice_done is not None:
+            if episodes.done[s] and on_slice_done is not None:
                 on_slice_done(s)
 
         if link is not None:
@@ -283,7 +278,9 @@ def scan_subject(
 
     images = link.images if link is not None else []
     by_slice = _collect_images(report, images, board, n_slices)
-    zero_filled_written = _score_slices(report, states, by_slice, acquired, data.clean[:n_slices])
+    zero_filled_written = _score_slices(
+        report, states, by_slice, acquired, episodes.mask, data.clean[:n_slices]
+    )
     report.duration_s = time.perf_counter() - started
 
     if images_path is not None:
@@ -294,8 +291,7 @@ def scan_subject(
 
 def _next_line(
     st: _SliceState,
-    s: int,
-    acq: AcquisitionConfig,
+    episodes: EpisodeBatch,
     scfg: ScannerConfig,
     fallback: SamplingPolicy,
     board: _DecisionBoard,
@@ -305,7 +301,8 @@ def _next_line(
     """The next chosen line of slice ``s``: the gadget's decision if valid and in time, else
     the fallback policy's; records the step in the slice report."""
     rep = st.report
-    step = st.count - acq.initial
+    s = rep.slice
+    step = int(episodes.step[s])
     latency = gadget_latency = None
     reason: str | None
     if scfg.feedback == "none":
@@ -321,7 +318,7 @@ def _next_line(
             latency = (received - st.last_sent) * 1e3
             gadget_latency = float(decision.latency_us) / 1e3
             line = int(decision.line)
-            if 0 <= line < st.mask.size and not st.mask[line]:
+            if 0 <= line < episodes.n_pe and not episodes.mask[s, line]:
                 reason = None
             else:
                 reason = REASON_INVALID
@@ -337,10 +334,7 @@ def _next_line(
         rep.misses += 1
     elif reason == REASON_INVALID:
         rep.invalid += 1
-    state = AcquisitionState(
-        mask=st.mask, steps_left=acq.budget - step, step=step, n_initial=acq.initial
-    )
-    return fallback.select(state), SOURCE_FALLBACK
+    return int(episodes.select(fallback, rows=[s])[0]), SOURCE_FALLBACK
 
 
 def _connect(
@@ -386,12 +380,13 @@ def _score_slices(
     states: list[_SliceState],
     by_slice: dict[int, ismrmrd.Image],
     acquired: np.ndarray,
+    masks: torch.Tensor,
     targets: np.ndarray,
 ) -> dict[int, np.ndarray]:
     """Score every slice (the gadget's image, else the scanner's zero-filled one) and its
     zero-filled reconstruction against ``targets``; fill the slice reports into ``report`` and
     sum them. Returns the zero-filled images that stand in for missing ones, by slice."""
-    zf = zero_filled(torch.from_numpy(acquired), torch.from_numpy(np.stack([st.mask for st in states])))
+    zf = zero_filled(torch.from_numpy(acquired), masks)
     zf_images = zf.numpy().astype(np.float32)
     shape = tuple(targets.shape[1:])
     preds, zero_filled_written = _pick_images(states, by_slice, zf_images, shape, report.gadget_errors)
