@@ -10,7 +10,8 @@ import torch
 
 from masc_gadget.models.policy_net import PolicyNetConfig
 from training.bench import cli as bench
-from training.bench.cli import (
+from training.bench import env as bench_env_module
+from training.bench.env import (
     ENV_KEYS,
     PPO_KEYS,
     bench_env,
@@ -55,7 +56,7 @@ def test_random_free_lines_picks_only_free_lines():
     mask = torch.zeros(3, 10, dtype=torch.bool)
     mask[0, :9] = True  # one free line: 9
     mask[1, ::2] = True  # odd lines free
-    picks = torch.stack([bench._random_free_lines(mask, gen) for _ in range(50)])
+    picks = torch.stack([bench_env_module._random_free_lines(mask, gen) for _ in range(50)])
     assert (picks[:, 0] == 9).all()
     assert (picks[:, 1] % 2 == 1).all()
     assert len(set(picks[:, 2].tolist())) > 1  # random, not always the same line
@@ -126,7 +127,7 @@ def test_bench_ppo_rollout_must_be_a_multiple_of_n_envs(tiny_train):
 
 
 def test_bench_ppo_without_sb3_contrib_says_how_to_install(tiny_train, monkeypatch):
-    monkeypatch.setattr(bench, "sb3_available", lambda: False)
+    monkeypatch.setattr(bench_env_module, "sb3_available", lambda: False)
     with pytest.raises(ImportError, match=r"pip install sb3-contrib \(or \.\[bench\]\)"):
         bench_ppo(tiny_train, 1, 2, n_envs=4, total_steps=8, device="cpu", ppo_cfg=TINY_PPO,
                   policy_cfg=TINY_POLICY, sb3=True)

@@ -12,8 +12,9 @@ from masc_gadget.core.metrics import slice_metrics
 from masc_gadget.acquisition.policies import make_policy, run_episode, slice_rng
 from training.cli import cmd_eval  # noqa: F401  (the CLI module imports cleanly)
 from training.data import load_split
-from training.evaluation.evaluate import evaluate, render_table
+from training.evaluation.evaluate import evaluate
 from training.evaluation.stats import paired_tests
+from training.evaluation.tables import render_table
 
 from masc_gadget.cli import main
 

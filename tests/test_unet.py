@@ -205,7 +205,7 @@ def test_models_do_not_import_ismrmrd_or_training():
 
 
 def test_bench_unet_tiny(global_rng_guard):
-    from training.bench.cli import ROW_KEYS, bench_unet, format_table
+    from training.bench.unet import ROW_KEYS, bench_unet, format_table
 
     rows = bench_unet("cpu", widths=[4], sizes=[16], batch_sizes=[1, 2], repeats=1,
                       variants=["fp32", "nchw"])
@@ -224,7 +224,7 @@ def test_bench_unet_tiny(global_rng_guard):
 
 
 def test_bench_reports_a_failing_variant_instead_of_crashing(monkeypatch):
-    from training.bench import cli as bench
+    from training.bench import unet as bench
 
     def broken(variant, base):
         raise RuntimeError("no compiler here")
@@ -269,7 +269,7 @@ def test_marnet_cuda_matches_cpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bench_unet_cuda_variants():
-    from training.bench.cli import bench_unet
+    from training.bench.unet import bench_unet
 
     rows = bench_unet("cuda", widths=[4], sizes=[16], batch_sizes=[2], repeats=2,
                       variants=["fp32", "bf16", "nchw", "nchw_bf16"])

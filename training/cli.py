@@ -73,7 +73,8 @@ def cmd_train_masc(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from masc_gadget.cli import config_from_args
-    from training.evaluation.evaluate import render_table, write_outputs, evaluate
+    from training.evaluation.evaluate import evaluate, write_outputs
+    from training.evaluation.tables import render_table
 
     overrides = list(args.overrides)
     if args.reference:

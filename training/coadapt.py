@@ -36,7 +36,7 @@ from masc_gadget.models.policy_net import PolicyNet
 from training.data import load_split
 from training.rl.env import BatchedAcquisitionEnv, EnvConfig
 from training.mar import mar_loss
-from training.rl.ppo import collect_rollout, greedy_actions, make_optimizer, ppo_update
+from training.rl.ppo import Rollout, greedy_actions, make_optimizer, run_ppo
 
 log = logging.getLogger(__name__)
 
@@ -140,11 +140,139 @@ def finetune_mar(mar: torch.nn.Module, optimizer: torch.optim.Optimizer, kspace:
     return total / max(count, 1)
 
 
+def _resume(resume: str | Path, net: PolicyNet, optimizer: torch.optim.Optimizer, gen: torch.Generator,
+            mar: torch.nn.Module | None, mar_opt: torch.optim.Optimizer | None,
+            device: torch.device) -> tuple[int, dict[str, Any]]:
+    """Load a ``.last.pt`` checkpoint into the networks, optimizers and generator; returns
+    (rollouts done, best validation metrics so far)."""
+    ck = load_checkpoint(resume, map_location=device)
+    net.load_state_dict(ck.state_dicts["policy"])
+    optimizer.load_state_dict(ck.extra["optimizer"])
+    gen.set_state(ck.extra["generator"])
+    if mar is not None and "mar" in ck.state_dicts:
+        mar.load_state_dict(ck.state_dicts["mar"])
+    if mar_opt is not None and "mar_optimizer" in ck.extra:
+        mar_opt.load_state_dict(ck.extra["mar_optimizer"])
+    log.info("resumed from %s after rollout %d", resume, int(ck.metadata["rollout"]))
+    return int(ck.metadata["rollout"]), dict(ck.metadata["best_val"])
+
+
+@dataclass(eq=False)
+class _Run:
+    """One co-adaptive training run: what :meth:`after_rollout`, the ``on_rollout`` hook of
+    :func:`~training.rl.ppo.run_ppo`, needs between two rollouts."""
+
+    config: Config
+    ecfg: EnvConfig
+    data_dir: str | Path
+    mar_path: str | Path | None
+    out: Path
+    net: PolicyNet
+    optimizer: torch.optim.Optimizer
+    gen: torch.Generator
+    mar: torch.nn.Module | None
+    mar_meta: dict[str, Any]
+    mar_opt: torch.optim.Optimizer | None
+    lambda_ssim: float | None
+    env: BatchedAcquisitionEnv
+    val_env: BatchedAcquisitionEnv
+    recorder: _Recorder
+    kspace: torch.Tensor
+    target: torch.Tensor
+    n_steps: int
+    best: dict[str, Any]
+    bar: Any = None
+    t0: float = 0.0
+
+    @property
+    def tcfg(self) -> MascTrainConfig:
+        return self.config["masc_train"]
+
+    @property
+    def last_path(self) -> Path:
+        return self.out.with_name(self.out.stem + ".last.pt")
+
+    @property
+    def csv_path(self) -> Path:
+        return self.out.with_suffix(".csv")
+
+    def validate(self) -> dict[str, float]:
+        """Greedy episodes on the validation split, through the current MAR network."""
+        budget = self.config["acquisition"].budget
+        self.val_env.set_mar(self.mar)
+        result = self.val_env.evaluate(lambda obs: greedy_actions(self.net, obs, budget))
+        metrics = {k: float(v.mean()) for k, v in result["metrics"].items()}
+        metrics["return"] = float(result["returns"].mean())
+        metrics["final_quality"] = float(result["final_quality"].mean())
+        return metrics
+
+    def metadata(self, rollout: int, val_metrics: dict[str, float]) -> dict[str, Any]:
+        config, mar = self.config, self.mar
+        return policy_metadata(
+            self.net, observes_mar=self.ecfg.observe_mar and mar is not None, mar=mar, rollout=rollout,
+            val=val_metrics, best_val=self.best, code_version=__version__, data=str(self.data_dir),
+            mar_pretrained=str(self.mar_path) if self.mar_path else None,
+            mar_pretrained_epoch=self.mar_meta.get("epoch"),
+            config={k: to_dict(config[k]) for k in ("acquisition", "env", "ppo", "policy_net", "masc_train")},
+        )
+
+    def after_rollout(self, rollout_number: int, rollout: Rollout, stats: dict[str, float]) -> None:
+        """After the PPO update of rollout ``rollout_number`` (from 1): fine-tune the MAR network
+        on the images the rollout visited (joint mode), validate and checkpoint every
+        ``val_every`` rollouts, append the CSV row."""
+        tcfg = self.tcfg
+        slices, masks = self.recorder.take()
+        if self.mar_opt is not None:
+            stats["losses/mar"] = finetune_mar(self.mar, self.mar_opt, self.kspace, self.target, slices, masks,
+                                               tcfg.mar_epochs, tcfg.mar_batch_size, self.gen, self.lambda_ssim)
+            self.env.set_mar(self.mar)
+            rollout.cursor.obs = self.env.observation
+        row: dict[str, Any] = {"rollout": rollout_number,
+                               "global_step": rollout_number * self.n_steps * self.ecfg.n_envs, **stats}
+        if rollout_number % tcfg.val_every == 0 or rollout_number == tcfg.rollouts:
+            row.update(self._validate_and_save(rollout_number, stats))
+        row["seconds"] = time.perf_counter() - self.t0
+        self._append_csv(row, stats)
+        self.bar.set_postfix(ret=f"{stats['charts/episodic_return']:.3f}", best_ssim=f"{self.best['ssim']:.4f}")
+        self.bar.update()
+
+    def _validate_and_save(self, rollout_number: int, stats: dict[str, float]) -> dict[str, float]:
+        """Validate; save the best checkpoint when SSIM improved and the latest always.
+        Returns the ``val/...`` columns."""
+        val_metrics = self.validate()
+        nets = {"policy": self.net, **({"mar": self.mar} if self.mar is not None else {})}
+        improved = val_metrics["ssim"] > self.best["ssim"]
+        if improved:
+            self.best = {"rollout": rollout_number, **val_metrics}
+            save_checkpoint(self.out, nets, self.metadata(rollout_number, val_metrics))
+        log.info("rollout %d: return %.3f, val SSIM %.4f, PSNR %.2f%s", rollout_number,
+                 stats["charts/episodic_return"], val_metrics["ssim"], val_metrics["psnr"],
+                 " *best*" if improved else "")
+        extra = {"optimizer": self.optimizer.state_dict(), "generator": self.gen.get_state()}
+        if self.mar_opt is not None:
+            extra["mar_optimizer"] = self.mar_opt.state_dict()
+        save_checkpoint(self.last_path, nets, self.metadata(rollout_number, val_metrics), extra_state=extra)
+        return {f"val/{m}": v for m, v in val_metrics.items()}
+
+    def _append_csv(self, row: dict[str, Any], stats: dict[str, float]) -> None:
+        new = not self.csv_path.exists()
+        fields = ["rollout", "global_step", *sorted(stats), "losses/mar", *VAL_FIELDS, "seconds"]
+        fields = list(dict.fromkeys(fields))
+        with self.csv_path.open("a", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=fields, restval="")
+            if new:
+                writer.writeheader()
+            writer.writerow(row)
+
+
 def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None, out: str | Path,
                resume: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
     """Co-adaptive training; the best checkpoint (validation SSIM of greedy episodes) goes to
     ``out`` (policy + MAR, loadable by the gadget and ``masc eval``), the latest to
-    ``<out>.last.pt``, the per-rollout log to ``<out>.csv``. Returns the best validation metrics."""
+    ``<out>.last.pt``, the per-rollout log to ``<out>.csv``. Returns the best validation metrics.
+
+    The PPO loop is :func:`~training.rl.ppo.run_ppo`; the MAR fine-tuning, validation,
+    checkpoints and the log happen in its hook, :meth:`_Run.after_rollout`."""
     from tqdm.auto import tqdm
 
     tcfg: MascTrainConfig = config["masc_train"]
@@ -153,8 +281,6 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
     acq = config["acquisition"]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    last_path = out.with_name(out.stem + ".last.pt")
-    csv_path = out.with_suffix(".csv")
     device = resolve_device(tcfg.device)
     if tcfg.mar_mode != "none" and not mar_path:
         raise ValueError(f"mar_mode {tcfg.mar_mode!r} needs a pre-trained MAR checkpoint (--mar); "
@@ -179,89 +305,23 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
     lambda_ssim = config["mar_train"].lambda_ssim if tcfg.mar_loss == "pretrain" else None
     start, best = 0, {"ssim": -math.inf}
     if resume is not None:
-        ck = load_checkpoint(resume, map_location=device)
-        net.load_state_dict(ck.state_dicts["policy"])
-        optimizer.load_state_dict(ck.extra["optimizer"])
-        gen.set_state(ck.extra["generator"])
-        if mar is not None and "mar" in ck.state_dicts:
-            mar.load_state_dict(ck.state_dicts["mar"])
-        if mar_opt is not None and "mar_optimizer" in ck.extra:
-            mar_opt.load_state_dict(ck.extra["mar_optimizer"])
-        start, best = int(ck.metadata["rollout"]), dict(ck.metadata["best_val"])
-        log.info("resumed from %s after rollout %d", resume, start)
-    elif csv_path.exists():
-        csv_path.unlink()
+        start, best = _resume(resume, net, optimizer, gen, mar, mar_opt, device)
+    elif out.with_suffix(".csv").exists():
+        out.with_suffix(".csv").unlink()
 
     env = BatchedAcquisitionEnv(train, ecfg, acq.initial, acq.budget, mar, device, seed=tcfg.seed + start)
     val_env = BatchedAcquisitionEnv(val, ecfg, acq.initial, acq.budget, mar, device, seed=tcfg.seed)
-    recorder = _Recorder(env)
     kspace = train.kspace_clean if ecfg.kspace == "clean" else train.kspace_metal
-    kspace, target = kspace.to(device), train.target.to(device)
-
-    def validate() -> dict[str, float]:
-        val_env.set_mar(mar)
-        result = val_env.evaluate(lambda obs: greedy_actions(net, obs, acq.budget))
-        metrics = {k: float(v.mean()) for k, v in result["metrics"].items()}
-        metrics["return"] = float(result["returns"].mean())
-        metrics["final_quality"] = float(result["final_quality"].mean())
-        return metrics
-
-    def metadata(rollout: int, val_metrics: dict[str, float]) -> dict[str, Any]:
-        return policy_metadata(
-            net, observes_mar=ecfg.observe_mar and mar is not None, mar=mar, rollout=rollout,
-            val=val_metrics, best_val=best, code_version=__version__, data=str(data_dir),
-            mar_pretrained=str(mar_path) if mar_path else None,
-            mar_pretrained_epoch=mar_meta.get("epoch"),
-            config={k: to_dict(config[k]) for k in ("acquisition", "env", "ppo", "policy_net", "masc_train")},
-        )
+    run = _Run(config, ecfg, data_dir, mar_path, out, net, optimizer, gen, mar, mar_meta, mar_opt, lambda_ssim,
+               env, val_env, _Recorder(env), kspace.to(device), train.target.to(device), n_steps, best)
 
     log.info("co-adaptive training: %d train / %d val slices, %d envs x %d steps per rollout, MAR %s, "
              "k-space %s, %d rollouts on %s", len(train), len(val), ecfg.n_envs, n_steps, tcfg.mar_mode,
              ecfg.kspace, tcfg.rollouts, device)
-    cursor = None
-    t0 = time.perf_counter()
-    bar = tqdm(range(start, tcfg.rollouts), desc="train masc", unit="rollout", disable=not progress,
-               initial=start, total=tcfg.rollouts)
-    for k in bar:
-        net.eval()
-        rollout = collect_rollout(recorder, net, n_steps, gen, cursor)
-        cursor = rollout.cursor
-        stats = ppo_update(net, optimizer, rollout, pcfg, gen)
-        finished = rollout.episode_returns
-        stats["charts/episodic_return"] = float(finished.mean()) if finished.numel() else float("nan")
-        slices, masks = recorder.take()
-        if mar_opt is not None:
-            stats["losses/mar"] = finetune_mar(mar, mar_opt, kspace, target, slices, masks,
-                                               tcfg.mar_epochs, tcfg.mar_batch_size, gen, lambda_ssim)
-            env.set_mar(mar)
-            cursor.obs = env.observation
-        row: dict[str, Any] = {"rollout": k + 1, "global_step": (k + 1) * n_steps * ecfg.n_envs, **stats}
-        if (k + 1) % tcfg.val_every == 0 or k + 1 == tcfg.rollouts:
-            val_metrics = validate()
-            row.update({f"val/{m}": v for m, v in val_metrics.items()})
-            improved = val_metrics["ssim"] > best["ssim"]
-            if improved:
-                best = {"rollout": k + 1, **val_metrics}
-                save_checkpoint(out, {"policy": net, **({"mar": mar} if mar is not None else {})},
-                                metadata(k + 1, val_metrics))
-            log.info("rollout %d: return %.3f, val SSIM %.4f, PSNR %.2f%s", k + 1,
-                     stats["charts/episodic_return"], val_metrics["ssim"], val_metrics["psnr"],
-                     " *best*" if improved else "")
-            extra = {"optimizer": optimizer.state_dict(), "generator": gen.get_state()}
-            if mar_opt is not None:
-                extra["mar_optimizer"] = mar_opt.state_dict()
-            save_checkpoint(last_path, {"policy": net, **({"mar": mar} if mar is not None else {})},
-                            metadata(k + 1, val_metrics), extra_state=extra)
-        row["seconds"] = time.perf_counter() - t0
-        new = not csv_path.exists()
-        fields = ["rollout", "global_step", *sorted(stats), "losses/mar", *VAL_FIELDS, "seconds"]
-        fields = list(dict.fromkeys(fields))
-        with csv_path.open("a", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=fields, restval="")
-            if new:
-                writer.writeheader()
-            writer.writerow(row)
-        bar.set_postfix(ret=f"{stats['charts/episodic_return']:.3f}", best_ssim=f"{best['ssim']:.4f}")
-    bar.close()
-    best["seconds"] = time.perf_counter() - t0
-    return best
+    run.t0 = time.perf_counter()
+    run.bar = tqdm(desc="train masc", unit="rollout", disable=not progress, initial=start, total=tcfg.rollouts)
+    run_ppo(run.recorder, net, pcfg, optimizer, gen, max(0, tcfg.rollouts - start),
+            on_rollout=run.after_rollout, start_iteration=start + 1)
+    run.bar.close()
+    run.best["seconds"] = time.perf_counter() - run.t0
+    return run.best

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -22,20 +21,14 @@ from masc_gadget.models.checkpoint import load_mar
 from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
 from masc_gadget.core.kspace import zero_filled
-from masc_gadget.core.metrics import HIGHER_IS_BETTER, METRICS, slice_metrics
+from masc_gadget.core.metrics import METRICS, slice_metrics
 from masc_gadget.acquisition.policies import SamplingPolicy, make_policy, slice_rng
 from training.data import SliceSet, load_split
-from training.evaluation.stats import mean_std, paired_tests
+from training.evaluation.figures import plot_curves, plot_examples
+from training.evaluation.stats import mean_std
+from training.evaluation.tables import add_tests, render_table
 
 log = logging.getLogger(__name__)
-
-DISPLAY_NAMES = {
-    "center-out": "Center-out",
-    "random": "Random",
-    "random-lowbias": "Random-LowBias",
-    "equispaced": "Equispaced",
-    "masc": "MASC",
-}
 
 
 @dataclass(frozen=True)
@@ -242,70 +235,8 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
     return results, figures
 
 
-def add_tests(results: dict[str, Any]) -> None:
-    """Paired t-test and Wilcoxon of every row against the reference row, per metric."""
-    for block in results["accelerations"].values():
-        by_key = {row["key"]: row for row in block["rows"]}
-        ref = by_key.get(results["reference"])
-        for row in block["rows"]:
-            if ref is None or row is ref:
-                row["tests"] = None
-                continue
-            row["tests"] = {k: paired_tests(np.asarray(row["per_slice"][k]), np.asarray(ref["per_slice"][k]))
-                            for k in METRICS}
-
-
-def _fmt(metric: str, stats: dict[str, float]) -> str:
-    digits = 2 if metric == "psnr" else 4
-    return f"{stats['mean']:.{digits}f} ± {stats['std']:.{digits}f}"
-
-
-def _fmt_p(p: float) -> str:
-    if p is None or (isinstance(p, float) and math.isnan(p)):
-        return "–"
-    return "< 0.001" if p < 0.001 else f"{p:.3f}"
-
-
-def render_table(results: dict[str, Any]) -> str:
-    """The paper's Table 1 layout in Markdown, computed from the results dict only."""
-    out = [f"# Evaluation on split `{results['split']}` ({results['n_slices']} slices)", ""]
-    ref = results["reference"]
-    for acc, block in results["accelerations"].items():
-        out.append(f"## {acc}: {block['initial']} initial + {block['budget']} chosen of "
-                   f"{block['n_pe']} lines ({block['factor']:.1f}x)")
-        out.append("")
-        header = ["Method", "MAR"] + [f"{m.upper()} {'↑' if HIGHER_IS_BETTER[m] else '↓'}" for m in METRICS]
-        header += ["p (t-test, SSIM)", "p (Wilcoxon, SSIM)"]
-        out.append("| " + " | ".join(header) + " |")
-        out.append("|" + "|".join(["---"] * 2 + ["---:"] * (len(header) - 2)) + "|")
-        best = {}
-        for m in METRICS:
-            means = [row["summary"][m]["mean"] for row in block["rows"]]
-            finite = [v for v in means if not math.isnan(v)]
-            if finite:
-                best[m] = max(finite) if HIGHER_IS_BETTER[m] else min(finite)
-        for row in block["rows"]:
-            cells = [DISPLAY_NAMES.get(row["method"], row["method"]), "✓" if row["mar"] else "✗"]
-            for m in METRICS:
-                text = _fmt(m, row["summary"][m])
-                cells.append(f"**{text}**" if row["summary"][m]["mean"] == best.get(m) else text)
-            tests = row.get("tests")
-            if tests is None:
-                cells += ["reference", "reference"] if row["key"] == ref else ["–", "–"]
-            else:
-                cells += [_fmt_p(tests["ssim"]["p_ttest"]), _fmt_p(tests["ssim"]["p_wilcoxon"])]
-            out.append("| " + " | ".join(cells) + " |")
-        out.append("")
-    out.append(f"Mean ± std over slices; metrics per slice against the clean fully sampled image, both "
-               f"scaled by its maximum. Best in bold. p-values: paired two-sided tests of SSIM against "
-               f"the reference row `{ref}`.")
-    return "\n".join(out) + "\n"
-
-
 def write_outputs(results: dict[str, Any], figures: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
     """results.json, table.md, curves.png, examples.png in ``out_dir``."""
-    from training.evaluation.figures import plot_curves, plot_examples
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {name: out_dir / name for name in ("results.json", "table.md", "curves.png", "examples.png")}

@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from training.evaluation.tables import DISPLAY_NAMES
+
 
 def _plt():
     import matplotlib
@@ -18,8 +20,6 @@ def _plt():
 
 
 def _label(row: dict[str, Any]) -> str:
-    from training.evaluation.evaluate import DISPLAY_NAMES
-
     return f"{DISPLAY_NAMES.get(row['method'], row['method'])}{' + MAR' if row['mar'] else ''}"
 
 

@@ -1,6 +1,7 @@
 """PPO with invalid-action masking for the acquisition policy, written like CleanRL's ``ppo.py``
 but as importable functions: :func:`collect_rollout` -> :func:`compute_gae` -> :func:`ppo_update`
-(minibatch epochs over :func:`ppo_loss`), chained by :func:`train_ppo`.
+(minibatch epochs over :func:`ppo_loss`), chained by :func:`run_ppo`, the one training loop
+(co-adaptive training and the benchmark add their work through its ``on_rollout`` hook).
 
 Paper ("Training Configuration"): Adam, learning rate 3e-4, rollouts of 512 steps, 4 epochs per
 update, clip range 0.2, entropy coefficient 0.01, GAE (Schulman et al. 2016).
@@ -407,6 +408,62 @@ def make_optimizer(net: nn.Module, cfg: PPOConfig) -> torch.optim.Adam:
     return torch.optim.Adam(net.parameters(), lr=cfg.lr, eps=1e-5)
 
 
+RolloutHook = Callable[[int, Rollout, dict[str, float]], None]
+"""``on_rollout(iteration, rollout, stats)`` of :func:`run_ppo`."""
+
+
+def _mean_or_nan(values: torch.Tensor) -> float:
+    return float(values.float().mean()) if values.numel() else float("nan")
+
+
+def run_ppo(
+    env: BatchedEnv,
+    net: PolicyNet,
+    cfg: PPOConfig,
+    optimizer: torch.optim.Optimizer,
+    generator: torch.Generator,
+    iterations: int,
+    *,
+    on_rollout: RolloutHook | None = None,
+    start_iteration: int = 1,
+) -> list[dict[str, float]]:
+    """The PPO loop (CleanRL's main loop): ``iterations`` rounds of
+
+        rollout  :func:`collect_rollout`, ``cfg.rollout_steps`` transitions of all environments
+        update   :func:`ppo_update`: GAE, then ``cfg.epochs`` epochs of shuffled minibatches
+
+    starting with a reset of ``env``; each rollout continues the episodes where the previous one
+    stopped (``rollout.cursor``). Sampling and minibatch shuffling draw only from ``generator``.
+
+    ``on_rollout(iteration, rollout, stats)`` runs after each update, iteration counting from
+    ``start_iteration`` (a resumed run passes where it stopped + 1): logging, checkpoints,
+    validation, or work of its own between two rollouts (the co-adaptive MAR fine-tuning). It
+    may add entries to ``stats``, and may replace ``rollout.cursor.obs`` when it changed what the
+    environment shows (the next rollout starts from ``rollout.cursor``).
+
+    Returns one stats dict per iteration (the same dicts the hook saw): the update's
+    ``losses/...`` and ``charts/...`` plus ``charts/episodic_return``, the mean return of the
+    episodes that finished in the rollout (NaN when none did).
+    """
+    if iterations < 0:
+        raise ValueError(f"iterations must be >= 0, got {iterations}")
+    history: list[dict[str, float]] = []
+    if iterations == 0:
+        return history
+    cursor = start(env, _device(net))
+    n_steps = cfg.steps_per_env(cursor.obs.mask.shape[0])
+    for iteration in range(start_iteration, start_iteration + iterations):
+        net.eval()
+        rollout = collect_rollout(env, net, n_steps, generator, cursor)
+        stats = ppo_update(net, optimizer, rollout, cfg, generator)
+        stats["charts/episodic_return"] = _mean_or_nan(rollout.episode_returns)
+        if on_rollout is not None:
+            on_rollout(iteration, rollout, stats)
+        cursor = rollout.cursor
+        history.append(stats)
+    return history
+
+
 def train_ppo(
     env: BatchedEnv,
     net: PolicyNet,
@@ -414,38 +471,26 @@ def train_ppo(
     iterations: int,
     generator: torch.Generator,
     optimizer: torch.optim.Optimizer | None = None,
-    callback: Callable[[int, Rollout, dict[str, float]], None] | None = None,
+    callback: RolloutHook | None = None,
 ) -> list[dict[str, float]]:
-    """``iterations`` rounds of collect_rollout -> ppo_update (CleanRL's main loop).
+    """:func:`run_ppo` with a default optimizer (:func:`make_optimizer`) and a log line per
+    iteration.
 
-    Returns one stats dict per iteration: the update's ``losses/...`` and ``charts/...`` plus
-    ``charts/episodic_return`` and ``charts/episodic_length`` (means over the episodes that
-    finished in the rollout; NaN when none did) and ``charts/global_step`` (transitions so far).
-    ``callback(iteration, rollout, stats)`` runs after each update (logging, checkpoints).
+    Returns one stats dict per iteration: run_ppo's plus ``charts/episodic_length`` (mean length
+    of the episodes that finished in the rollout; NaN when none did) and ``charts/global_step``
+    (transitions so far). ``callback(iteration, rollout, stats)`` runs after each update.
     """
-    cursor = start(env, _device(net))
-    n_steps = cfg.steps_per_env(cursor.obs.mask.shape[0])
     optimizer = make_optimizer(net, cfg) if optimizer is None else optimizer
-    history = []
-    global_step = 0
-    for iteration in range(1, iterations + 1):
-        net.eval()
-        rollout = collect_rollout(env, net, n_steps, generator, cursor)
-        cursor = rollout.cursor
-        global_step += rollout.num_steps * rollout.num_envs
-        stats = ppo_update(net, optimizer, rollout, cfg, generator)
-        finished = rollout.episode_returns
-        stats["charts/episodic_return"] = float(finished.mean()) if finished.numel() else float("nan")
-        stats["charts/episodic_length"] = (
-            float(rollout.episode_lengths.float().mean()) if finished.numel() else float("nan")
-        )
-        stats["charts/global_step"] = float(global_step)
+
+    def on_rollout(iteration: int, rollout: Rollout, stats: dict[str, float]) -> None:
+        stats["charts/episodic_length"] = _mean_or_nan(rollout.episode_lengths)
+        stats["charts/global_step"] = float(iteration * rollout.num_steps * rollout.num_envs)
         log.info(
             "ppo iteration %d: step %d, episodic return %.4f, approx_kl %.4f, clipfrac %.3f",
-            iteration, global_step, stats["charts/episodic_return"],
+            iteration, stats["charts/global_step"], stats["charts/episodic_return"],
             stats["losses/approx_kl"], stats["losses/clipfrac"],
         )
         if callback is not None:
             callback(iteration, rollout, stats)
-        history.append(stats)
-    return history
+
+    return run_ppo(env, net, cfg, optimizer, generator, iterations, on_rollout=on_rollout)

@@ -1,0 +1,81 @@
+"""The evaluation's tables: paired tests of every row against the reference row
+(:func:`add_tests`) and the paper's Table 1 layout in Markdown (:func:`render_table`), both
+from the results dict of :func:`training.evaluation.evaluate.evaluate` only."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from masc_gadget.core.metrics import HIGHER_IS_BETTER, METRICS
+from training.evaluation.stats import paired_tests
+
+DISPLAY_NAMES = {
+    "center-out": "Center-out",
+    "random": "Random",
+    "random-lowbias": "Random-LowBias",
+    "equispaced": "Equispaced",
+    "masc": "MASC",
+}
+
+
+def add_tests(results: dict[str, Any]) -> None:
+    """Paired t-test and Wilcoxon of every row against the reference row, per metric."""
+    for block in results["accelerations"].values():
+        by_key = {row["key"]: row for row in block["rows"]}
+        ref = by_key.get(results["reference"])
+        for row in block["rows"]:
+            if ref is None or row is ref:
+                row["tests"] = None
+                continue
+            row["tests"] = {k: paired_tests(np.asarray(row["per_slice"][k]), np.asarray(ref["per_slice"][k]))
+                            for k in METRICS}
+
+
+def _fmt(metric: str, stats: dict[str, float]) -> str:
+    digits = 2 if metric == "psnr" else 4
+    return f"{stats['mean']:.{digits}f} ± {stats['std']:.{digits}f}"
+
+
+def _fmt_p(p: float) -> str:
+    if p is None or (isinstance(p, float) and math.isnan(p)):
+        return "–"
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def render_table(results: dict[str, Any]) -> str:
+    """The paper's Table 1 layout in Markdown, computed from the results dict only."""
+    out = [f"# Evaluation on split `{results['split']}` ({results['n_slices']} slices)", ""]
+    ref = results["reference"]
+    for acc, block in results["accelerations"].items():
+        out.append(f"## {acc}: {block['initial']} initial + {block['budget']} chosen of "
+                   f"{block['n_pe']} lines ({block['factor']:.1f}x)")
+        out.append("")
+        header = ["Method", "MAR"] + [f"{m.upper()} {'↑' if HIGHER_IS_BETTER[m] else '↓'}" for m in METRICS]
+        header += ["p (t-test, SSIM)", "p (Wilcoxon, SSIM)"]
+        out.append("| " + " | ".join(header) + " |")
+        out.append("|" + "|".join(["---"] * 2 + ["---:"] * (len(header) - 2)) + "|")
+        best = {}
+        for m in METRICS:
+            means = [row["summary"][m]["mean"] for row in block["rows"]]
+            finite = [v for v in means if not math.isnan(v)]
+            if finite:
+                best[m] = max(finite) if HIGHER_IS_BETTER[m] else min(finite)
+        for row in block["rows"]:
+            cells = [DISPLAY_NAMES.get(row["method"], row["method"]), "✓" if row["mar"] else "✗"]
+            for m in METRICS:
+                text = _fmt(m, row["summary"][m])
+                cells.append(f"**{text}**" if row["summary"][m]["mean"] == best.get(m) else text)
+            tests = row.get("tests")
+            if tests is None:
+                cells += ["reference", "reference"] if row["key"] == ref else ["–", "–"]
+            else:
+                cells += [_fmt_p(tests["ssim"]["p_ttest"]), _fmt_p(tests["ssim"]["p_wilcoxon"])]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    out.append(f"Mean ± std over slices; metrics per slice against the clean fully sampled image, both "
+               f"scaled by its maximum. Best in bold. p-values: paired two-sided tests of SSIM against "
+               f"the reference row `{ref}`.")
+    return "\n".join(out) + "\n"
