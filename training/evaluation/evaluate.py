@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from masc_gadget.acquisition.episode import AcquisitionState, initial_lines
+from masc_gadget.acquisition.episode import EpisodeBatch
 from masc_gadget.models.checkpoint import load_mar
 from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
@@ -94,12 +94,10 @@ def run_method(policy: SamplingPolicy, data: SliceSet, initial: int, budget: int
         index = list(range(start, min(start + batch_size, n)))
         kspace = data.kspace_metal[index].to(device)
         target = data.target[index].to(device)
-        states = [AcquisitionState.initial(n_pe, initial, budget) for _ in index]
-        rngs = [slice_rng(seed, i) for i in index]
-        order = [list(initial_lines(n_pe, initial)) for _ in index]
+        episodes = EpisodeBatch(n_pe, initial, budget, len(index), device,
+                                rngs=[slice_rng(seed, i) for i in index])
         for t in range(steps):
-            mask = torch.from_numpy(np.stack([s.mask for s in states])).to(device)
-            images = {False: zero_filled(kspace, mask)}
+            images = {False: zero_filled(kspace, episodes.mask)}
             if mar is not None:
                 images[True] = mar(images[False])
             for m in settings:
@@ -111,15 +109,11 @@ def run_method(policy: SamplingPolicy, data: SliceSet, initial: int, budget: int
                         for m in settings:
                             finals[m].append((wanted[i], images[m][b].cpu()))
                 break
+            seen = None
             if policy.needs_image:
-                seen = images[True] if (mar is not None and getattr(policy, "observes_mar", True)) else images[False]
-                seen_np = seen.cpu().numpy()
-                states = [replace(s, image=seen_np[b]) for b, s in enumerate(states)]
-            choices = policy.select_batch(states, rngs)
-            states = [s.after(int(c)) for s, c in zip(states, choices)]
-            for b, c in enumerate(choices):
-                order[b].append(int(c))
-        lines[index] = np.asarray(order)
+                seen = images[policy.sees_mar(mar is not None)].cpu().numpy()
+            episodes.acquire(episodes.select(policy, images=seen))
+        lines[index] = episodes.chosen()
     return Trajectories(lines, curves, {m: torch.stack([img for _, img in sorted(v, key=lambda x: x[0])])
                                         for m, v in finals.items() if v})
 
@@ -144,6 +138,45 @@ def _row_key(method: str, mar: bool) -> str:
     return method if mar else f"{method}+nomar"
 
 
+def load_policies(methods: list[str], checkpoint: str | Path | None, device: torch.device
+                  ) -> tuple[dict[str, SamplingPolicy], dict[str, torch.nn.Module]]:
+    """The policy of each method, and the MAR networks that learned methods bring with them
+    (a MASC checkpoint fine-tuned end to end), by method name."""
+    own_mar: dict[str, torch.nn.Module] = {}
+    policies: dict[str, SamplingPolicy] = {}
+    for name in methods:
+        if name != "masc":
+            policies[name] = make_policy(name)
+            continue
+        if not checkpoint:
+            raise ValueError("method 'masc' needs a trained checkpoint: pass --checkpoint CKPT")
+        from masc_gadget.acquisition.learned import load_masc
+
+        policies[name], masc_mar, _ = load_masc(checkpoint, device)
+        if masc_mar is not None:
+            own_mar[name] = masc_mar.eval()
+    return policies, own_mar
+
+
+def result_rows(method: str, traj: Trajectories, initial: int, budget: int) -> list[dict[str, Any]]:
+    """The results.json rows of one method at one acceleration: with and without MAR."""
+    rows = []
+    for use_mar, curves in traj.curves.items():
+        rows.append({
+            "key": _row_key(method, use_mar),
+            "method": method,
+            "mar": use_mar,
+            "per_slice": {k: v[:, -1].tolist() for k, v in curves.items()},
+            "summary": {k: mean_std(v[:, -1]) for k, v in curves.items()},
+            "curves": {"n_lines": list(range(initial, initial + budget + 1)),
+                       **{k: {"mean": v.mean(axis=0).tolist(),
+                              "std": (v.std(axis=0, ddof=1) if len(v) > 1 else 0 * v[0]).tolist()}
+                          for k, v in curves.items()}},
+            "lines": traj.lines.tolist(),
+        })
+    return rows
+
+
 def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str] | None,
              mar_path: str | Path | None, progress: bool = True,
              checkpoint: str | Path | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -156,19 +189,7 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
     ecfg: EvalConfig = config["eval"]
     methods = list(methods or ecfg.methods)
     device = resolve_device(ecfg.device)
-    own_mar: dict[str, torch.nn.Module] = {}
-    policies = {}
-    for name in methods:
-        if name == "masc":
-            if not checkpoint:
-                raise ValueError("method 'masc' needs a trained checkpoint: pass --checkpoint CKPT")
-            from masc_gadget.acquisition.learned import load_masc
-
-            policies[name], masc_mar, _ = load_masc(checkpoint, device)
-            if masc_mar is not None:
-                own_mar[name] = masc_mar.eval()
-        else:
-            policies[name] = make_policy(name)
+    policies, own_mar = load_policies(methods, checkpoint, device)
     data = load_split(data_dir, split, ecfg.max_slices)
     mar = None
     mar_meta: dict[str, Any] = {}
@@ -211,25 +232,13 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
                 "initial": initial, "budget": budget, "n_pe": data.n_pe,
                 "factor": data.n_pe / (initial + budget), "rows": [],
             })
-            for use_mar, curves in traj.curves.items():
-                row = {
-                    "key": _row_key(method, use_mar),
-                    "method": method,
-                    "mar": use_mar,
-                    "per_slice": {k: v[:, -1].tolist() for k, v in curves.items()},
-                    "summary": {k: mean_std(v[:, -1]) for k, v in curves.items()},
-                    "curves": {"n_lines": list(range(initial, initial + budget + 1)),
-                               **{k: {"mean": v.mean(axis=0).tolist(),
-                                      "std": (v.std(axis=0, ddof=1) if len(v) > 1 else 0 * v[0]).tolist()}
-                                  for k, v in curves.items()}},
-                    "lines": traj.lines.tolist(),
-                }
+            for row in result_rows(method, traj, initial, budget):
                 block["rows"].append(row)
-                if use_mar in traj.finals:
+                if row["mar"] in traj.finals:
                     masks = np.zeros((len(examples), data.n_pe), dtype=bool)
                     for j, i in enumerate(examples):
                         masks[j, traj.lines[i]] = True
-                    figures["rows"][(acc, row["key"])] = (traj.finals[use_mar], masks)
+                    figures["rows"][(acc, row["key"])] = (traj.finals[row["mar"]], masks)
     bar.close()
     add_tests(results)
     return results, figures
