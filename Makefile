@@ -20,15 +20,18 @@ $(PY):
 
 $(STAMP): setup.cfg pyproject.toml | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
-	$(PY) -m pip install -e ".[test]"
+	$(PY) -m pip install -e ".[train,test]"
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# The architecture contracts (.importlinter) first, then the tests.
 test: install
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -m "not gpu and not slow" --durations=15 $(PYTEST_ARGS)
 
 test-all: install
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
 demo: install

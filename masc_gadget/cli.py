@@ -58,8 +58,33 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     common = common_options()
     for ep in sorted(metadata.entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
-        ep.load()(subparsers, common)
+        try:
+            register = ep.load()
+        except ImportError as err:  # an optional dependency group is not installed
+            _register_unavailable(subparsers, ep.name, err)
+            continue
+        register(subparsers, common)
     return parser
+
+
+def missing_extra(err: ImportError) -> str:
+    """What to tell a user whose install lacks an optional dependency group."""
+    return (f"needs {err.name or err}, which is not installed; install the training and "
+            "simulation stack with: pip install 'masc[train]'")
+
+
+def _register_unavailable(subparsers: argparse._SubParsersAction, name: str,
+                          err: ImportError) -> None:
+    """A subcommand whose package cannot be imported: listed, and an error saying what to
+    install when run (the serving-only install has no training stack)."""
+    message = f"masc {name} {missing_extra(err)}"
+
+    def fail(_args: argparse.Namespace) -> int:
+        raise CommandError(message)
+
+    p = subparsers.add_parser(name, help=f"(unavailable: {missing_extra(err)})", add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=fail, log_level="WARNING", debug=False)
 
 
 def main(argv: list[str] | None = None) -> int:

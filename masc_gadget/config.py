@@ -200,11 +200,24 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def config_sections() -> dict[str, type]:
+@dataclasses.dataclass(frozen=True)
+class UnavailableSection:
+    """A section whose package cannot be imported (an optional dependency group is not
+    installed, e.g. the training stack next to a serving-only gadget). Its values are kept
+    as the file gives them, unvalidated: nothing installed can use them."""
+
+    name: str
+    error: str
+
+
+def config_sections() -> dict[str, type | UnavailableSection]:
     """Section name -> dataclass, from the installed ``masc.config_sections`` entry points."""
-    sections = {}
+    sections: dict[str, type | UnavailableSection] = {}
     for ep in metadata.entry_points(group=SECTIONS_GROUP):
-        sections[ep.name] = ep.load()
+        try:
+            sections[ep.name] = ep.load()
+        except ImportError as err:
+            sections[ep.name] = UnavailableSection(ep.name, str(err))
     return sections
 
 
@@ -252,7 +265,11 @@ def build_config(
         raise ConfigError(
             f"unknown config section {unknown[0]!r}; known sections: " + ", ".join(sorted(sections))
         )
-    built = {name: from_dict(cls, merged.get(name), name) for name, cls in sections.items()}
+    built = {
+        name: dict(merged.get(name) or {}) if isinstance(cls, UnavailableSection)
+        else from_dict(cls, merged.get(name), name)
+        for name, cls in sections.items()
+    }
     return Config(built, source)
 
 
