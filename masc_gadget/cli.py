@@ -111,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as err:  # a lazily imported optional dependency
+        if args.debug:
+            raise
+        print(f"{prog}: error: {prog} {missing_extra(err)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

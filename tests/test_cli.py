@@ -69,3 +69,43 @@ def test_dataset_command(tmp_path, capsys):
     assert "dataset written to" in capsys.readouterr().out
     assert [p.name for p in out.glob("*/*.h5")] == ["sub-0000.h5"]
     assert (out / "test" / "sub-0000.h5").is_file()
+
+
+class _MissingExtra:
+    """An entry point whose package needs a dependency that is not installed."""
+
+    name = "ghost"
+    group = ""
+
+    def load(self):
+        raise ModuleNotFoundError("No module named 'gymnasium'", name="gymnasium")
+
+
+def _with_ghost(real, ghost_group):
+    def entry_points(**kw):
+        found = real(**kw)
+        return [*found, _MissingExtra()] if kw.get("group") == ghost_group else found
+    return entry_points
+
+
+def test_command_of_a_missing_extra_says_what_to_install(monkeypatch, capsys):
+    import masc_gadget.cli as cli
+
+    monkeypatch.setattr(cli.metadata, "entry_points", _with_ghost(cli.metadata.entry_points, cli.COMMANDS_GROUP))
+    assert "unavailable: needs gymnasium" in cli.build_parser().format_help()
+    assert main(["ghost", "anything", "--here"]) == 2
+    err = capsys.readouterr().err
+    assert "masc ghost needs gymnasium, which is not installed" in err
+    assert "pip install 'masc[train]'" in err
+
+
+def test_config_section_of_a_missing_extra_is_kept_unvalidated(monkeypatch):
+    import masc_gadget.config as config
+
+    monkeypatch.setattr(config.metadata, "entry_points", _with_ghost(config.metadata.entry_points,
+                                                                   config.SECTIONS_GROUP))
+    built = config.build_config({"ghost": {"anything": [1, 2]}, "acquisition": {"budget": 4}})
+    assert built["ghost"] == {"anything": [1, 2]}
+    assert built["acquisition"].budget == 4  # installed sections are still validated
+    with pytest.raises(config.ConfigError, match="acquisition"):
+        config.build_config({"ghost": {}, "acquisition": {"budget": "x"}})
