@@ -15,7 +15,6 @@ the paper's Table 2:
 
 from __future__ import annotations
 
-import csv
 import logging
 import math
 import time
@@ -33,6 +32,7 @@ from masc_gadget.core.kspace import zero_filled
 from masc_gadget.acquisition.learned import policy_metadata
 from masc_gadget.core.metrics import scale_by_target
 from masc_gadget.models.policy_net import PolicyNet
+from training.csvlog import append_row
 from training.data import load_split
 from training.rl.env import BatchedAcquisitionEnv, EnvConfig
 from training.mar import mar_loss
@@ -255,14 +255,8 @@ class _Run:
         return {f"val/{m}": v for m, v in val_metrics.items()}
 
     def _append_csv(self, row: dict[str, Any], stats: dict[str, float]) -> None:
-        new = not self.csv_path.exists()
         fields = ["rollout", "global_step", *sorted(stats), "losses/mar", *VAL_FIELDS, "seconds"]
-        fields = list(dict.fromkeys(fields))
-        with self.csv_path.open("a", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=fields, restval="")
-            if new:
-                writer.writeheader()
-            writer.writerow(row)
+        append_row(self.csv_path, row, list(dict.fromkeys(fields)))
 
 
 def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None, out: str | Path,

@@ -9,7 +9,6 @@ policies at a random number of acquired lines) and ``mixed`` (half and half) are
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import math
@@ -30,6 +29,7 @@ from masc_gadget.core.kspace import zero_filled
 from masc_gadget.core.metrics import scale_by_target, slice_metrics, ssim
 from masc_gadget.models.unet import build_mar
 from masc_gadget.acquisition.policies import make_policy, run_episode
+from training.csvlog import append_row
 from training.data import SliceSet, load_split
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,40 @@ def validate(model: torch.nn.Module, data: SliceSet, mode: str, masks: torch.Ten
     return {key: value / n for key, value in sums.items()}
 
 
+def train_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, train: SliceSet,
+                order: torch.Tensor, masks: torch.Tensor | None, tcfg: MarTrainConfig,
+                device: torch.device) -> float:
+    """One pass over ``train`` in ``order`` (minibatches of ``tcfg.batch_size``); returns the
+    mean training loss."""
+    model.train()
+    total, count = 0.0, 0
+    for start in range(0, len(train), tcfg.batch_size):
+        index = order[start : start + tcfg.batch_size]
+        if len(index) < 2 and len(train) >= 2:
+            continue  # BatchNorm needs two samples
+        inputs = network_inputs(train, index, tcfg.input, masks, device)
+        loss = mar_loss(model(inputs), train.target[index].to(device), tcfg.lambda_ssim)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        total += float(loss.detach()) * len(index)
+        count += len(index)
+    return total / max(count, 1)
+
+
+def _resume(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            shuffle: torch.Generator, rng: np.random.Generator) -> tuple[int, dict[str, Any]]:
+    """Restore a ``.last.pt`` checkpoint in place; returns (epochs done, best val metrics)."""
+    ck = load_checkpoint(path)
+    model.load_state_dict(ck.state_dicts["mar"])
+    optimizer.load_state_dict(ck.extra["optimizer"])
+    shuffle.set_state(ck.extra["shuffle_state"])
+    rng.bit_generator.state = json.loads(ck.metadata["numpy_rng_state"])
+    start_epoch, best = int(ck.metadata["epoch"]), dict(ck.metadata["best_val"])
+    log.info("resumed from %s at epoch %d (best val loss %.4f)", path, start_epoch, best["loss"])
+    return start_epoch, best
+
+
 def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str | Path | None = None,
               progress: bool = True) -> dict[str, Any]:
     """Pre-train the MAR network; the best checkpoint (lowest validation loss) goes to ``out``,
@@ -156,14 +190,7 @@ def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str
     rng = np.random.default_rng(tcfg.seed)
     start_epoch, best = 0, {"loss": math.inf}
     if resume is not None:
-        ck = load_checkpoint(resume)
-        model.load_state_dict(ck.state_dicts["mar"])
-        optimizer.load_state_dict(ck.extra["optimizer"])
-        shuffle.set_state(ck.extra["shuffle_state"])
-        rng.bit_generator.state = json.loads(ck.metadata["numpy_rng_state"])
-        start_epoch = int(ck.metadata["epoch"])
-        best = dict(ck.metadata["best_val"])
-        log.info("resumed from %s at epoch %d (best val loss %.4f)", resume, start_epoch, best["loss"])
+        start_epoch, best = _resume(resume, model, optimizer, shuffle, rng)
         if start_epoch >= tcfg.epochs:
             log.info("nothing to do: %d of %d epochs already trained", start_epoch, tcfg.epochs)
     val_masks = (draw_masks(len(val), val.n_pe, acq, tcfg.policies, np.random.default_rng(tcfg.seed + 1))
@@ -191,23 +218,11 @@ def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str
                initial=start_epoch, total=tcfg.epochs)
     for epoch in bar:
         t0 = time.perf_counter()
-        model.train()
         masks = draw_masks(len(train), train.n_pe, acq, tcfg.policies, rng) if undersampled else None
-        order = torch.randperm(len(train), generator=shuffle)
-        total, count = 0.0, 0
-        for start in range(0, len(train), tcfg.batch_size):
-            index = order[start : start + tcfg.batch_size]
-            if len(index) < 2 and len(train) >= 2:
-                continue  # BatchNorm needs two samples
-            inputs = network_inputs(train, index, tcfg.input, masks, device)
-            loss = mar_loss(model(inputs), train.target[index].to(device), tcfg.lambda_ssim)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            total += float(loss.detach()) * len(index)
-            count += len(index)
+        train_loss = train_epoch(model, optimizer, train, torch.randperm(len(train), generator=shuffle),
+                                 masks, tcfg, device)
         val_metrics = validate(model, val, tcfg.input, val_masks, tcfg.lambda_ssim, tcfg.batch_size, device)
-        row = {"epoch": epoch + 1, "train_loss": total / max(count, 1), **{f"val_{k}": v for k, v in val_metrics.items()},
+        row = {"epoch": epoch + 1, "train_loss": train_loss, **{f"val_{k}": v for k, v in val_metrics.items()},
                "seconds": time.perf_counter() - t0}
         improved = val_metrics["loss"] < best["loss"]
         if improved:
@@ -215,12 +230,7 @@ def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str
             save_checkpoint(out, {"mar": model}, metadata(epoch + 1, val_metrics))
         save_checkpoint(last_path, {"mar": model}, metadata(epoch + 1, val_metrics),
                         extra_state={"optimizer": optimizer.state_dict(), "shuffle_state": shuffle.get_state()})
-        new = not csv_path.exists()
-        with csv_path.open("a", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=list(row))
-            if new:
-                writer.writeheader()
-            writer.writerow(row)
+        append_row(csv_path, row)
         bar.set_postfix(loss=f"{row['train_loss']:.4f}", val_ssim=f"{val_metrics['ssim']:.4f}")
         log.info("epoch %d: train loss %.4f, val loss %.4f, val SSIM %.4f (input %.4f), PSNR %.2f%s",
                  epoch + 1, row["train_loss"], val_metrics["loss"], val_metrics["ssim"],

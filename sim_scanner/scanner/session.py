@@ -61,6 +61,7 @@ from masc_gadget.core.metrics import slice_metrics
 from masc_gadget.mrd.header import flag_mask
 from sim_scanner.dataset import mrd_hdf5 as mrd
 from sim_scanner.dataset.layout import (
+    ScanInput,
     read_manifest,
     read_scan_input,
     split_subjects,
@@ -172,6 +173,79 @@ def gadget_parameters(
     }
 
 
+@dataclass
+class _Subject:
+    """One subject's scan in progress: what is replayed, where each slice stands, the link."""
+
+    data: ScanInput
+    scfg: ScannerConfig
+    acq: AcquisitionConfig
+    report: SubjectReport
+    episodes: EpisodeBatch
+    """Every line the scanner acquires, initial ones included, whoever chose it."""
+    states: list[_SliceState]
+    board: _DecisionBoard
+    fallback: SamplingPolicy
+    acquired: np.ndarray
+    """(n_slices, n_pe, n_readout) the k-space the scanner acquired (zero elsewhere)."""
+    link: _GadgetLink | None = None
+    start_ticks: int = 0
+    timestamp: int = -1
+
+    def choose(self, counter: int, s: int, is_initial: bool) -> tuple[int, str]:
+        """The line slice ``s`` acquires at scan counter ``counter`` and where it came from."""
+        link, report = self.link, self.report
+        connected = link is not None and link.alive
+        if link is not None and not connected and report.connection_lost_at is None:
+            report.connection_lost_at = counter
+        if is_initial:
+            return int(self.episodes.initial_lines[self.episodes.n_acquired[s]]), SOURCE_INITIAL
+        st = self.states[s]
+        line, source = _next_line(st, self.episodes, self.scfg, self.fallback, self.board,
+                                  connected, self.scfg.deadline_ms / 1e3)
+        if link is not None and not link.alive and st.report.fallback_reasons[-1] == REASON_MISS:
+            # the wait ended because the connection died, not the deadline
+            st.report.fallback_reasons[-1] = REASON_DISCONNECTED
+            st.report.misses -= 1
+            if report.connection_lost_at is None:
+                report.connection_lost_at = counter
+        return line, source
+
+    def acquire(self, counter: int, n_lines: int, period_ticks: float, s: int, line: int,
+                source: str) -> None:
+        """Send line ``line`` of slice ``s`` (scan counter ``counter`` of ``n_lines``) and
+        record it as acquired."""
+        data, count = self.data, int(self.episodes.n_acquired[s])
+        flags = 0
+        if count == 0:
+            flags |= _F_FIRST_IN_SLICE
+        if count == self.acq.total - 1:
+            flags |= _F_LAST_IN_SLICE
+        if counter == n_lines - 1:
+            flags |= _F_LAST_IN_MEASUREMENT
+        self.timestamp = max(self.start_ticks + round(counter * period_ticks), self.timestamp + 1)
+        acquisition = mrd.make_acquisition(
+            data.kspace[s, line],
+            line=line,
+            slice_index=s,
+            seq=data.seq,
+            slice_centre_mm=data.slice_centres_mm[s],
+            fov_centre_mm=data.fov_centre_mm,
+            scan_counter=counter,
+            timestamp=self.timestamp % 2**32,
+            flags=flags,
+            n_slices=data.kspace.shape[0],
+        )
+        st = self.states[s]
+        st.last_sent = time.perf_counter()
+        if self.link is not None:
+            self.link.send_acquisition(acquisition)
+        self.acquired[s, line] = data.kspace[s, line]
+        self.episodes.record(s, line)
+        st.report.lines.append(int(line))
+        st.report.sources.append(source)
+
+
 def scan_subject(
     path: str | os.PathLike,
     subject_id: str,
@@ -189,100 +263,50 @@ def scan_subject(
     fallback order and record ``connection = "unreachable"``); on_slice_done(slice) is called
     when a slice has all its lines (progress bars).
     """
-    # Long on purpose: one pass over the schedule, each line from its source to the wire.
     started = time.perf_counter()
     data = read_scan_input(path)
     n_total_slices, n_pe, _ = data.kspace.shape
     acq.check(n_pe)
     n_slices = min(n_total_slices, scfg.max_slices or n_total_slices)
-    fallback: SamplingPolicy = make_policy(scfg.fallback)
     report = SubjectReport(str(subject_id), str(path), n_slices, int(n_pe))
-    errors = report.gadget_errors
-    board = _DecisionBoard()
-    # every line the scanner acquires, initial ones included, whoever chose it
-    episodes = EpisodeBatch(n_pe, acq.initial, acq.budget, n_slices, start=False, name="slice")
-    states = [_SliceState(SliceReport(s)) for s in range(n_slices)]
+    run = _Subject(
+        data, scfg, acq, report,
+        EpisodeBatch(n_pe, acq.initial, acq.budget, n_slices, start=False, name="slice"),
+        [_SliceState(SliceReport(s)) for s in range(n_slices)],
+        _DecisionBoard(), make_policy(scfg.fallback), np.zeros_like(data.kspace[:n_slices]),
+    )
     schedule = _schedule(n_slices, acq.initial, acq.budget, scfg.interleave)
-    acquired = np.zeros_like(data.kspace[:n_slices])
     period_ticks = (
         mrd.line_period_ms(data.seq, "interleaved" if scfg.interleave else "sequential")
         / mrd.TIMESTAMP_TICK_MS
     )
-    deadline_s = scfg.deadline_ms / 1e3
-
     pump: _ZmqPump | None = None
-    link: _GadgetLink | None = None
     try:
         if scfg.feedback == "zmq":
-            pump = _ZmqPump(scfg.zmq_address, board, errors)
-        link = _connect(scfg, board, report, require_gadget)
-        if link is not None:
-            link.handshake(scfg.config_name, data.header_xml, gadget_parameters(scfg, acq, pump))
-
-        start_ticks = _ticks_since_midnight()
-        timestamp = -1
+            pump = _ZmqPump(scfg.zmq_address, run.board, report.gadget_errors)
+        run.link = _connect(scfg, run.board, report, require_gadget)
+        if run.link is not None:
+            run.link.handshake(scfg.config_name, data.header_xml, gadget_parameters(scfg, acq, pump))
+        run.start_ticks = _ticks_since_midnight()
         for counter, (s, is_initial) in enumerate(schedule):
-            st = states[s]
-            rep = st.report
-            connected = link is not None and link.alive
-            if link is not None and not connected and report.connection_lost_at is None:
-                report.connection_lost_at = counter
-            count = int(episodes.n_acquired[s])
-            if is_initial:
-                line, source = int(episodes.initial_lines[count]), SOURCE_INITIAL
-            else:
-                line, source = _next_line(st, episodes, scfg, fallback, board, connected, deadline_s)
-                if link is not None and not link.alive and rep.fallback_reasons[-1] == REASON_MISS:
-                    # the wait ended because the connection died, not the deadline
-                    rep.fallback_reasons[-1] = REASON_DISCONNECTED
-                    rep.misses -= 1
-                    if report.connection_lost_at is None:
-                        report.connection_lost_at = counter
-            flags = 0
-            if count == 0:
-                flags |= _F_FIRST_IN_SLICE
-            if count == acq.total - 1:
-                flags |= _F_LAST_IN_SLICE
-            if counter == len(schedule) - 1:
-                flags |= _F_LAST_IN_MEASUREMENT
-            timestamp = max(start_ticks + round(counter * period_ticks), timestamp + 1)
-            acquisition = mrd.make_acquisition(
-                data.kspace[s, line],
-                line=line,
-                slice_index=s,
-                seq=data.seq,
-                slice_centre_mm=data.slice_centres_mm[s],
-                fov_centre_mm=data.fov_centre_mm,
-                scan_counter=counter,
-                timestamp=timestamp % 2**32,
-                flags=flags,
-                n_slices=n_total_slices,
-            )
-            st.last_sent = time.perf_counter()
-            if link is not None:
-                link.send_acquisition(acquisition)
-            acquired[s, line] = data.kspace[s, line]
-            episodes.record(s, line)
-            rep.lines.append(int(line))
-            rep.sources.append(source)
-            if episodes.done[s] and on_slice_done is not None:
+            line, source = run.choose(counter, s, is_initial)
+            run.acquire(counter, len(schedule), period_ticks, s, line, source)
+            if run.episodes.done[s] and on_slice_done is not None:
                 on_slice_done(s)
-
-        if link is not None:
-            _finish_link(link, report, scfg, len(schedule))
+        if run.link is not None:
+            _finish_link(run.link, report, scfg, len(schedule))
     finally:
-        if link is not None:
-            link.shutdown()
+        if run.link is not None:
+            run.link.shutdown()
         if pump is not None:
             pump.close()
 
-    images = link.images if link is not None else []
-    by_slice = _collect_images(report, images, board, n_slices)
+    images = run.link.images if run.link is not None else []
+    by_slice = _collect_images(report, images, run.board, n_slices)
     zero_filled_written = _score_slices(
-        report, states, by_slice, acquired, episodes.mask, data.clean[:n_slices]
+        report, run.states, by_slice, run.acquired, run.episodes.mask, data.clean[:n_slices]
     )
     report.duration_s = time.perf_counter() - started
-
     if images_path is not None:
         _write_images(images_path, subject_id, data.header_xml, by_slice, zero_filled_written)
     _log_subject(report, scfg)
