@@ -22,7 +22,7 @@ import torch
 
 from masc_gadget.config import Config, build_config
 from masc_gadget.core.kspace import magnitude
-from sim_scanner.dataset.layout import (  # noqa: F401  (read_manifest, subject_path: re-exported)
+from sim_scanner.dataset.layout import (
     SIM_SECTIONS,
     SPLITS,
     SubjectData,
@@ -33,7 +33,6 @@ from sim_scanner.dataset.layout import (  # noqa: F401  (read_manifest, subject_
     subject_file,
     subject_id,
     subject_index,
-    subject_path,
     write_manifest,
     write_subject,
 )

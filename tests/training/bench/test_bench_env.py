@@ -3,7 +3,6 @@ document. No timing assertions here (speed targets belong to benchmark runs, not
 
 import argparse
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from training.bench.env import (
 )
 from training.rl.ppo import PPOConfig
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+from tests.conftest import CONFIGS  # noqa: E402
 TINY_POLICY = PolicyNetConfig(channels=(8, 16), hidden=32, pool_size=4)
 TINY_PPO = PPOConfig(rollout_steps=8, minibatch_size=4, epochs=1)
 

@@ -18,7 +18,7 @@ from training.evaluation.tables import render_table
 
 from masc_gadget.cli import main
 
-from .conftest import CONFIGS
+from tests.conftest import CONFIGS
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """Typed configs: defaults, YAML overrides, --set, and errors that name the key."""
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -16,7 +15,7 @@ from masc_gadget.config import (
     to_dict,
 )
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+from tests.conftest import CONFIGS  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from sim_scanner.dataset.layout import read_manifest, subject_path
 from sim_scanner.scanner.config import ScannerConfig
 from sim_scanner.scanner.session import run_scan, scan_subject
 
-from .conftest import CONFIGS
+from tests.conftest import CONFIGS
 
 
 def _free_port():

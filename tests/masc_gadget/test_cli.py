@@ -9,7 +9,7 @@ import pytest
 
 from masc_gadget.cli import main
 
-from .conftest import CONFIGS
+from tests.conftest import CONFIGS
 
 
 def test_console_script_help():

@@ -15,7 +15,7 @@ from sim_scanner.dataset import layout
 from sim_scanner.dataset.layout import SPLITS, read_manifest, subject_path, write_subject
 from sim_scanner.dataset.simulate import assign_splits, simulate_dataset, simulate_subject
 
-from .conftest import CONFIGS
+from tests.conftest import CONFIGS
 
 
 def ifft2c_np(kspace):

@@ -17,7 +17,7 @@ from training.data import load_split
 from training.rl.env import BatchedAcquisitionEnv, EnvConfig, Observation
 from training.rl.gym_env import ENV_ID, ActiveAcquisitionEnv, FreeLineSpace, episode_config
 
-from .conftest import CONFIGS
+from tests.conftest import CONFIGS
 
 INITIAL, BUDGET = 2, 5
 

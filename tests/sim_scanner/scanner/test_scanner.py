@@ -41,7 +41,7 @@ from sim_scanner.scanner.config import (
 )
 from sim_scanner.scanner.session import run_scan
 
-from .conftest import CONFIGS
+from tests.conftest import CONFIGS
 
 N_PE = 32  # configs/tiny.yaml: 32 x 32 matrix, 4 slices, 1 initial + 2 budget lines
 N_SLICES = 4

@@ -19,9 +19,9 @@ from masc_gadget.core.kspace import zero_filled
 from masc_gadget.acquisition.policies import make_policy, run_episode
 from masc_gadget.mrd.protocol import ID_ACQUISITION, ID_CLOSE, ID_IMAGE, ID_TEXT, ConnectionClosed, MrdStream
 from masc_gadget.serving.server import MascServer
-from sim_scanner.dataset.simulate import read_manifest, subject_path
+from sim_scanner.dataset.layout import read_manifest, subject_path
 
-from .conftest import CONFIGS
+from tests.conftest import CONFIGS
 
 N_LINES = 3  # tiny.yaml: 1 initial + 2 chosen of 32
 

@@ -15,7 +15,7 @@ from training.data import load_split
 from training.rl.env import BatchedAcquisitionEnv, EnvConfig
 from training.evaluation.evaluate import evaluate
 
-from .conftest import CONFIGS
+from tests.conftest import CONFIGS
 
 
 @pytest.fixture(scope="module")

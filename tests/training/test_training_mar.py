@@ -11,7 +11,7 @@ from masc_gadget.config import load_config
 from masc_gadget.acquisition.episode import AcquisitionConfig
 from training.mar import MarTrainConfig, draw_masks, mar_loss, train_mar
 
-from .conftest import CONFIGS
+from tests.conftest import CONFIGS
 
 
 def _config(*extra):
