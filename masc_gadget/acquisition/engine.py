@@ -179,7 +179,7 @@ class AcquisitionEngine:
         kspace[0, s.n_pe // 2, s.n_readout // 2] = 1.0
         # a private stream: the slices' own streams are not advanced by the warm-up
         episode = self._episode(np.random.default_rng(0), start=True)
-        zf, mar = self._reconstruct(kspace, episode.mask.numpy(), with_mar=self.mar is not None)
+        zf, mar = self._reconstruct(kspace, episode.masks, with_mar=self.mar is not None)
         if s.budget > 0:
             images = (mar if self.sees_mar else zf) if self.policy.needs_image else None
             episode.select(self.policy, images=images)
@@ -268,7 +268,7 @@ class AcquisitionEngine:
         buf.awaiting = False
 
     def _decidable(self, buf: _Slice) -> bool:
-        return bool(buf.episode.deciding[0])
+        return bool(buf.episode.is_deciding(0))
 
     def wanting(self) -> list[int]:
         """Slices that need a decision now, ascending: at least ``initial`` lines, fewer than
@@ -314,7 +314,7 @@ class AcquisitionEngine:
         images: Sequence[np.ndarray | None] = [None] * len(bufs)
         if self.policy.needs_image:
             kspace = np.stack([b.kspace for b in bufs])  # (B, n_pe, n_readout)
-            mask = np.concatenate([b.episode.mask.numpy() for b in bufs])  # (B, n_pe)
+            mask = np.concatenate([b.episode.masks for b in bufs])  # (B, n_pe)
             zf, mar = self._reconstruct(kspace, mask, with_mar=self.sees_mar)
             images = mar if mar is not None else zf
         states = [b.episode.states(images=[image])[0] for b, image in zip(bufs, images)]
@@ -344,7 +344,7 @@ class AcquisitionEngine:
         """Whether the slice has ``initial + budget`` lines (False for a slice with no line
         stored, e.g. one already finished)."""
         buf = self._slices.get(self._check_slice(slice))
-        return buf is not None and bool(buf.episode.done[0])
+        return buf is not None and buf.episode.is_done(0)
 
     def slices(self) -> list[int]:
         """Slices with lines stored (not finished yet), ascending."""
@@ -378,7 +378,7 @@ class AcquisitionEngine:
         bufs = [self._slices[k] for k in keys]
         zf, mar = self._reconstruct(
             np.stack([b.kspace for b in bufs]),
-            np.concatenate([b.episode.mask.numpy() for b in bufs]),
+            np.concatenate([b.episode.masks for b in bufs]),
             with_mar=self.mar is not None,
         )
         images = zf if mar is None else mar

@@ -236,10 +236,11 @@ class EpisodeBatch:
     so a scanner that acquires the initial lines itself, or streams lines nobody asked for,
     is tracked the same way as a policy's choices.
 
-    State: ``mask`` (B, n_pe) bool on ``device``, replaced (never written in place) on every
+    State, on the host: ``masks`` (B, n_pe) bool, replaced (never written in place) on every
     change, so a mask handed out earlier is never modified; ``n_acquired`` (B,) and the arrival
-    order ``order`` (B, n_pe) (-1 = not yet) on the host, so stepping needs no device sync to
-    count. ``rngs``: one ``numpy.random.Generator`` per episode for random policies
+    order ``order`` (B, n_pe) (-1 = not yet). :attr:`mask` is the same on ``device`` (on the
+    CPU it shares the host memory; elsewhere it is copied once per change, when asked for), so
+    counting and checking lines never waits for a device. ``rngs``: one ``numpy.random.Generator`` per episode for random policies
     (``slice_rng(seed, slice)``), kept across its steps.
 
     Args:
@@ -266,16 +267,26 @@ class EpisodeBatch:
         if len(self.rngs) != batch:
             raise ValueError(f"need one rng per {name}: got {len(self.rngs)} rngs for {batch}")
         self.initial_lines = initial_lines(self.n_pe, self.initial)
-        first = np.zeros(self.n_pe, dtype=bool)
-        first[self.initial_lines] = True
-        self._first = torch.from_numpy(first).to(self.device)  # (n_pe,) the initial mask
-        self.mask = torch.zeros(batch, self.n_pe, dtype=torch.bool, device=self.device)
+        self._first = np.zeros(self.n_pe, dtype=bool)  # (n_pe,) the initial mask
+        self._first[self.initial_lines] = True
+        self.masks = np.zeros((batch, self.n_pe), dtype=bool)
+        self._mask: torch.Tensor | None = None  # masks on the device, made when asked for
         self.n_acquired = np.zeros(batch, dtype=np.int64)
         self.order = np.full((batch, self.n_pe), -1, dtype=np.int64)
         if start:
             self.reset()
 
     # --- counts ---------------------------------------------------------------------------------
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """(B, n_pe) bool on ``device``: :attr:`masks`, never modified later."""
+        if self._mask is None:
+            self._mask = torch.from_numpy(self.masks).to(self.device)
+        return self._mask
+
+    def _replace(self, masks: np.ndarray) -> None:
+        self.masks, self._mask = masks, None
 
     def __len__(self) -> int:
         return int(self.n_acquired.size)
@@ -305,6 +316,14 @@ class EpisodeBatch:
         """(B,) bool: the initial lines are in and choices are left (a policy decides next)."""
         return (self.n_acquired >= self.initial) & (self.n_acquired < self.total)
 
+    def is_deciding(self, row: int) -> bool:
+        """:attr:`deciding` of one episode, without building the (B,) array."""
+        return self.initial <= self.n_acquired[row] < self.total
+
+    def is_done(self, row: int) -> bool:
+        """:attr:`done` of one episode."""
+        return bool(self.n_acquired[row] >= self.total)
+
     def steps_left_tensor(self) -> torch.Tensor:
         """:attr:`steps_left` as a (B,) long tensor on ``device``."""
         return torch.from_numpy(self.steps_left).to(self.device)
@@ -332,9 +351,9 @@ class EpisodeBatch:
         rows = self._rows(rows)
         if rows.size == 0:
             return
-        mask = self.mask.clone()
-        mask[torch.from_numpy(rows).to(self.device)] = self._first
-        self.mask = mask
+        masks = self.masks.copy()
+        masks[rows] = self._first
+        self._replace(masks)
         self.n_acquired[rows] = self.initial
         self.order[rows] = -1
         self.order[rows, : self.initial] = self.initial_lines
@@ -344,20 +363,19 @@ class EpisodeBatch:
             for r, rng in zip(rows, rngs):
                 self.rngs[r] = rng
 
-    def acquire(self, lines: Any, rows: Any = None, allow_finished: bool = False) -> torch.Tensor:
+    def acquire(self, lines: Any, rows: Any = None, allow_finished: bool = False) -> None:
         """Episode ``rows[i]`` (all: None) acquires line ``lines[i]``: one step each.
 
         Raises ValueError naming the episode and the line for a line out of range or already
         acquired, or (unless ``allow_finished``) an episode that has no choice left; nothing is
-        changed then. Returns the lines as a (k,) long tensor on ``device``.
+        changed then.
         """
         rows = self._rows(rows)
         a = _as_lines(lines, rows.size, self.name)
         finished = np.zeros(rows.size, dtype=bool) if allow_finished else self.done[rows]
         out_of_range = (a < 0) | (a >= self.n_pe)
-        rows_t = torch.from_numpy(rows).to(self.device)
-        taken = self.mask[rows_t, torch.from_numpy(a.clip(0, self.n_pe - 1)).to(self.device)]
-        bad = finished | out_of_range | taken.cpu().numpy()
+        taken = self.masks[rows, a.clip(0, self.n_pe - 1)]
+        bad = finished | out_of_range | taken
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             if finished[i]:
@@ -368,16 +386,14 @@ class EpisodeBatch:
                                  f"got {a[i]}")
             raise ValueError(f"{self.name} {i}: line {a[i]} is already acquired; an action must "
                              "be a line not yet acquired (mask False)")
-        return self._set(rows, a)
+        self._set(rows, a)
 
-    def _set(self, rows: np.ndarray, a: np.ndarray) -> torch.Tensor:
-        lines = torch.from_numpy(a).to(self.device)
-        mask = self.mask.clone()
-        mask[torch.from_numpy(rows).to(self.device), lines] = True
-        self.mask = mask
+    def _set(self, rows: np.ndarray, a: np.ndarray) -> None:
+        masks = self.masks.copy()
+        masks[rows, a] = True
+        self._replace(masks)
         self.order[rows, self.n_acquired[rows]] = a
         self.n_acquired[rows] += 1
-        return lines
 
     def record(self, row: int, line: int) -> bool:
         """A line the scanner acquired for episode ``row``, asked for or not, budget spent or
@@ -385,7 +401,7 @@ class EpisodeBatch:
         is already acquired (a repeat). ``line`` must be in [0, n_pe)."""
         if not 0 <= line < self.n_pe:
             raise ValueError(f"{self.name} {row}: line must be in [0, {self.n_pe}), got {line}")
-        if bool(self.mask[row, line]):
+        if self.masks[row, line]:
             return False
         self._set(np.array([row]), np.array([line], dtype=np.int64))
         return True
@@ -397,7 +413,7 @@ class EpisodeBatch:
         """The :class:`AcquisitionState` of episodes ``rows`` (all: None), with ``images[i]``
         as the image of ``rows[i]`` (None: no image)."""
         rows = self._rows(rows)
-        masks = self.mask[torch.from_numpy(rows).to(self.device)].cpu().numpy()
+        masks = self.masks[rows]
         if images is None:
             images = [None] * rows.size
         steps_left, step = self.steps_left, self.step

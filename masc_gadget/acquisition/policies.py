@@ -374,7 +374,7 @@ def run_episodes(
     for _ in range(budget):
         images = None
         if policy.needs_image and len(episodes):
-            images = image_fn(episodes.mask.numpy())
+            images = image_fn(episodes.masks)
         episodes.acquire(episodes.select(policy, images=images))
     return episodes.chosen()
 

@@ -291,7 +291,7 @@ def scan_subject(
         for counter, (s, is_initial) in enumerate(schedule):
             line, source = run.choose(counter, s, is_initial)
             run.acquire(counter, len(schedule), period_ticks, s, line, source)
-            if run.episodes.done[s] and on_slice_done is not None:
+            if run.episodes.is_done(s) and on_slice_done is not None:
                 on_slice_done(s)
         if run.link is not None:
             _finish_link(run.link, report, scfg, len(schedule))
@@ -342,7 +342,7 @@ def _next_line(
             latency = (received - st.last_sent) * 1e3
             gadget_latency = float(decision.latency_us) / 1e3
             line = int(decision.line)
-            if 0 <= line < episodes.n_pe and not episodes.mask[s, line]:
+            if 0 <= line < episodes.n_pe and not episodes.masks[s, line]:
                 reason = None
             else:
                 reason = REASON_INVALID

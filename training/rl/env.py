@@ -351,7 +351,7 @@ class BatchedAcquisitionEnv:
             kspace_new = self._kspace_all[new_slices]
             ref_new = self._reference(new_slices)
             episodes.reset(reset_envs)  # ``mask`` keeps the stepped masks
-            mask_new = episodes.mask[torch.from_numpy(reset_envs).to(self.device)]
+            mask_new = torch.from_numpy(episodes.masks[reset_envs]).to(self.device)
             # one recon + one MAR forward for the stepped states and the new episodes together
             m = self._measure(torch.cat([self._kspace, kspace_new]), torch.cat([mask, mask_new]),
                               self._ref.cat(ref_new))
