@@ -23,12 +23,11 @@ from typing import Any
 
 from masc_gadget import __version__
 from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache, build_engine, load_models
-from masc_gadget.serving.settings import GadgetConfig, GadgetSettings, settings_from_json, settings_from_xml
+from masc_gadget.serving.settings import GadgetSettings, settings_from_json, settings_from_xml
 from masc_gadget.serving import stages
 from masc_gadget.serving.stages import Context, make_image
 
-# re-exported: the ``gadget`` config section is registered as masc_gadget.serving.gadget:GadgetConfig
-__all__ = ["DEFAULT_CACHE", "GadgetConfig", "GadgetSettings", "ModelCache", "build_engine", "load_models",
+__all__ = ["DEFAULT_CACHE", "GadgetSettings", "ModelCache", "build_engine", "load_models",
            "make_image", "masc", "process", "settings_from_json", "settings_from_xml"]
 
 log = logging.getLogger(__name__)

@@ -316,7 +316,7 @@ def test_settings_from_xml_and_json():
 
 def test_settings_defaults_and_checks_come_from_the_config_sections():
     from masc_gadget.acquisition.episode import AcquisitionConfig
-    from masc_gadget.serving.gadget import GadgetConfig
+    from masc_gadget.serving.settings import GadgetConfig
 
     s = GadgetSettings()
     assert s.acquisition == AcquisitionConfig() and s.gadget == GadgetConfig()
