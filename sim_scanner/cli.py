@@ -48,6 +48,7 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
 
 def cmd_dataset(args: argparse.Namespace) -> int:
     from masc_gadget.cli import config_from_args
+    from sim_scanner.dataset.layout import split_counts
     from sim_scanner.dataset.simulate import simulate_dataset
 
     overrides = list(args.overrides)
@@ -58,7 +59,7 @@ def cmd_dataset(args: argparse.Namespace) -> int:
     args.overrides = overrides
     config = config_from_args(args)
     manifest = simulate_dataset(config, args.out)
-    counts = ", ".join(f"{k}: {len(v)}" for k, v in manifest["splits"].items())
+    counts = ", ".join(f"{k}: {n}" for k, n in split_counts(manifest).items())
     print(f"dataset written to {args.out} ({counts})")
     return 0
 

@@ -183,6 +183,27 @@ def write_manifest(out: Path, config: Config, splits: dict[str, list[str]]) -> d
     return manifest
 
 
+def _comparable(sim: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a config that change the simulated data (not workers / device / count)."""
+    sim = json.loads(json.dumps(sim))
+    for key in ("workers", "subjects", "name"):
+        sim["dataset"].pop(key, None)
+    sim["physics"].pop("device", None)
+    return sim
+
+
+def same_simulation(manifest: dict[str, Any], config: Config, splits: dict[str, list[str]]) -> bool:
+    """Whether ``manifest`` records a dataset simulated with ``config``'s data-changing
+    parameters and the same ``splits`` (so a rerun may resume into it)."""
+    return (_comparable(manifest.get("config", {})) == _comparable(sim_config_dict(config))
+            and manifest.get("splits") == splits)
+
+
+def split_counts(manifest: dict[str, Any]) -> dict[str, int]:
+    """Subjects per split, e.g. {"train": 22, "val": 4, "test": 4}."""
+    return {split: len(ids) for split, ids in manifest.get("splits", {}).items()}
+
+
 def read_manifest(folder: str | Path) -> dict[str, Any]:
     path = Path(folder) / MANIFEST
     if not path.is_file():

@@ -7,7 +7,6 @@ owned by :mod:`sim_scanner.dataset.layout`; this module simulates and hands it t
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -29,6 +28,7 @@ from sim_scanner.dataset.layout import (
     is_dataset,
     prepare_folder,
     read_manifest,
+    same_simulation,
     sim_config_dict,
     subject_file,
     subject_id,
@@ -226,15 +226,6 @@ def _worker(index: int, config_dict: dict[str, Any], path: str, split: str, thre
     return data.subject_id
 
 
-def _comparable(sim: dict[str, Any]) -> dict[str, Any]:
-    """The parts of a config that change the simulated data (not workers / device / count)."""
-    sim = json.loads(json.dumps(sim))
-    for key in ("workers", "subjects", "name"):
-        sim["dataset"].pop(key, None)
-    sim["physics"].pop("device", None)
-    return sim
-
-
 def simulate_dataset(config: Config, out: str | Path, progress: bool = True) -> dict[str, Any]:
     """Simulate every subject of ``config`` into ``out``; finished subjects are skipped, so an
     interrupted run resumes. Returns the manifest."""
@@ -245,9 +236,7 @@ def simulate_dataset(config: Config, out: str | Path, progress: bool = True) -> 
     splits = assign_splits(dcfg)
     if is_dataset(out):
         old = read_manifest(out)
-        if _comparable(old.get("config", {})) != _comparable(sim_config_dict(config)) or old.get(
-            "splits"
-        ) != splits:
+        if not same_simulation(old, config, splits):
             raise ValueError(
                 f"{out} already holds a dataset simulated with other parameters; "
                 "choose another --out or delete it"
