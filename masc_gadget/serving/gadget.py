@@ -12,12 +12,16 @@ generator stages of :mod:`masc_gadget.serving.stages`; settings are in
 :mod:`masc_gadget.serving.settings`, models and the engine are built in
 :mod:`masc_gadget.serving.models`.
 
-Debugging: ``python -m masc_gadget.serving.gadget PORT`` listens on PORT for one Gadgetron connection.
+Connect mode: ``python -m masc_gadget.serving.gadget PORT [--config FILE.yaml]`` loads and warms
+the models, then serves every stream Gadgetron opens on PORT, concurrently.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
+import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -34,43 +38,137 @@ log = logging.getLogger(__name__)
 
 
 def process(items: Iterable[Any], header: Any, settings: GadgetSettings, send: Callable[[Any], None],
-            on_error: Callable[[str], None] | None = None, cache: ModelCache = DEFAULT_CACHE) -> dict[str, int]:
+            on_error: Callable[[str], None] | None = None, cache: ModelCache = DEFAULT_CACHE,
+            eager: bool = False) -> dict[str, int]:
     """The gadget loop, transport-free: ``items`` yields acquisitions (and, from a standalone
     client, JSON parameter strings before the first acquisition); ``send`` delivers images and
     in-band feedback. Bad acquisitions are reported through ``on_error`` and skipped;
     nothing already acquired is lost. Runs the stages of :mod:`masc_gadget.serving.stages`.
+
+    ``eager``: build and warm up the engine now, from the header, instead of at the first
+    acquisition (for streams whose settings cannot change later, as through Gadgetron, which
+    drops the client's text messages), so the first decision does not wait for model loading.
+
     Returns counters (acquisitions, decisions, images, rejected)."""
     ctx = Context(header, settings, send, on_error=on_error, cache=cache)
     try:
+        if eager:
+            ctx.start()
         stages.send(stages.pipeline(items, ctx), ctx)
     finally:
         ctx.close()
     return ctx.stats
 
 
-def masc(connection, settings: GadgetSettings | None = None) -> None:
+def _no_delay(connection: Any) -> None:
+    """TCP_NODELAY on the connection's socket: a decision is a small message that must not wait
+    for Nagle's algorithm (Gadgetron itself does not set it)."""
+    sock = getattr(getattr(connection, "socket", None), "socket", None)
+    if isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError as err:
+            log.debug("could not set TCP_NODELAY: %s", err)
+
+
+def masc(connection, settings: GadgetSettings | None = None, cache: ModelCache = DEFAULT_CACHE) -> None:
     """Gadgetron external-module entry point: ``connection`` is a
-    ``gadgetron.external.Connection`` (config, header, iterable of items, ``send``)."""
+    ``gadgetron.external.Connection`` (config, header, iterable of items, ``send``).
+
+    The stream's ``<configuration>`` properties override ``settings`` (default: the config
+    dataclasses' defaults); the engine is built as soon as the stream starts."""
+    _no_delay(connection)
     base = settings or GadgetSettings()
     settings = settings_from_xml(getattr(connection, "config", None), base)
     log.info("MASC gadget %s: policy %s, %d + %d lines, MAR %s, feedback %s%s", __version__, settings.policy,
              settings.initial, settings.budget, settings.mar_checkpoint or "off", settings.feedback,
              f", zmq {settings.zmq_address}" if settings.zmq_address else "")
-    stats = process(iter(connection), connection.header, settings, connection.send)
+    stats = process(iter(connection), connection.header, settings, connection.send, cache=cache, eager=True)
     log.info("MASC gadget done: %s", stats)
 
 
-def main(argv: list[str] | None = None) -> int:  # pragma: no cover - debugging entry
-    import sys
+def _serve_one(sock: socket.socket, peer: Any, settings: GadgetSettings, cache: ModelCache) -> None:
+    """One Gadgetron stream of connect mode, on its own thread; its failure ends only it."""
+    from gadgetron.external.connection import Connection
 
-    from gadgetron.external import listen
+    try:
+        with Connection(sock) as connection:
+            masc(connection, settings, cache)
+    except Exception:  # noqa: BLE001 - one stream's failure must not end the module
+        log.exception("stream from %s failed", peer)
 
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1 or not argv[0].isdigit():
-        print("usage: python -m masc_gadget.serving.gadget PORT", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    listen(int(argv[0]), masc)
+
+def serve_connect_mode(port: int, settings: GadgetSettings, host: str = "127.0.0.1",
+                       cache: ModelCache = DEFAULT_CACHE, stop: threading.Event | None = None,
+                       ready: Callable[[int], None] | None = None) -> None:
+    """Connect mode (``<external><connect port=.../>``): listen on ``host:port`` and serve every
+    stream Gadgetron opens, concurrently, each on its own thread, until ``stop`` is set.
+
+    The models of ``settings`` are loaded and warmed up before the port opens, so the first
+    stream's first decision does not pay for them. ``ready(port)`` is called once listening
+    (port 0 picks a free one)."""
+    warm_up(settings, cache)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(16)
+    listener.settimeout(0.2)
+    if host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning("listening on %s: any host that can reach this port can stream to the gadget", host)
+    log.info("MASC gadget (connect mode) listening on %s:%d", host, listener.getsockname()[1])
+    if ready is not None:
+        ready(listener.getsockname()[1])
+    stop = stop or threading.Event()
+    try:
+        while not stop.is_set():
+            try:
+                sock, peer = listener.accept()
+            except socket.timeout:
+                continue
+            sock.settimeout(None)
+            threading.Thread(target=_serve_one, args=(sock, peer, settings, cache),
+                             name=f"masc-stream-{peer}", daemon=True).start()
+    finally:
+        listener.close()
+
+
+def warm_up(settings: GadgetSettings, cache: ModelCache = DEFAULT_CACHE, n_pe: int = 64,
+            n_readout: int = 64) -> float:
+    """Load the models of ``settings`` into ``cache`` and run one decision on a dummy slice
+    (a learned policy on its own image size); returns the seconds it took."""
+    start = time.perf_counter()
+    policy = load_models(settings, cache).policy
+    net = getattr(policy, "net", None)
+    if net is not None:
+        n_pe, n_readout = net.n_pe, net.width
+    build_engine(settings, n_pe, n_readout, cache, initial=min(settings.initial, n_pe - 1), budget=1)
+    seconds = time.perf_counter() - start
+    log.info("warmed up in %.2f s (policy %s)", seconds, settings.policy)
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m masc_gadget.serving.gadget PORT [--config FILE.yaml] [--host HOST]``: the
+    gadget in Gadgetron's connect mode (module started by you, e.g. on a GPU host)."""
+    import argparse
+
+    from masc_gadget.config import load_config
+
+    parser = argparse.ArgumentParser(prog="python -m masc_gadget.serving.gadget",
+                                     description="Serve Gadgetron streams in connect mode.")
+    parser.add_argument("port", type=int)
+    parser.add_argument("--config", help="YAML config whose acquisition / gadget sections are "
+                        "the defaults under each stream's <configuration> properties")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = GadgetSettings.from_config(load_config(args.config)) if args.config else GadgetSettings()
+    try:
+        serve_connect_mode(args.port, settings, args.host)
+    except KeyboardInterrupt:
+        log.info("stopped")
     return 0
 
 

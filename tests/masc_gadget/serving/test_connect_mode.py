@@ -1,0 +1,121 @@
+"""Gadgetron's connect mode: one module process serves many streams at once, warmed up before
+its port opens, with TCP_NODELAY on every stream; Gadgetron's side is played by real sockets."""
+
+import socket
+import threading
+
+import h5py
+import ismrmrd
+import pytest
+
+from masc_gadget.acquisition.policies import make_policy, run_episode
+from masc_gadget.mrd.feedback import decision_from_acquisition
+from masc_gadget.mrd.protocol import ID_ACQUISITION, ID_CLOSE, ID_IMAGE, ConnectionClosed, MrdStream
+from masc_gadget.serving import gadget
+from masc_gadget.serving.gadget import GadgetSettings, serve_connect_mode
+from masc_gadget.serving.models import ModelCache
+from sim_scanner.dataset.layout import read_manifest, subject_path
+
+CONFIG = ('<configuration><property name="policy" value="center-out"/>'
+          '<property name="initial" value="1"/><property name="budget" value="2"/>'
+          '<property name="feedback" value="inband"/><property name="device" value="cpu"/>'
+          '</configuration>')
+
+
+@pytest.fixture(scope="module")
+def subject(tiny_dataset):
+    path = subject_path(tiny_dataset, read_manifest(tiny_dataset)["splits"]["test"][0])
+    dset = ismrmrd.Dataset(str(path), "metal", create_if_needed=False)
+    header = dset.read_xml_header()
+    acqs = {(a.idx.slice, a.idx.kspace_encode_step_1): a
+            for a in (dset.read_acquisition(i) for i in range(dset.number_of_acquisitions()))}
+    dset.close()
+    with h5py.File(path, "r") as f:
+        n_slices, n_pe = f["kspace/metal"].shape[:2]
+    return (header.decode() if isinstance(header, bytes) else header), acqs, n_slices, n_pe
+
+
+@pytest.fixture
+def module(monkeypatch):
+    """The connect-mode module on a free port; yields (port, events it logged)."""
+    warmed = []
+    real = gadget.warm_up
+    monkeypatch.setattr(gadget, "warm_up", lambda *a, **k: warmed.append(real(*a, **k)))
+    stop, ready = threading.Event(), []
+    thread = threading.Thread(
+        target=serve_connect_mode, daemon=True,
+        args=(0, GadgetSettings(device="cpu"), "127.0.0.1", ModelCache(), stop, ready.append))
+    thread.start()
+    for _ in range(200):
+        if ready:
+            break
+        threading.Event().wait(0.05)
+    assert ready, "the module never started listening"
+    assert warmed, "the port opened before the models were warmed up"
+    yield ready[0]
+    stop.set()
+    thread.join(5)
+
+
+def _stream(port, subject, results, key):
+    """What Gadgetron does for one stream: config, header, then the lines the gadget asks for."""
+    header, acqs, n_slices, n_pe = subject
+    stream = MrdStream(socket.create_connection(("127.0.0.1", port), timeout=20))
+    stream.send_config_text(CONFIG)
+    stream.send_header(header)
+    lines, images = {}, {}
+    for s in range(n_slices):
+        lines[s] = [n_pe // 2]
+        stream.send_acquisition(acqs[(s, n_pe // 2)])
+        while len(lines[s]) < 3:
+            msg = stream.read_message()
+            if msg.id == ID_IMAGE:
+                images[msg.payload.slice] = msg.payload
+            elif msg.id == ID_ACQUISITION:
+                lines[s].append(decision_from_acquisition(msg.payload).line)
+                stream.send_acquisition(acqs[(s, lines[s][-1])])
+    stream.send_close()
+    while True:
+        try:
+            msg = stream.read_message()
+        except ConnectionClosed:
+            break
+        if msg.id == ID_IMAGE:
+            images[msg.payload.slice] = msg.payload
+        elif msg.id == ID_CLOSE:
+            break
+    stream.close()
+    results[key] = (lines, images)
+
+
+def test_connect_mode_serves_concurrent_streams(module, subject):
+    results = {}
+    threads = [threading.Thread(target=_stream, args=(module, subject, results, k)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == [0, 1, 2]
+    _, _, n_slices, n_pe = subject
+    expected = run_episode(make_policy("center-out"), n_pe, 1, 2).tolist()
+    for lines, images in results.values():
+        assert all(got == expected for got in lines.values())
+        assert sorted(images) == list(range(n_slices))
+    # a later stream is served too: the module does not exit after its first stream
+    _stream(module, subject, results, "later")
+    assert results["later"][0] == results[0][0]
+
+
+def test_streams_get_tcp_nodelay(module, subject, monkeypatch):
+    seen = []
+    real = gadget.masc
+
+    def spy(connection, *args, **kwargs):
+        sock = connection.socket.socket
+        real(connection, *args, **kwargs)
+        seen.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+    monkeypatch.setattr(gadget, "masc", spy)
+    results = {}
+    _stream(module, subject, results, 0)
+    assert seen and all(seen)
