@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from masc_gadget import __version__
+from masc_gadget.mrd import tcp
 from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache, build_engine, load_models
 from masc_gadget.serving.settings import GadgetSettings, settings_from_json, settings_from_xml
 from masc_gadget.serving import stages
@@ -60,15 +61,22 @@ def process(items: Iterable[Any], header: Any, settings: GadgetSettings, send: C
     return ctx.stats
 
 
-def _no_delay(connection: Any) -> None:
-    """TCP_NODELAY on the connection's socket: a decision is a small message that must not wait
-    for Nagle's algorithm (Gadgetron itself does not set it)."""
-    sock = getattr(getattr(connection, "socket", None), "socket", None)
-    if isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6):
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError as err:
-            log.debug("could not set TCP_NODELAY: %s", err)
+def _low_latency(connection: Any) -> None:
+    """TCP_NODELAY on the stream's socket (decisions are small messages Gadgetron waits for) and
+    TCP_QUICKACK before each read (Gadgetron does not set TCP_NODELAY, so a delayed ACK here
+    would hold its next send): see :mod:`masc_gadget.mrd.tcp`."""
+    wrapper = getattr(connection, "socket", None)
+    sock = getattr(wrapper, "socket", None)
+    if not isinstance(sock, socket.socket):
+        return
+    tcp.no_delay(sock)
+    read = wrapper.read
+
+    def read_quickly(nbytes: int) -> bytes:
+        tcp.quick_ack(sock)
+        return read(nbytes)
+
+    wrapper.read = read_quickly
 
 
 def masc(connection, settings: GadgetSettings | None = None, cache: ModelCache = DEFAULT_CACHE) -> None:
@@ -77,7 +85,7 @@ def masc(connection, settings: GadgetSettings | None = None, cache: ModelCache =
 
     The stream's ``<configuration>`` properties override ``settings`` (default: the config
     dataclasses' defaults); the engine is built as soon as the stream starts."""
-    _no_delay(connection)
+    _low_latency(connection)
     base = settings or GadgetSettings()
     settings = settings_from_xml(getattr(connection, "config", None), base)
     log.info("MASC gadget %s: policy %s, %d + %d lines, MAR %s, feedback %s%s", __version__, settings.policy,

@@ -14,6 +14,7 @@ from typing import Any
 
 import ismrmrd
 
+from masc_gadget.mrd import tcp
 from sim_scanner.scanner.config import ScannerConfig
 
 log = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ class _GadgetLink:
             raise ConnectionError(
                 f"cannot connect to gadget at {host}:{port}: {err} (is masc serve running?)"
             ) from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tcp.no_delay(sock)
         sock.settimeout(None)  # the reader blocks; it is woken by shutdown() at the end
         try:  # a gadget that stops reading must not block a send forever
             seconds = float(scfg.close_timeout_s)
@@ -175,6 +176,7 @@ class _GadgetLink:
         try:
             while True:
                 try:
+                    tcp.quick_ack(self.sock)  # the gadget's side may not set TCP_NODELAY
                     message = self.stream.read_message()
                 except (EOFError, OSError, ValueError) as err:
                     # ConnectionClosed is an EOFError, ProtocolError a ValueError.
