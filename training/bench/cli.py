@@ -3,6 +3,9 @@
 ``masc bench unet``: forward latency and throughput of the MAR network
 (:func:`training.bench.unet.bench_unet`), printed as a table and optionally written as JSON.
 
+``masc bench serve``: decision latency of ``masc serve`` under concurrent closed-loop scans
+(:func:`training.bench.serve.bench_serve`).
+
 ``masc bench env``: acquisition-environment steps per second, batched against one slice at a
 time, and with ``--sb3`` end-to-end PPO training throughput against sb3-contrib's MaskablePPO
 (:func:`training.bench.env.bench_env`, :func:`training.bench.env.bench_ppo`).
@@ -129,6 +132,27 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     env.add_argument("--out", metavar="FILE.json", help="also write the results as JSON")
     env.set_defaults(func=cmd_env)
 
+    serve = actions.add_parser(
+        "serve", parents=[common], help="masc serve under concurrent closed-loop scans",
+        description="Starts masc serve (its own process, this --config plus --server-set "
+        "overrides) and runs N simulated scanners against it at once for each N of --scans: "
+        "decisions in deadline, scanner-side latency p50 / p90 / p99, the slowest first decision, "
+        "server memory. The scanner section sets feedback, deadline and fallback; the "
+        "acquisition section the episode and policy.",
+    )
+    serve.add_argument("--data", required=True, metavar="DIR", help="a MASC data set folder")
+    serve.add_argument("--split", default="test", choices=["train", "val", "test"])
+    serve.add_argument("--scans", type=_int_list, default=[1, 16, 64], metavar="N[,N...]",
+                       help="concurrent scans per level (default 1,16,64)")
+    serve.add_argument("--max-slices", type=int, default=4, metavar="N",
+                       help="slices scanned per subject (default 4; 0 = all)")
+    serve.add_argument("--server-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override for the started server only (repeatable)")
+    serve.add_argument("--server", default="", metavar="HOST:PORT",
+                       help="benchmark a server that is already running instead")
+    serve.add_argument("--out", metavar="FILE.json", help="also write the rows as JSON")
+    serve.set_defaults(func=cmd_serve)
+
 
 def cmd_unet(args: argparse.Namespace) -> int:
     from masc_gadget.cli import config_from_args
@@ -217,5 +241,35 @@ def cmd_env(args: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         payload = {"command": command, "environment": info, "env": result, "ppo": ppo_result}
         out.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"results written to {out}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from masc_gadget.cli import config_from_args
+    from sim_scanner.scanner.config import ScannerConfig
+    from training.bench.serve import bench_serve, format_serve_table
+
+    config = config_from_args(args)
+    if args.max_slices < 0:
+        raise ValueError(f"--max-slices must be >= 0 (0 = all), got {args.max_slices}")
+    scanner = dataclasses.replace(config.sections.get("scanner", ScannerConfig()),
+                                  max_slices=args.max_slices)
+    server_overrides = [*args.overrides, *args.server_set]
+    result = bench_serve(config, args.data, args.split, args.scans, scanner, args.config,
+                         server_overrides, args.server)
+    result["command"] = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    result["environment"] = environment("cpu")
+    acq = config["acquisition"]
+    print(f"masc serve at {result['server']}: policy {acq.policy}, {acq.initial} + {acq.budget} lines, "
+          f"feedback {scanner.feedback}, deadline {scanner.deadline_ms:g} ms, "
+          f"{args.max_slices or 'all'} slices per scan, {os.cpu_count()} CPUs")
+    print(format_serve_table(result))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2, default=str) + "\n")
         print(f"results written to {out}")
     return 0

@@ -1,0 +1,182 @@
+"""``masc bench serve``: decision latency of ``masc serve`` under concurrent closed-loop scans.
+
+For each concurrency level N, N simulated scanners (:func:`sim_scanner.scanner.session.
+scan_subject`, one thread each, subjects of the split taken in turn) scan against one server at
+once, in-band or over ZeroMQ, with the scanner's deadline and fallback. Reported per level:
+decisions made, how many came from the gadget in time, scanner-side latency percentiles (the
+round trip from sending a line to receiving the decision for the next one), the slowest first
+decision of a scan, and the server's resident memory before and after.
+
+The server is started here as its own process (``masc serve``, with ``--set`` overrides) unless
+``server`` names one that is already running; scanners and server then do not share a GIL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from masc_gadget.config import Config
+from sim_scanner.dataset.layout import split_subjects, subject_path
+from sim_scanner.scanner.config import ScannerConfig
+from sim_scanner.scanner.report import SubjectReport
+from sim_scanner.scanner.session import scan_subject
+
+log = logging.getLogger(__name__)
+
+ROW_KEYS = ("scans", "decisions", "in_deadline", "in_deadline_frac", "fallbacks", "p50_ms", "p90_ms",
+            "p99_ms", "max_ms", "first_decision_max_ms", "wall_s", "rss_before_mb", "rss_after_mb")
+
+
+def _rss_mb(pid: int | None) -> float | None:
+    """Resident memory of process ``pid`` in MB (Linux /proc), None when unknown."""
+    if pid is None:
+        return None
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(config_path: str | None, overrides: Sequence[str], port: int,
+                 timeout_s: float = 120.0) -> subprocess.Popen:
+    """``masc serve`` as a child process on ``port``; returns once it answers connections."""
+    cmd = [sys.executable, "-m", "masc_gadget.cli", "serve", "--port", str(port), "--log-level", "WARNING"]
+    if config_path:
+        cmd += ["--config", str(config_path)]
+    for item in overrides:
+        cmd += ["--set", item]
+    proc = subprocess.Popen(cmd)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"masc serve exited with status {proc.returncode} before listening")
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return proc
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"masc serve did not listen on port {port} within {timeout_s:.0f} s")
+
+
+def _summary(n: int, reports: list[SubjectReport], wall_s: float, rss: tuple[Any, Any],
+             deadline_ms: float) -> dict[str, Any]:
+    # every decision that arrived, late ones (after the deadline: the fallback line was taken) too
+    latencies = [v for r in reports for s in r.slices for v in s.latencies_ms if v is not None]
+    latencies += [v for r in reports for v in r.late_latencies_ms]
+    firsts = [s.latencies_ms[0] for r in reports for s in r.slices if s.latencies_ms]
+    decisions = sum(len(s.latencies_ms) for r in reports for s in r.slices)
+    in_deadline = sum(r.from_gadget for r in reports)
+    lat = np.asarray(latencies, dtype=np.float64)
+    pct = (lambda q: float(np.percentile(lat, q))) if lat.size else (lambda q: None)
+    return {
+        "scans": n,
+        "decisions": decisions,
+        "in_deadline": in_deadline,
+        "in_deadline_frac": in_deadline / decisions if decisions else None,
+        "fallbacks": sum(r.fallbacks for r in reports),
+        "p50_ms": pct(50), "p90_ms": pct(90), "p99_ms": pct(99),
+        "max_ms": float(lat.max()) if lat.size else None,
+        "first_decision_max_ms": max((v for v in firsts if v is not None), default=None),
+        "wall_s": wall_s,
+        "rss_before_mb": rss[0], "rss_after_mb": rss[1],
+        "deadline_ms": deadline_ms,
+    }
+
+
+def run_level(n: int, paths: list[tuple[str, Path]], scfg: ScannerConfig, config: Config,
+              server_pid: int | None) -> dict[str, Any]:
+    """N concurrent scans (one thread each) against ``scfg.server``; one summary row."""
+    acq = config["acquisition"]
+    reports: list[SubjectReport | None] = [None] * n
+    errors: list[str] = []
+
+    def scan(i: int) -> None:
+        sid, path = paths[i % len(paths)]
+        try:
+            reports[i] = scan_subject(path, f"{sid}#{i}", scfg, acq, require_gadget=True)
+        except (ConnectionError, OSError, ValueError) as err:
+            errors.append(f"scan {i} ({sid}): {err}")
+
+    rss_before = _rss_mb(server_pid)
+    threads = [threading.Thread(target=scan, args=(i,), name=f"bench-scan-{i}") for i in range(n)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {n} scans failed; first: {errors[0]}")
+    row = _summary(n, [r for r in reports if r is not None], wall, (rss_before, _rss_mb(server_pid)),
+                   scfg.deadline_ms)
+    log.info("%d scans: %d/%d decisions in deadline, p50 %s ms, p99 %s ms", n, row["in_deadline"],
+             row["decisions"], row["p50_ms"], row["p99_ms"])
+    return row
+
+
+def bench_serve(config: Config, data_dir: str | Path, split: str, levels: Sequence[int],
+                scanner: ScannerConfig, config_path: str | None = None,
+                server_overrides: Sequence[str] = (), external_server: str = "") -> dict[str, Any]:
+    """Every concurrency level of ``levels`` against one server (started here unless
+    ``external_server`` is HOST:PORT); returns ``{"rows": [...], "server": ...}``."""
+    subjects = split_subjects(data_dir, split)
+    paths = [(sid, subject_path(data_dir, sid)) for sid in subjects]
+    proc = None
+    if external_server:
+        scanner = dataclasses.replace(scanner, server=external_server)
+    else:
+        port = _free_port()
+        proc = start_server(config_path, server_overrides, port)
+        scanner = dataclasses.replace(scanner, server=f"127.0.0.1:{port}")
+    try:
+        rows = [run_level(n, paths, scanner, config, None if proc is None else proc.pid) for n in levels]
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return {"rows": rows, "server": scanner.server, "started_here": proc is not None,
+            "server_overrides": list(server_overrides), "scanner": dataclasses.asdict(scanner),
+            "cpu_count": os.cpu_count()}
+
+
+def format_serve_table(result: dict[str, Any]) -> str:
+    """The rows as a Markdown table."""
+    out = ["| scans | decisions | in deadline | p50 ms | p90 ms | p99 ms | max ms | slowest first ms "
+           "| wall s | server RSS MB (before -> after) |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+
+    def f(v: Any, digits: int = 1) -> str:
+        return "-" if v is None else f"{v:.{digits}f}"
+
+    for r in result["rows"]:
+        share = "-" if r["in_deadline_frac"] is None else f"{100 * r['in_deadline_frac']:.1f} %"
+        out.append(f"| {r['scans']} | {r['decisions']} | {r['in_deadline']} ({share}) | {f(r['p50_ms'], 2)} "
+                   f"| {f(r['p90_ms'], 2)} | {f(r['p99_ms'], 2)} | {f(r['max_ms'])} "
+                   f"| {f(r['first_decision_max_ms'])} | {f(r['wall_s'])} "
+                   f"| {f(r['rss_before_mb'], 0)} -> {f(r['rss_after_mb'], 0)} |")
+    return "\n".join(out)
