@@ -22,6 +22,7 @@ _FLAGS = {
     "interleave": "interleave",
     "zmq_address": "zmq_address",
     "config_name": "config_name",
+    "config_xml": "config_xml",
     "max_subjects": "max_subjects",
     "max_slices": "max_slices",
 }
@@ -52,6 +53,9 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
                       help="ZeroMQ endpoint the scanner binds for --feedback zmq (tcp://127.0.0.1:9003)")
     scan.add_argument("--config-name", metavar="NAME",
                       help="stream configuration name sent to the gadget (default: default)")
+    scan.add_argument("--config-xml", metavar="FILE.xml",
+                      help="send this stream configuration (e.g. configs/gadgetron/masc_external.xml) "
+                      "as the configuration script instead of a name: Gadgetron runs it as is")
     scan.add_argument("--max-subjects", type=int, metavar="N", help="scan at most N subjects (0 = all)")
     scan.add_argument("--max-slices", type=int, metavar="N", help="at most N slices per subject (0 = all)")
     scan.add_argument("--no-progress", action="store_true", help="no progress bar")

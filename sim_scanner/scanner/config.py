@@ -68,7 +68,11 @@ class ScannerConfig:
     a free port); sent to the gadget in the JSON parameters."""
     config_name: str = "default"
     """Stream configuration name sent as config-by-name (message id 1), e.g. "default" or a
-    policy name."""
+    policy name (masc serve), or the name of an XML in Gadgetron's config folder."""
+    config_xml: str = ""
+    """A stream configuration file (e.g. configs/gadgetron/masc_external.xml) sent as the
+    configuration script (message id 2) instead of ``config_name``: Gadgetron runs it without
+    it being installed in its config folder, and masc serve takes its gadget properties."""
     connect_timeout_s: float = 5.0
     """Timeout of the TCP connection to the gadget, s."""
     close_timeout_s: float = 10.0

@@ -230,9 +230,16 @@ class _GadgetLink:
             return False
         return True
 
-    def handshake(self, config_name: str, header_xml: str, params: dict[str, Any]) -> bool:
+    def handshake(self, config_name: str, header_xml: str, params: dict[str, Any],
+                  config_xml: str = "") -> bool:
+        """Configuration (the script ``config_xml`` when given, else by name), header, JSON
+        parameters; False when the connection was lost on the way."""
+        if config_xml:
+            configure = ("config script", lambda: self.stream.send_config_text(config_xml))
+        else:
+            configure = ("config name", lambda: self.stream.send_config_file(config_name))
         return (
-            self._send("config name", lambda: self.stream.send_config_file(config_name))
+            self._send(*configure)
             and self._send("header", lambda: self.stream.send_header(header_xml))
             and self._send("parameters", lambda: self.stream.send_text(json.dumps(params)))
         )

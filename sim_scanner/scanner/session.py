@@ -246,6 +246,16 @@ class _Subject:
         st.report.sources.append(source)
 
 
+def read_config_xml(scfg: ScannerConfig) -> str:
+    """The text of ``scfg.config_xml`` ("" when not set); ValueError naming a missing file."""
+    if not scfg.config_xml:
+        return ""
+    path = Path(scfg.config_xml)
+    if not path.is_file():
+        raise ValueError(f"config_xml {scfg.config_xml} is not a file")
+    return path.read_text()
+
+
 def scan_subject(
     path: str | os.PathLike,
     subject_id: str,
@@ -264,6 +274,7 @@ def scan_subject(
     when a slice has all its lines (progress bars).
     """
     started = time.perf_counter()
+    config_xml = read_config_xml(scfg)
     data = read_scan_input(path)
     n_total_slices, n_pe, _ = data.kspace.shape
     acq.check(n_pe)
@@ -286,7 +297,8 @@ def scan_subject(
             pump = _ZmqPump(scfg.zmq_address, run.board, report.gadget_errors)
         run.link = _connect(scfg, run.board, report, require_gadget)
         if run.link is not None:
-            run.link.handshake(scfg.config_name, data.header_xml, gadget_parameters(scfg, acq, pump))
+            run.link.handshake(scfg.config_name, data.header_xml, gadget_parameters(scfg, acq, pump),
+                               config_xml=config_xml)
         run.start_ticks = _ticks_since_midnight()
         for counter, (s, is_initial) in enumerate(schedule):
             line, source = run.choose(counter, s, is_initial)

@@ -456,3 +456,28 @@ def test_scan_command(config, tiny_dataset, tmp_path, gadgets, capsys):
     assert saved["scanner"]["fallback"] == "equispaced" and saved["scanner"]["interleave"] is True
     assert saved["totals"]["slices"] == 2
     assert [a[0] for a in gadget.connections[0].acquisitions] == [0, 1, 0, 1, 0, 1]
+
+
+def test_config_xml_is_sent_as_the_configuration_script(tmp_path):
+    import socket as _socket
+
+    from masc_gadget.mrd.protocol import ID_CONFIG_TEXT, ID_HEADER, ID_TEXT, MrdStream
+    from sim_scanner.scanner.link import _DecisionBoard, _GadgetLink
+    from sim_scanner.scanner.session import read_config_xml
+
+    xml = '<configuration><property name="policy" value="equispaced"/></configuration>'
+    path = tmp_path / "stream.xml"
+    path.write_text(xml)
+    scfg = ScannerConfig(config_xml=str(path))
+    assert read_config_xml(scfg) == xml and read_config_xml(ScannerConfig()) == ""
+    with pytest.raises(ValueError, match="is not a file"):
+        read_config_xml(ScannerConfig(config_xml=str(tmp_path / "missing.xml")))
+    ours, theirs = _socket.socketpair()
+    link = _GadgetLink(ours, "inband", _DecisionBoard(), [])
+    assert link.handshake("ignored", "<ismrmrdHeader/>", {"feedback": "inband"}, config_xml=xml)
+    gadget = MrdStream(theirs)
+    first, second, third = (gadget.read_message() for _ in range(3))
+    assert (first.id, first.payload.rstrip("\x00")) == (ID_CONFIG_TEXT, xml)
+    assert second.id == ID_HEADER and third.id == ID_TEXT
+    ours.close()
+    theirs.close()
