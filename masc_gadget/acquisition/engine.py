@@ -15,6 +15,14 @@ Shapes: a slice's k-space is ``(n_pe, n_readout)`` complex64 (row k = PE line k 
 k-space, as :mod:`masc_gadget.core.kspace`), its mask ``(n_pe,)`` bool, its image ``(n_pe, n_readout)``
 float32 magnitude; a batch of B slices stacks them to ``(B, n_pe, n_readout)`` / ``(B, n_pe)``.
 
+Non-finite values never reach a decision or an image: :meth:`AcquisitionEngine.add_line`
+rejects samples that are NaN or inf or whose real or imaginary part exceeds
+:data:`MAX_SAMPLE_MAGNITUDE` (1e30) in magnitude, so the float32 FFT sums of any matrix up to
+~10^8 samples stay finite; as a second line of defence every reconstruction a decision is made
+on (zero-filled and MAR) is checked, and a line after which it is not finite is rejected by
+:meth:`AcquisitionEngine.on_line` with the slice's previous state kept. A final image whose MAR
+output is not finite falls back to the zero-filled image (named so in ``SliceResult.mar``).
+
 Randomness: each slice draws from its own ``slice_rng(seed, slice)`` stream, kept across its
 steps, so a random policy makes the same choices for a slice whatever the interleaving of the
 slices; the global numpy and torch RNGs are never used. Not thread-safe: one engine per
@@ -29,7 +37,7 @@ import operator
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -43,6 +51,23 @@ from masc_gadget.device import resolve_device
 __all__ = ["AcquisitionEngine", "Decision", "EngineSettings", "SliceResult"]
 
 log = logging.getLogger(__name__)
+
+
+MAX_SAMPLE_MAGNITUDE = 1e30
+"""Largest magnitude of a sample's real or imaginary part that :meth:`AcquisitionEngine.add_line`
+accepts (real scanner data are many orders of magnitude smaller); larger values would overflow
+the float32 reconstruction (NaN images)."""
+
+
+class _Undo(NamedTuple):
+    """How to take back one :meth:`AcquisitionEngine._store`."""
+
+    slice: int
+    line: int
+    row: np.ndarray | None  # the previous samples of the line (None: the slice was new)
+    new_line: bool
+    awaiting: bool
+    n_decided: int
 
 
 def _is_int(value: Any) -> bool:
@@ -230,6 +255,11 @@ class AcquisitionEngine:
             row = samples.reshape(s.n_readout).astype(np.complex64)
         if not (np.isfinite(samples).all() and np.isfinite(row).all()):
             raise ValueError(f"slice {slice} line {line} contains NaN/inf samples")
+        if row.size and max(np.abs(row.real).max(), np.abs(row.imag).max()) > MAX_SAMPLE_MAGNITUDE:
+            raise ValueError(
+                f"slice {slice} line {line}: samples must have real and imaginary parts of "
+                f"magnitude <= {MAX_SAMPLE_MAGNITUDE:g} (larger ones overflow the reconstruction)"
+            )
         return row
 
     def add_line(self, slice: int, line: int, data: np.ndarray) -> None:
@@ -242,8 +272,13 @@ class AcquisitionEngine:
         at least ``initial`` and fewer than ``initial + budget`` lines.
 
         Raises ValueError, storing nothing, for a negative slice, a line outside [0, n_pe),
-        samples of the wrong shape, or NaN / inf samples.
+        samples of the wrong shape, NaN / inf samples, or samples beyond
+        :data:`MAX_SAMPLE_MAGNITUDE`.
         """
+        self._store(slice, line, data)
+
+    def _store(self, slice: int, line: int, data: np.ndarray) -> _Undo:
+        """:meth:`add_line`; returns how to take it back (:meth:`_undo`)."""
         s = self.settings
         slice = self._check_slice(slice)
         if not _is_int(line) or not 0 <= line < s.n_pe:
@@ -254,18 +289,39 @@ class AcquisitionEngine:
         line = operator.index(line)
         row = self._samples(slice, line, data)
         buf = self._slices.get(slice)
+        previous = None
         if buf is None:
             buf = _Slice(
                 kspace=np.zeros((s.n_pe, s.n_readout), dtype=np.complex64),
                 episode=self._episode(slice_rng(s.seed, slice)),
             )
             self._slices[slice] = buf
+        else:
+            previous = buf.kspace[line].copy()
+        undo = _Undo(slice, line, previous, False, buf.awaiting, len(buf.decided))
         buf.kspace[line] = row
         if not buf.episode.record(0, line):
-            return  # a repeat: new samples, same line
+            return undo  # a repeat: new samples, same line
         if line in buf.issued:
             buf.decided.append(line)
         buf.awaiting = False
+        return undo._replace(new_line=True)
+
+    def _undo(self, undo: _Undo) -> None:
+        """Take back a :meth:`_store`: the slice is as it was before that line came."""
+        if undo.row is None:
+            del self._slices[undo.slice]
+            return
+        buf = self._slices[undo.slice]
+        buf.kspace[undo.line] = undo.row
+        if undo.new_line:
+            lines = buf.episode.lines(0)[:-1]  # the line taken back came last
+            episode = self._episode(buf.episode.rngs[0])
+            for kept in lines:
+                episode.record(0, kept)
+            buf.episode = episode
+            del buf.decided[undo.n_decided:]
+        buf.awaiting = undo.awaiting
 
     def _decidable(self, buf: _Slice) -> bool:
         return bool(buf.episode.is_deciding(0))
@@ -303,20 +359,32 @@ class AcquisitionEngine:
         the same line for a deterministic policy); those of them with fewer than ``initial`` or
         with ``initial + budget`` lines are skipped. An unknown slice is a ValueError.
 
+        A slice whose image is not finite (NaN / inf) is not decided (logged); it stays wanting.
         Returns one :class:`Decision` per decided slice, in order (wanting: ascending), all
         with the wall time of the whole pass as ``latency_us``; the slices are marked decided.
         """
-        chosen = self._chosen(slices)
+        decisions, bad = self._decide(self._chosen(slices))
+        if bad:
+            log.warning("slice(s) %s not decided: their reconstruction is not finite", bad)
+        return decisions
+
+    def _decide(self, chosen: list[int]) -> tuple[list[Decision], list[int]]:
+        """:meth:`decide` of the ``chosen`` slices: (decisions, slices left undecided because
+        their image is not finite)."""
         if not chosen:
-            return []
+            return [], []
         start = time.perf_counter_ns()
         bufs = [self._slices[k] for k in chosen]
         images: Sequence[np.ndarray | None] = [None] * len(bufs)
+        bad: list[int] = []
         if self.policy.needs_image:
-            kspace = np.stack([b.kspace for b in bufs])  # (B, n_pe, n_readout)
-            mask = np.concatenate([b.episode.masks for b in bufs])  # (B, n_pe)
-            zf, mar = self._reconstruct(kspace, mask, with_mar=self.sees_mar)
-            images = mar if mar is not None else zf
+            images, finite = self._policy_images(bufs)
+            if not finite.all():
+                bad = [k for k, ok in zip(chosen, finite) if not ok]
+                keep = np.flatnonzero(finite)
+                chosen, bufs, images = [chosen[i] for i in keep], [bufs[i] for i in keep], images[keep]
+                if not chosen:
+                    return [], bad
         states = [b.episode.states(images=[image])[0] for b, image in zip(bufs, images)]
         lines = select_lines(self.policy, states, [b.episode.rngs[0] for b in bufs])
         latency_us = (time.perf_counter_ns() - start) // 1000
@@ -326,17 +394,52 @@ class AcquisitionEngine:
             b.awaiting = True
             decisions.append(Decision(slice=k, line=int(line), step=state.step, latency_us=int(latency_us)))
         log.debug("decided %d slice(s) in %d us: %s", len(decisions), latency_us, decisions)
-        return decisions
+        return decisions, bad
+
+    def _policy_images(self, bufs: Sequence[_Slice]) -> tuple[np.ndarray, np.ndarray]:
+        """The images the policy sees of ``bufs`` ((B, n_pe, n_readout): MAR when it observes
+        MAR, else zero-filled) and (B,) bool whether each slice's reconstruction is finite."""
+        kspace = np.stack([b.kspace for b in bufs])  # (B, n_pe, n_readout)
+        mask = np.concatenate([b.episode.masks for b in bufs])  # (B, n_pe)
+        zf, mar = self._reconstruct(kspace, mask, with_mar=self.sees_mar)
+        if mar is None:
+            return zf, _finite(zf)
+        return mar, _finite(zf) & _finite(mar)
 
     def on_line(self, slice: int, line: int, data: np.ndarray) -> list[Decision]:
         """:meth:`add_line`, then :meth:`decide` for that slice if it wants a decision:
-        [] or [Decision]."""
-        self.add_line(slice, line, data)
+        [] or [Decision].
+
+        When the slice's reconstruction with this line is not finite (NaN / inf), or the
+        policy cannot decide on it (ValueError), the line is taken back (the slice keeps its
+        previous lines and samples) and ValueError says so; nothing is decided. The check runs
+        where the policy looks at an image: at each decision, and for new samples of a line
+        while a decision is outstanding. Lines stored without a decision (before the initial
+        lines are in, after the budget) are checked by the next decision, or, at the end, the
+        final image falls back to the zero-filled one (:meth:`finish_slices`)."""
+        undo = self._store(slice, line, data)
         slice = int(slice)
         buf = self._slices[slice]
         if buf.awaiting or not self._decidable(buf):
+            # new samples of a line while a decision is outstanding: what the policy will see
+            if buf.awaiting and self.policy.needs_image and not self._policy_images([buf])[1].all():
+                self._undo(undo)
+                raise ValueError(self._not_finite(slice, line))
             return []
-        return self.decide([slice])
+        try:
+            decisions, bad = self._decide([slice])
+        except ValueError:
+            self._undo(undo)
+            raise
+        if bad:
+            self._undo(undo)
+            raise ValueError(self._not_finite(slice, line))
+        return decisions
+
+    @staticmethod
+    def _not_finite(slice: int, line: int) -> str:
+        return (f"slice {slice} line {int(line)} rejected: with it the slice's reconstruction is not "
+                "finite (NaN or inf); the slice keeps its previous lines")
 
     # --- slices -----------------------------------------------------------------------------------
 
@@ -362,7 +465,10 @@ class AcquisitionEngine:
 
     def finish_slices(self, slices: Sequence[int]) -> list[SliceResult]:
         """:meth:`finish_slice` for several slices with one batched reconstruction and MAR
-        forward: (B, n_pe, n_readout) in, one :class:`SliceResult` per slice, in order."""
+        forward: (B, n_pe, n_readout) in, one :class:`SliceResult` per slice, in order.
+
+        Images are finite: a slice whose MAR image is not gets its zero-filled image instead
+        (``mar`` = :data:`NON_FINITE_MAR`), logged as an error."""
         keys = []
         for k in slices:
             k = self._check_slice(k)
@@ -381,7 +487,7 @@ class AcquisitionEngine:
             np.concatenate([b.episode.masks for b in bufs]),
             with_mar=self.mar is not None,
         )
-        images = zf if mar is None else mar
+        images, used_mar = _final_images(keys, zf, mar)
         results = [
             SliceResult(
                 slice=k,
@@ -390,7 +496,7 @@ class AcquisitionEngine:
                 lines=b.episode.lines(0),
                 decided=list(b.decided),
                 policy=self.policy_name,
-                mar=self.mar_name,
+                mar=self.mar_name if mar is None or used_mar[i] else NON_FINITE_MAR,
             )
             for i, (k, b) in enumerate(zip(keys, bufs))
         ]
@@ -398,7 +504,44 @@ class AcquisitionEngine:
             del self._slices[k]
         return results
 
+    def followed(self, slice: int) -> bool:
+        """Whether every line of the slice after its first ``initial`` ones is a line the
+        engine asked for (a closed-loop scan); False for a slice with no line stored."""
+        buf = self._slices.get(self._check_slice(slice))
+        if buf is None:
+            return False
+        return len(buf.decided) == max(int(buf.episode.n_acquired[0]) - self.settings.initial, 0)
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{f.name}={getattr(self.settings, f.name)!r}"
                            for f in dataclasses.fields(self.settings))
         return f"AcquisitionEngine({fields}, slices={self.slices()})"
+
+
+NON_FINITE_MAR = "none (MAR output not finite)"
+"""``SliceResult.mar`` of a slice whose MAR image was not finite (its zero-filled image is used)."""
+
+
+def _finite(images: np.ndarray) -> np.ndarray:
+    """(B,) bool: each (n_pe, n_readout) image of ``images`` (B, ...) is finite everywhere."""
+    return np.isfinite(images.reshape(len(images), -1)).all(axis=1)
+
+
+def _final_images(keys: Sequence[int], zf: np.ndarray, mar: np.ndarray | None
+                  ) -> tuple[list[np.ndarray], list[bool]]:
+    """(image, whether it is the MAR one) of each finished slice: its MAR image, or its
+    zero-filled one where MAR is off or its output is not finite; non-finite zero-filled pixels
+    (impossible within :data:`MAX_SAMPLE_MAGNITUDE`, kept as a last resort) become 0. Logs what
+    it replaced."""
+    zf_ok = _finite(zf)
+    if not zf_ok.all():
+        log.error("slice(s) %s: zero-filled image not finite; non-finite pixels set to 0",
+                  [k for k, ok in zip(keys, zf_ok) if not ok])
+        zf[~zf_ok] = np.nan_to_num(zf[~zf_ok], nan=0.0, posinf=0.0, neginf=0.0)
+    if mar is None:
+        return list(zf), [False] * len(zf)
+    mar_ok = _finite(mar)
+    if not mar_ok.all():
+        log.error("slice(s) %s: MAR image not finite; the zero-filled image is returned",
+                  [k for k, ok in zip(keys, mar_ok) if not ok])
+    return [mar[i] if ok else zf[i] for i, ok in enumerate(mar_ok)], [bool(ok) for ok in mar_ok]

@@ -14,6 +14,13 @@ Checkpoint (written with :func:`~masc_gadget.models.checkpoint.save_checkpoint`)
                   "mar_model": to_dict(MarModelConfig) (with "mar"), ...}
 
 :func:`policy_metadata` builds that metadata from the networks.
+
+Before the network is built, its sizes are checked against these bounds (and the network it
+describes against the stored weights, :func:`~masc_gadget.models.checkpoint.check_weights_fit`):
+``n_pe``, ``height``, ``width`` <= :data:`MAX_MATRIX`; ``policy_net.channels`` at most
+:data:`MAX_STAGES` stages of <= :data:`MAX_CHANNELS`; ``policy_net.hidden`` <=
+:data:`MAX_HIDDEN`; ``policy_net.pool_size`` <= :data:`MAX_POOL`. A checkpoint outside them is
+a ValueError naming the size and its bound.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ import numpy as np
 import torch
 
 from masc_gadget.acquisition.episode import AcquisitionState
-from masc_gadget.models.checkpoint import Checkpoint, load_checkpoint, mar_from_checkpoint
+from masc_gadget.models.checkpoint import (Checkpoint, check_size, check_weights_fit, load_checkpoint,
+                                           mar_from_checkpoint)
 from masc_gadget.config import ConfigError, from_dict, to_dict
 from masc_gadget.device import resolve_device
 from masc_gadget.models.policy_net import PolicyNet, PolicyNetConfig, masked_logits
@@ -34,6 +42,17 @@ from masc_gadget.models.unet import MarNet
 from masc_gadget.acquisition.policies import SamplingPolicy
 
 KIND = "masc"
+
+MAX_MATRIX = 8192
+"""Largest ``n_pe``, ``height`` and ``width`` of a policy network (image rows and columns)."""
+MAX_STAGES = 8
+"""Most encoder stages (``policy_net.channels`` entries)."""
+MAX_CHANNELS = 4096
+"""Most channels of one encoder stage."""
+MAX_HIDDEN = 65536
+"""Largest ``policy_net.hidden``."""
+MAX_POOL = 64
+"""Largest ``policy_net.pool_size``."""
 
 
 def policy_metadata(
@@ -125,7 +144,11 @@ class LearnedPolicy(SamplingPolicy):
             logits, _ = self.net(
                 torch.from_numpy(images).to(self.device), mask, torch.from_numpy(frac).to(self.device)
             )
-            lines = masked_logits(logits, mask).argmax(dim=1)
+            scores = masked_logits(logits, mask)
+            if not bool(torch.isfinite(scores).all()):  # argmax would pick a NaN's line
+                raise ValueError(f"policy {self.name!r}: the network's line scores are not finite "
+                                 "(NaN or inf) for this image; no line is chosen")
+            lines = scores.argmax(dim=1)
         return lines.cpu().numpy().astype(np.int64)
 
     def choose(self, state: AcquisitionState, rng: np.random.Generator | None) -> int:
@@ -159,33 +182,56 @@ class LearnedPolicy(SamplingPolicy):
         )
 
 
+def _check_sizes(meta: dict[str, Any], label: str) -> None:
+    """ValueError unless every size the metadata gives the policy network is within bounds."""
+    for key in ("n_pe", "height", "width"):
+        check_size(label, key, meta[key], MAX_MATRIX)
+    section = meta["policy_net"]
+    if not isinstance(section, dict):
+        raise ValueError(f"{label}: metadata policy_net must be a mapping of the policy network's sizes")
+    channels = section.get("channels", PolicyNetConfig.channels)
+    if not isinstance(channels, (list, tuple)) or not 1 <= len(channels) <= MAX_STAGES:
+        raise ValueError(f"{label}: metadata policy_net.channels must be a list of 1 to {MAX_STAGES} integers")
+    for c in channels:
+        check_size(label, "policy_net.channels[]", c, MAX_CHANNELS)
+    check_size(label, "policy_net.hidden", section.get("hidden", PolicyNetConfig.hidden), MAX_HIDDEN)
+    check_size(label, "policy_net.pool_size", section.get("pool_size", PolicyNetConfig.pool_size), MAX_POOL)
+
+
 def _policy_from(ck: Checkpoint, path: str | Path, device: str | torch.device) -> LearnedPolicy:
+    """The policy network of a loaded checkpoint; ``path`` only names it in messages."""
     meta = ck.metadata
     kind = meta.get("kind")
     if kind != KIND:
+        shown = repr(kind) if len(repr(kind)) <= 40 else repr(kind)[:37] + "..."
         raise ValueError(
-            f"{path} is not a masc policy checkpoint (metadata kind {kind!r}, expected {KIND!r}); "
+            f"{path} is not a masc policy checkpoint (metadata kind {shown}, expected {KIND!r}); "
             "a MAR-only checkpoint goes to mar_checkpoint, not policy_checkpoint"
         )
     if "policy" not in ck.state_dicts:
         raise ValueError(
-            f"{path} holds no policy network (state dicts: {', '.join(sorted(ck.state_dicts)) or 'none'})"
+            f"{path} holds no policy network (state dicts: {', '.join(sorted(map(str, ck.state_dicts)))[:200] or 'none'})"
         )
     missing = [k for k in ("policy_net", "n_pe", "height", "width", "observes_mar") if k not in meta]
     if missing:
         raise ValueError(f"{path}: masc checkpoint metadata lacks {', '.join(missing)}")
     if not isinstance(meta["observes_mar"], bool):
-        raise ValueError(f"{path}: metadata observes_mar must be true or false, got {meta['observes_mar']!r}")
+        raise ValueError(f"{path}: metadata observes_mar must be true or false")
+    _check_sizes(meta, str(path))
     try:
         cfg = from_dict(PolicyNetConfig, meta["policy_net"], "policy_net")
+        check_weights_fit(lambda: PolicyNet(meta["n_pe"], meta["height"], meta["width"], cfg),
+                          ck.state_dicts["policy"], "policy", str(path))
         with torch.random.fork_rng(devices=[]):  # the init is overwritten; leave the global RNG alone
             net = PolicyNet(meta["n_pe"], meta["height"], meta["width"], cfg)
-    except (ConfigError, ValueError) as err:
+    except ConfigError as err:
         raise ValueError(f"{path}: {err}") from None
+    except ValueError as err:
+        raise ValueError(str(err) if str(err).startswith(str(path)) else f"{path}: {err}") from None
     try:
         net.load_state_dict(ck.state_dicts["policy"])
     except RuntimeError as err:
-        raise ValueError(f"{path}: 'policy' weights do not match policy_net {meta['policy_net']}: {err}") from None
+        raise ValueError(f"{path}: 'policy' weights do not match policy_net {cfg}: {err}") from None
     return LearnedPolicy(net, observes_mar=meta["observes_mar"], device=device, metadata=meta)
 
 
@@ -194,14 +240,16 @@ def _mar_from(ck: Checkpoint, path: str | Path, device: torch.device) -> MarNet 
 
 
 def load_masc(
-    path: str | Path, device: str | torch.device = "auto"
+    path: str | Path, device: str | torch.device = "auto", name: str | None = None
 ) -> tuple[LearnedPolicy, MarNet | None, dict[str, Any]]:
     """The policy and, when the checkpoint holds one (fine-tuned end to end), the MAR network of
-    a MASC checkpoint, both on ``device`` in eval mode, and the metadata. One file read."""
+    a MASC checkpoint, both on ``device`` in eval mode, and the metadata. One file read.
+    ``name``: how messages name the checkpoint (default: ``path`` as written)."""
     device = resolve_device(device)
-    ck = load_checkpoint(path, map_location="cpu")
-    policy = _policy_from(ck, path, device)
-    return policy, _mar_from(ck, path, device), ck.metadata
+    ck = load_checkpoint(path, map_location="cpu", name=name)
+    label = name or path
+    policy = _policy_from(ck, label, device)
+    return policy, _mar_from(ck, label, device), ck.metadata
 
 
 def make_learned_policy(checkpoint: str = "", device: str = "auto", **_: Any) -> LearnedPolicy:

@@ -11,16 +11,25 @@ Two forms (DESIGN.md, "Next-line feedback"):
 * **side channel**: ZeroMQ PUSH (gadget, connects) -> PULL (scanner, binds), one JSON object
   per decision: ``{"slice", "line", "step", "latency_us", "t"}`` (``t``: unix time of sending).
   Sending never blocks: a full queue or an absent scanner drops the decision and counts it.
+  The gadget connects only to endpoints of the allow-list (:func:`endpoint_allowed`, config
+  section ``feedback``, :class:`FeedbackConfig`): by default loopback TCP only
+  (``tcp://127.0.0.1:*``, ``tcp://localhost:*``, ``tcp://[::1]:*``), never ``ipc://`` unless
+  the operator lists it; anything else is refused before a socket is made.
 
 Protocol code: ismrmrd, zmq and json, never torch.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import numbers
+import re
+import threading
 import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ismrmrd
@@ -29,15 +38,21 @@ import zmq
 from masc_gadget.acquisition.decision import Decision
 
 __all__ = [
+    "DEFAULT_ZMQ_ALLOW",
     "FEEDBACK_FLAG",
     "Decision",
+    "FeedbackConfig",
     "ZmqFeedback",
     "ZmqFeedbackReceiver",
     "decision_from_acquisition",
     "decision_from_json",
+    "allowed_endpoints",
+    "check_endpoint",
     "decision_json",
+    "endpoint_allowed",
     "feedback_acquisition",
     "is_feedback",
+    "set_allowed_endpoints",
 ]
 
 log = logging.getLogger(__name__)
@@ -164,6 +179,103 @@ def decision_from_json(text: str | bytes) -> Decision:
     return Decision(**values)
 
 
+DEFAULT_ZMQ_ALLOW: tuple[str, ...] = ("tcp://127.0.0.1:*", "tcp://localhost:*", "tcp://[::1]:*")
+"""Endpoints the gadget may connect its feedback socket to unless the operator says otherwise."""
+
+_TCP = re.compile(r"tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):(?P<port>[0-9]{1,5}|\*)")
+_MAX_SHOWN = 80
+
+
+def _parse_tcp(endpoint: str, pattern: bool) -> tuple[str, str] | None:
+    """(host lower-cased, port) of ``tcp://HOST:PORT`` (a pattern may have port ``*``), else
+    None. Nothing else is accepted: no interface or source-address forms (``tcp://a;b``)."""
+    match = _TCP.fullmatch(endpoint)
+    if match is None:
+        return None
+    port = match["port"]
+    if port == "*":
+        return (match["host"].lower(), port) if pattern else None
+    return (match["host"].lower(), port) if 1 <= int(port) <= 65535 else None
+
+
+def _check_pattern(pattern: Any) -> str:
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"a ZeroMQ allow-list entry must be a non-empty string, got {pattern!r}")
+    if pattern.startswith("tcp://") and _parse_tcp(pattern, pattern=True) is None:
+        raise ValueError(f"ZeroMQ allow-list entry {pattern!r} must look like tcp://HOST:PORT or "
+                         "tcp://HOST:* (HOST a name, an IPv4 address or [IPv6])")
+    if "://" not in pattern:
+        raise ValueError(f"ZeroMQ allow-list entry {pattern!r} must be an endpoint like tcp://HOST:PORT")
+    return pattern
+
+
+@dataclass(frozen=True)
+class FeedbackConfig:
+    """The ZeroMQ side channel's allow-list (config section ``feedback``)."""
+
+    zmq_allow: tuple[str, ...] = DEFAULT_ZMQ_ALLOW
+    """Endpoints a connection may ask the gadget to connect to (``zmq_address``):
+    ``tcp://HOST:PORT`` or ``tcp://HOST:*`` (any port of that host, matched literally),
+    ``ipc://PATH`` where PATH may end in ``*`` (e.g. ``ipc:///run/masc/*``), or an exact
+    endpoint. Default: loopback TCP only. The ``zmq_address`` of the server's own config is
+    allowed as well."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.zmq_allow, (tuple, list)):
+            raise ValueError("zmq_allow must be a list of endpoints")
+        object.__setattr__(self, "zmq_allow", tuple(_check_pattern(p) for p in self.zmq_allow))
+
+
+_allowed_lock = threading.Lock()
+_allowed: tuple[str, ...] = DEFAULT_ZMQ_ALLOW
+
+
+def set_allowed_endpoints(patterns: Iterable[str]) -> None:
+    """Replace the process-wide allow-list (the server does this from its config's
+    ``feedback.zmq_allow`` at start-up)."""
+    global _allowed
+    checked = tuple(_check_pattern(p) for p in patterns)
+    with _allowed_lock:
+        _allowed = checked
+
+
+def allowed_endpoints() -> tuple[str, ...]:
+    """The process-wide allow-list (default :data:`DEFAULT_ZMQ_ALLOW`)."""
+    return _allowed
+
+
+def endpoint_allowed(address: str, patterns: Sequence[str] | None = None) -> bool:
+    """Whether ``address`` matches an entry of ``patterns`` (default :func:`allowed_endpoints`):
+    an exact entry; ``tcp://HOST:PORT`` against ``tcp://HOST:PORT|*`` (host literal, no DNS);
+    ``ipc://PATH`` (no ``..``) against ``ipc://`` entries ending in ``*``."""
+    patterns = allowed_endpoints() if patterns is None else patterns
+    if not isinstance(address, str) or "*" in address:
+        return False
+    if address in patterns:
+        return True
+    tcp = _parse_tcp(address, pattern=False)
+    for pattern in patterns:
+        if tcp is not None and pattern.startswith("tcp://"):
+            want = _parse_tcp(pattern, pattern=True)
+            if want is not None and want[0] == tcp[0] and want[1] in ("*", tcp[1]):
+                return True
+        elif (address.startswith("ipc://") and pattern.startswith("ipc://") and pattern.endswith("*")
+              and ".." not in address and fnmatch.fnmatchcase(address, pattern)):
+            return True
+    return False
+
+
+def check_endpoint(address: str, patterns: Sequence[str] | None = None) -> str:
+    """``address`` if :func:`endpoint_allowed`, else ValueError stating the rule and the
+    allow-list (the address shown at most 80 characters)."""
+    if endpoint_allowed(address, patterns):
+        return address
+    shown = repr(address) if len(repr(address)) <= _MAX_SHOWN else repr(address)[: _MAX_SHOWN - 3] + "..."
+    allowed = ", ".join(allowed_endpoints() if patterns is None else patterns) or "none"
+    raise ValueError(f"zmq_address {shown} is not allowed: the gadget connects its feedback socket only "
+                     f"to endpoints the server allows (feedback.zmq_allow): {allowed}")
+
+
 class ZmqFeedback:
     """Gadget side of the side channel: a PUSH socket connected to the scanner's PULL socket.
 
@@ -171,12 +283,17 @@ class ZmqFeedback:
     because no scanner is listening, the decision is dropped and counted in ``dropped``.
     ZeroMQ reconnects by itself, so a scanner that binds later gets the decisions sent from
     then on (and those still queued). ``context``: None uses the process-wide
-    ``zmq.Context.instance()`` (not terminated by :meth:`close`).
+    ``zmq.Context.instance()`` (not terminated by :meth:`close`). ``allowed``: the endpoints
+    it may connect to (default :func:`allowed_endpoints`); any other address is a ValueError
+    before a socket is made.
     """
 
-    def __init__(self, address: str, context: zmq.Context | None = None, hwm: int = 1000) -> None:
+    def __init__(self, address: str, context: zmq.Context | None = None, hwm: int = 1000,
+                 allowed: Sequence[str] | None = None) -> None:
         if not isinstance(address, str) or "://" not in address:
-            raise ValueError(f"feedback address must be a ZeroMQ endpoint like tcp://host:port, got {address!r}")
+            shown = repr(address)[:_MAX_SHOWN]
+            raise ValueError(f"feedback address must be a ZeroMQ endpoint like tcp://host:port, got {shown}")
+        check_endpoint(address, allowed)
         if isinstance(hwm, bool) or not isinstance(hwm, int) or hwm < 1:
             raise ValueError(f"hwm must be an integer >= 1 (messages queued), got {hwm!r}")
         self.address = address
@@ -188,12 +305,14 @@ class ZmqFeedback:
         self._socket: zmq.Socket | None = ctx.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDHWM, hwm)
+        if address.startswith("tcp://["):
+            self._socket.setsockopt(zmq.IPV6, 1)
         try:
             self._socket.connect(address)
         except zmq.ZMQError as err:
             self._socket.close(linger=0)
             self._socket = None
-            raise ValueError(f"cannot connect the feedback socket to {address!r}: {err}") from None
+            raise ValueError(f"cannot connect the feedback socket to {address[:_MAX_SHOWN]!r}: {err}") from None
 
     def send(self, decision: Decision) -> bool:
         """Queue ``decision`` as JSON without blocking; False (and ``dropped`` + 1) if it

@@ -26,7 +26,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from masc_gadget import __version__
+from masc_gadget.config import Config
 from masc_gadget.mrd import tcp
+from masc_gadget.mrd.feedback import set_allowed_endpoints
 from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache, build_engine, load_models
 from masc_gadget.serving.settings import GadgetSettings, settings_from_json, settings_from_xml
 from masc_gadget.serving import stages
@@ -40,7 +42,7 @@ log = logging.getLogger(__name__)
 
 def process(items: Iterable[Any], header: Any, settings: GadgetSettings, send: Callable[[Any], None],
             on_error: Callable[[str], None] | None = None, cache: ModelCache = DEFAULT_CACHE,
-            eager: bool = False) -> dict[str, int]:
+            eager: bool = False, trusted: GadgetSettings | None = None) -> dict[str, int]:
     """The gadget loop, transport-free: ``items`` yields acquisitions (and, from a standalone
     client, JSON parameter strings before the first acquisition); ``send`` delivers images and
     in-band feedback. Bad acquisitions are reported through ``on_error`` and skipped;
@@ -50,8 +52,12 @@ def process(items: Iterable[Any], header: Any, settings: GadgetSettings, send: C
     acquisition (for streams whose settings cannot change later, as through Gadgetron, which
     drops the client's text messages), so the first decision does not wait for model loading.
 
+    ``trusted``: the operator's settings (default: ``settings`` itself); checkpoints that a
+    connection's later parameters name differently must be names the server offers
+    (:func:`masc_gadget.serving.models.load_models`).
+
     Returns counters (acquisitions, decisions, images, rejected)."""
-    ctx = Context(header, settings, send, on_error=on_error, cache=cache)
+    ctx = Context(header, settings, send, on_error=on_error, cache=cache, trusted=trusted)
     try:
         if eager:
             ctx.start()
@@ -156,6 +162,13 @@ def warm_up(settings: GadgetSettings, cache: ModelCache = DEFAULT_CACHE, n_pe: i
     return seconds
 
 
+def configure(config: Config, cache: ModelCache = DEFAULT_CACHE) -> None:
+    """Apply a config's ``models`` and ``feedback`` sections to this process: which checkpoints
+    connections may choose, how many models stay loaded, where the side channel may connect."""
+    cache.configure(config["models"])
+    set_allowed_endpoints(config["feedback"].zmq_allow)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m masc_gadget.serving.gadget PORT [--config FILE.yaml] [--host HOST]``: the
     gadget in Gadgetron's connect mode (module started by you, e.g. on a GPU host)."""
@@ -172,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = GadgetSettings.from_config(load_config(args.config)) if args.config else GadgetSettings()
+    config = load_config(args.config)
+    settings = GadgetSettings.from_config(config)
+    configure(config)
     try:
         serve_connect_mode(args.port, settings, args.host)
     except KeyboardInterrupt:

@@ -23,7 +23,7 @@ import numpy as np
 
 from masc_gadget import __version__
 from masc_gadget.acquisition.engine import AcquisitionEngine, SliceResult
-from masc_gadget.mrd.feedback import ZmqFeedback, feedback_acquisition, is_feedback
+from masc_gadget.mrd.feedback import ZmqFeedback, allowed_endpoints, feedback_acquisition, is_feedback
 from masc_gadget.mrd.header import EncodingGeometry, encoding_geometry
 from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache, build_engine
 from masc_gadget.serving.settings import GadgetSettings, settings_from_json
@@ -60,18 +60,26 @@ class Context:
     on_error: Callable[[str], None] | None = None
     """Also told about every rejected or ignored item (besides the log)."""
     cache: ModelCache = DEFAULT_CACHE
+    trusted: GadgetSettings | None = None
+    """The operator's settings: their checkpoints and ZeroMQ address may be anything; a value
+    the connection changes (JSON parameters) must be a model name the server offers and an
+    allowed endpoint (:func:`masc_gadget.serving.models.load_models`,
+    :func:`masc_gadget.mrd.feedback.endpoint_allowed`). Default: ``settings`` as given."""
     geometry: EncodingGeometry = field(init=False)
     engine: AcquisitionEngine | None = None
     """Built at the first imaging acquisition (:func:`start_engine`)."""
     zmq_out: ZmqFeedback | None = None
     closed_loop: bool = False
-    """Feedback goes somewhere, so a slice is also finished once its budget is spent."""
+    """In-band feedback was asked for: the client acquires what the gadget decides, so a slice
+    is also finished once its budget is spent (:meth:`finishes`)."""
     templates: dict[int, ismrmrd.AcquisitionHeader] = field(default_factory=dict)
     """Per slice, the header of its first stored line (position, orientation of its image)."""
     stats: dict[str, int] = field(default_factory=_new_stats)
 
     def __post_init__(self) -> None:
         self.geometry = encoding_geometry(self.header)
+        if self.trusted is None:
+            self.trusted = self.settings
 
     def report(self, message: str) -> None:
         log.warning("%s", message)
@@ -84,15 +92,28 @@ class Context:
         self.report(message)
 
     def start(self) -> None:
-        """The engine (models loaded through the cache) and the side channel of the settings."""
+        """The side channel and the engine (models loaded through the cache) of the settings;
+        ValueError / ConfigError for an endpoint not allowed or a model not offered."""
         s = self.settings
-        self.engine = build_engine(s, self.geometry.n_pe, self.geometry.n_readout, self.cache)
         if s.zmq_address:
-            self.zmq_out = ZmqFeedback(s.zmq_address)
-        # a slice is finished by the scanner (ACQ_LAST_IN_SLICE); in closed loop also when
-        # its budget is spent. Open loop (no feedback asked for), the client decides what
-        # it acquires, so the image waits for its last line or the close and uses them all.
-        self.closed_loop = s.feedback == "inband" or bool(s.zmq_address)
+            operator = s.zmq_address == self.trusted.zmq_address
+            allowed = (*allowed_endpoints(), s.zmq_address) if operator else None
+            self.zmq_out = ZmqFeedback(s.zmq_address, allowed=allowed)
+        self.engine = build_engine(s, self.geometry.n_pe, self.geometry.n_readout, self.cache,
+                                   trusted=self.trusted)
+        self.closed_loop = s.feedback == "inband"
+
+    def finishes(self, slice_index: int) -> bool:
+        """Whether a slice is finished now, before the scanner's ``ACQ_LAST_IN_SLICE``: its
+        budget is spent and the scanner follows the decisions: it asked for in-band feedback,
+        or it takes them from the ZeroMQ side channel and every line after the initial ones
+        was a decided line. Open loop (no feedback, or a ``zmq_address`` while the client
+        streams its own order), the client decides what it acquires, so the image waits for
+        its last line or the close and uses them all."""
+        engine = self.engine
+        if not engine.complete(slice_index):
+            return False
+        return self.closed_loop or (self.zmq_out is not None and engine.followed(slice_index))
 
     def close(self) -> None:
         if self.zmq_out is not None:
@@ -149,7 +170,8 @@ def well_formed(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[i
 def decide(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[SliceResult]:
     """Feed each line to the engine, send its decisions (in-band and / or ZeroMQ) and yield the
     slices that are finished: by the scanner (``ACQ_LAST_IN_SLICE``), in closed loop once their
-    budget is spent, and every slice still held when the stream ends."""
+    budget is spent (:meth:`Context.finishes`), and every slice still held when the stream
+    ends."""
     for acq in acqs:
         engine = ctx.engine
         slice_index, line = int(acq.idx.slice), int(acq.idx.kspace_encode_step_1)
@@ -166,7 +188,7 @@ def decide(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[SliceR
                 ctx.send_item(feedback_acquisition(decision, acq.getHead()))
             if ctx.zmq_out is not None:
                 ctx.zmq_out.send(decision)
-        if acq.is_flag_set(ismrmrd.ACQ_LAST_IN_SLICE) or (ctx.closed_loop and engine.complete(slice_index)):
+        if acq.is_flag_set(ismrmrd.ACQ_LAST_IN_SLICE) or ctx.finishes(slice_index):
             yield engine.finish_slice(slice_index)
     if ctx.engine is not None:
         for slice_index in ctx.engine.slices():
@@ -201,11 +223,45 @@ def pipeline(items: Iterable[Any], ctx: Context) -> Iterable[Any]:
     return items
 
 
+_MAX_META_TEXT = 128
+
+
+def _meta_text(value: Any) -> str:
+    """A meta string every ISMRMRD parser takes: printable ASCII (others become ``?``; XML
+    escapes ``<``, ``&``...), at most 128 characters, never empty ("none")."""
+    text = "".join(c if " " <= c <= "~" else "?" for c in str(value)).strip()
+    return text[:_MAX_META_TEXT] or "none"
+
+
+def _meta(result: SliceResult, zero_filled: bool) -> ismrmrd.Meta:
+    """The image's meta attributes; each written with at least one value (see make_image)."""
+    meta = ismrmrd.Meta()
+    for key, values in (("MASC.lines", result.lines), ("MASC.decided", result.decided)):
+        if len(values):
+            meta[key] = [int(v) for v in values]
+    meta["MASC.policy"] = _meta_text(result.policy)
+    meta["MASC.mar"] = "none (zero-filled)" if zero_filled else _meta_text(result.mar)
+    meta["MASC.version"] = _meta_text(__version__)
+    meta["DataRole"] = "Image"
+    meta["ImageComments"] = "MASC zero-filled" if zero_filled else "MASC MAR-corrected"
+    return meta
+
+
 def make_image(result: SliceResult, template: ismrmrd.AcquisitionHeader | None, header: Any,
                series: int, zero_filled: bool = False) -> ismrmrd.Image:
     """The finished slice as an ``ismrmrd.Image`` (magnitude, float32, (y, x) = (PE, RO)) with
-    meta attributes listing the acquired lines, the policy and the versions."""
+    meta attributes listing the acquired lines, the policy and the versions.
+
+    Pixels: the image is tagged ``IMTYPE_MAGNITUDE``, so it is clamped at 0 (the MAR network's
+    residual can dip slightly below zero; a magnitude never does). Meta attributes: every one
+    written has at least one ``<value>`` (Gadgetron's C++ parser rejects a ``<meta>`` without
+    one and ends the stream): ``MASC.lines`` (acquired lines, arrival order) and
+    ``MASC.decided`` (those the gadget had asked for) are left out when empty, e.g.
+    ``MASC.decided`` of an open-loop slice; ``MASC.policy`` and ``MASC.mar`` are printable
+    ASCII of at most 128 characters.
+    """
     data = (result.zero_filled if zero_filled else result.image).astype(np.float32)
+    data = np.maximum(data, np.float32(0.0))
     image = ismrmrd.Image.from_array(data, transpose=False)
     image.image_type = ismrmrd.IMTYPE_MAGNITUDE
     image.image_series_index = series
@@ -223,13 +279,5 @@ def make_image(result: SliceResult, template: ismrmrd.AcquisitionHeader | None, 
         image.field_of_view = (float(fov.x), float(fov.y), float(fov.z))
     except (AttributeError, IndexError):
         pass
-    meta = ismrmrd.Meta()
-    meta["MASC.lines"] = [int(v) for v in result.lines]
-    meta["MASC.decided"] = [int(v) for v in result.decided]
-    meta["MASC.policy"] = result.policy
-    meta["MASC.mar"] = "none (zero-filled)" if zero_filled else result.mar
-    meta["MASC.version"] = __version__
-    meta["DataRole"] = "Image"
-    meta["ImageComments"] = "MASC zero-filled" if zero_filled else "MASC MAR-corrected"
-    image.attribute_string = meta.serialize()
+    image.attribute_string = _meta(result, zero_filled).serialize()
     return image

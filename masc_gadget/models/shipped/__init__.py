@@ -2,6 +2,8 @@
 
 Refer to one as ``shipped:NAME`` wherever a checkpoint path is accepted (for example
 ``gadget.policy_checkpoint: shipped:masc_small``); ``NAME.json`` records how it was made.
+``NAME`` is one of :func:`available` and nothing else: no separators, no ``..``, so a name
+never reaches a file outside this folder.
 """
 
 from __future__ import annotations
@@ -20,20 +22,31 @@ def available() -> list[str]:
     return sorted(p.name[:-3] for p in folder.iterdir() if p.name.endswith(".pt"))
 
 
+def is_shipped(path_or_name: str | Path) -> bool:
+    """Whether ``path_or_name`` is written ``shipped:NAME`` (known name or not)."""
+    return str(path_or_name).startswith(PREFIX)
+
+
 def resolve(path_or_name: str | Path) -> Path:
-    """``shipped:NAME`` -> the packaged file; anything else is returned as a Path."""
+    """``shipped:NAME`` -> the packaged file; anything else is returned as a Path.
+
+    FileNotFoundError, listing the shipped names (and never a path), for a NAME that is not
+    one of :func:`available`."""
     text = str(path_or_name)
-    if not text.startswith(PREFIX):
+    if not is_shipped(text):
         return Path(text)
     name = text[len(PREFIX):]
-    candidate = Path(str(resources.files(__name__).joinpath(f"{name}.pt")))
-    if not candidate.is_file():
-        known = ", ".join(PREFIX + n for n in available()) or "none"
-        raise FileNotFoundError(f"no shipped checkpoint {text!r}; shipped checkpoints: {known}")
-    return candidate
+    names = available()
+    if name not in names:
+        known = ", ".join(PREFIX + n for n in names) or "none"
+        shown = text if len(text) <= 80 else text[:77] + "..."
+        raise FileNotFoundError(f"no shipped checkpoint {shown!r}; shipped checkpoints: {known}")
+    return Path(str(resources.files(__name__).joinpath(f"{name}.pt")))
 
 
 def provenance(name: str) -> dict[str, Any]:
     """The provenance record of a shipped checkpoint (command, seed, code version, metrics)."""
+    if name not in available():
+        return {}
     path = Path(str(resources.files(__name__).joinpath(f"{name}.json")))
     return json.loads(path.read_text()) if path.is_file() else {}
