@@ -43,7 +43,8 @@ import numpy as np
 import torch
 
 from masc_gadget.acquisition.decision import Decision
-from masc_gadget.acquisition.episode import EpisodeBatch, check_episode, select_lines
+from masc_gadget.acquisition.batcher import DecisionBatcher, DecisionRequest, split_rows
+from masc_gadget.acquisition.episode import AcquisitionState, EpisodeBatch, check_episode, select_lines
 from masc_gadget.acquisition.policies import SamplingPolicy, slice_rng
 from masc_gadget.core.kspace import zero_filled
 from masc_gadget.device import resolve_device
@@ -157,6 +158,10 @@ class AcquisitionEngine:
             place).
         mar_name: how reports name the MAR network ("mar.pt (epoch 12)"); default: its class
             name, or "none" without one.
+        batcher: a :class:`~masc_gadget.acquisition.batcher.DecisionBatcher` running
+            :meth:`run_group` that many engines share (one per server): their decision passes
+            that wait at the same moment then run as one batched forward. None: each engine
+            runs its own passes.
 
     A dummy pass (zero-filled recon + MAR + policy) warms them up before the first line, so the
     first real decision does not pay for lazy initialisation (CUDA context, cuDNN autotuning,
@@ -169,6 +174,7 @@ class AcquisitionEngine:
         policy: SamplingPolicy,
         mar: torch.nn.Module | None = None,
         mar_name: str = "",
+        batcher: DecisionBatcher | None = None,
     ) -> None:
         if not isinstance(settings, EngineSettings):
             raise TypeError(f"settings must be an EngineSettings, got {type(settings).__name__}")
@@ -183,6 +189,9 @@ class AcquisitionEngine:
         self.sees_mar = policy.sees_mar(self.mar is not None)
         """Whether the policy is shown the MAR image (else the zero-filled one)."""
         self._slices: dict[int, _Slice] = {}
+        self.batcher = batcher
+        self._batch_key = (id(policy), id(self.mar), self.sees_mar, str(self.device),
+                           settings.n_pe, settings.n_readout)
         self.warmup_us = self._warm_up()
         self.warmed_up = True
         log.info(
@@ -375,18 +384,21 @@ class AcquisitionEngine:
             return [], []
         start = time.perf_counter_ns()
         bufs = [self._slices[k] for k in chosen]
-        images: Sequence[np.ndarray | None] = [None] * len(bufs)
-        bad: list[int] = []
+        states = [b.episode.states()[0] for b in bufs]
+        rngs = [b.episode.rngs[0] for b in bufs]
+        kspace = mask = None
         if self.policy.needs_image:
-            images, finite = self._policy_images(bufs)
-            if not finite.all():
-                bad = [k for k, ok in zip(chosen, finite) if not ok]
-                keep = np.flatnonzero(finite)
-                chosen, bufs, images = [chosen[i] for i in keep], [bufs[i] for i in keep], images[keep]
-                if not chosen:
-                    return [], bad
-        states = [b.episode.states(images=[image])[0] for b, image in zip(bufs, images)]
-        lines = select_lines(self.policy, states, [b.episode.rngs[0] for b in bufs])
+            kspace = np.stack([b.kspace for b in bufs])  # (B, n_pe, n_readout)
+            mask = np.concatenate([b.episode.masks for b in bufs])  # (B, n_pe)
+        if self.batcher is not None and self.policy.needs_image:
+            request = DecisionRequest(self._batch_key, (self, kspace, mask, states, rngs), len(bufs))
+            lines, finite = self.batcher(request)
+        else:
+            lines, finite = self.decision_pass(kspace, mask, states, rngs)
+        bad = [k for k, ok in zip(chosen, finite) if not ok]
+        keep = np.flatnonzero(finite)
+        chosen, bufs = [chosen[i] for i in keep], [bufs[i] for i in keep]
+        states, lines = [states[i] for i in keep], lines[keep]
         latency_us = (time.perf_counter_ns() - start) // 1000
         decisions = []
         for k, b, state, line in zip(chosen, bufs, states, lines):
@@ -396,15 +408,39 @@ class AcquisitionEngine:
         log.debug("decided %d slice(s) in %d us: %s", len(decisions), latency_us, decisions)
         return decisions, bad
 
-    def _policy_images(self, bufs: Sequence[_Slice]) -> tuple[np.ndarray, np.ndarray]:
-        """The images the policy sees of ``bufs`` ((B, n_pe, n_readout): MAR when it observes
-        MAR, else zero-filled) and (B,) bool whether each slice's reconstruction is finite."""
-        kspace = np.stack([b.kspace for b in bufs])  # (B, n_pe, n_readout)
-        mask = np.concatenate([b.episode.masks for b in bufs])  # (B, n_pe)
-        zf, mar = self._reconstruct(kspace, mask, with_mar=self.sees_mar)
-        if mar is None:
-            return zf, _finite(zf)
-        return mar, _finite(zf) & _finite(mar)
+    def decision_pass(self, kspace: np.ndarray | None, mask: np.ndarray | None,
+                      states: Sequence[AcquisitionState], rngs: Sequence[np.random.Generator | None]
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """One decision pass over B slices: zero-filled recon of ``kspace`` (B, n_pe, n_readout)
+        under ``mask`` (B, n_pe) -> MAR (when the policy observes it) -> one
+        ``policy.select_batch``. Policies that read no image take ``kspace = mask = None``.
+
+        Returns ((B,) int64 lines, -1 where not decided; (B,) bool whether the slice's
+        reconstruction is finite: a slice whose image is NaN / inf is never decided on)."""
+        finite = np.ones(len(states), dtype=bool)
+        if self.policy.needs_image:
+            zf, mar = self._reconstruct(kspace, mask, with_mar=self.sees_mar)
+            images = zf if mar is None else mar
+            finite = _finite(zf) if mar is None else _finite(zf) & _finite(mar)
+            states = [dataclasses.replace(s, image=image) for s, image in zip(states, images)]
+        lines = np.full(len(states), -1, dtype=np.int64)
+        keep = np.flatnonzero(finite)
+        if keep.size:
+            lines[keep] = select_lines(self.policy, [states[i] for i in keep], [rngs[i] for i in keep])
+        return lines, finite
+
+    @staticmethod
+    def run_group(group: Sequence[DecisionRequest]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The :class:`DecisionBatcher` pass: requests of engines with equal models (their batch
+        key), concatenated into one :meth:`decision_pass`, the answers split back."""
+        engine = group[0].payload[0]
+        sizes = [r.size for r in group]
+        kspace = np.concatenate([r.payload[1] for r in group])
+        mask = np.concatenate([r.payload[2] for r in group])
+        states = [s for r in group for s in r.payload[3]]
+        rngs = [g for r in group for g in r.payload[4]]
+        lines, finite = engine.decision_pass(kspace, mask, states, rngs)
+        return list(zip(split_rows(lines, sizes), split_rows(finite, sizes)))
 
     def on_line(self, slice: int, line: int, data: np.ndarray) -> list[Decision]:
         """:meth:`add_line`, then :meth:`decide` for that slice if it wants a decision:
@@ -422,7 +458,7 @@ class AcquisitionEngine:
         buf = self._slices[slice]
         if buf.awaiting or not self._decidable(buf):
             # new samples of a line while a decision is outstanding: what the policy will see
-            if buf.awaiting and self.policy.needs_image and not self._policy_images([buf])[1].all():
+            if buf.awaiting and self.policy.needs_image and not self._finite_images(buf):
                 self._undo(undo)
                 raise ValueError(self._not_finite(slice, line))
             return []
@@ -435,6 +471,11 @@ class AcquisitionEngine:
             self._undo(undo)
             raise ValueError(self._not_finite(slice, line))
         return decisions
+
+    def _finite_images(self, buf: _Slice) -> bool:
+        """Whether the image the policy would see of ``buf`` is finite."""
+        zf, mar = self._reconstruct(buf.kspace[None], buf.episode.masks, with_mar=self.sees_mar)
+        return bool(_finite(zf).all() and (mar is None or _finite(mar).all()))
 
     @staticmethod
     def _not_finite(slice: int, line: int) -> str:

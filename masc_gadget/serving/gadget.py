@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from masc_gadget import __version__
+from masc_gadget.acquisition.batcher import DecisionBatcher
+from masc_gadget.acquisition.engine import AcquisitionEngine
 from masc_gadget.config import Config
 from masc_gadget.mrd import tcp
 from masc_gadget.mrd.feedback import set_allowed_endpoints
@@ -42,7 +44,8 @@ log = logging.getLogger(__name__)
 
 def process(items: Iterable[Any], header: Any, settings: GadgetSettings, send: Callable[[Any], None],
             on_error: Callable[[str], None] | None = None, cache: ModelCache = DEFAULT_CACHE,
-            eager: bool = False, trusted: GadgetSettings | None = None) -> dict[str, int]:
+            eager: bool = False, trusted: GadgetSettings | None = None,
+            batcher: DecisionBatcher | None = None) -> dict[str, int]:
     """The gadget loop, transport-free: ``items`` yields acquisitions (and, from a standalone
     client, JSON parameter strings before the first acquisition); ``send`` delivers images and
     in-band feedback. Bad acquisitions are reported through ``on_error`` and skipped;
@@ -54,10 +57,12 @@ def process(items: Iterable[Any], header: Any, settings: GadgetSettings, send: C
 
     ``trusted``: the operator's settings (default: ``settings`` itself); checkpoints that a
     connection's later parameters name differently must be names the server offers
-    (:func:`masc_gadget.serving.models.load_models`).
+    (:func:`masc_gadget.serving.models.load_models`). ``batcher``: a decision batcher shared
+    by the connections of one process (:class:`~masc_gadget.acquisition.batcher.DecisionBatcher`).
 
     Returns counters (acquisitions, decisions, images, rejected)."""
-    ctx = Context(header, settings, send, on_error=on_error, cache=cache, trusted=trusted)
+    ctx = Context(header, settings, send, on_error=on_error, cache=cache, trusted=trusted,
+                  batcher=batcher)
     try:
         if eager:
             ctx.start()
@@ -85,7 +90,8 @@ def _low_latency(connection: Any) -> None:
     wrapper.read = read_quickly
 
 
-def masc(connection, settings: GadgetSettings | None = None, cache: ModelCache = DEFAULT_CACHE) -> None:
+def masc(connection, settings: GadgetSettings | None = None, cache: ModelCache = DEFAULT_CACHE,
+         batcher: DecisionBatcher | None = None) -> None:
     """Gadgetron external-module entry point: ``connection`` is a
     ``gadgetron.external.Connection`` (config, header, iterable of items, ``send``).
 
@@ -97,17 +103,19 @@ def masc(connection, settings: GadgetSettings | None = None, cache: ModelCache =
     log.info("MASC gadget %s: policy %s, %d + %d lines, MAR %s, feedback %s%s", __version__, settings.policy,
              settings.initial, settings.budget, settings.mar_checkpoint or "off", settings.feedback,
              f", zmq {settings.zmq_address}" if settings.zmq_address else "")
-    stats = process(iter(connection), connection.header, settings, connection.send, cache=cache, eager=True)
+    stats = process(iter(connection), connection.header, settings, connection.send, cache=cache,
+                    eager=True, batcher=batcher)
     log.info("MASC gadget done: %s", stats)
 
 
-def _serve_one(sock: socket.socket, peer: Any, settings: GadgetSettings, cache: ModelCache) -> None:
+def _serve_one(sock: socket.socket, peer: Any, settings: GadgetSettings, cache: ModelCache,
+               batcher: DecisionBatcher) -> None:
     """One Gadgetron stream of connect mode, on its own thread; its failure ends only it."""
     from gadgetron.external.connection import Connection
 
     try:
         with Connection(sock) as connection:
-            masc(connection, settings, cache)
+            masc(connection, settings, cache, batcher)
     except Exception:  # noqa: BLE001 - one stream's failure must not end the module
         log.exception("stream from %s failed", peer)
 
@@ -116,7 +124,8 @@ def serve_connect_mode(port: int, settings: GadgetSettings, host: str = "127.0.0
                        cache: ModelCache = DEFAULT_CACHE, stop: threading.Event | None = None,
                        ready: Callable[[int], None] | None = None) -> None:
     """Connect mode (``<external><connect port=.../>``): listen on ``host:port`` and serve every
-    stream Gadgetron opens, concurrently, each on its own thread, until ``stop`` is set.
+    stream Gadgetron opens, concurrently, each on its own thread, until ``stop`` is set; the
+    streams' decisions that wait at the same moment share one batched forward pass.
 
     The models of ``settings`` are loaded and warmed up before the port opens, so the first
     stream's first decision does not pay for them. ``ready(port)`` is called once listening
@@ -134,6 +143,7 @@ def serve_connect_mode(port: int, settings: GadgetSettings, host: str = "127.0.0
     if ready is not None:
         ready(listener.getsockname()[1])
     stop = stop or threading.Event()
+    batcher = DecisionBatcher(AcquisitionEngine.run_group)
     try:
         while not stop.is_set():
             try:
@@ -141,10 +151,11 @@ def serve_connect_mode(port: int, settings: GadgetSettings, host: str = "127.0.0
             except socket.timeout:
                 continue
             sock.settimeout(None)
-            threading.Thread(target=_serve_one, args=(sock, peer, settings, cache),
+            threading.Thread(target=_serve_one, args=(sock, peer, settings, cache, batcher),
                              name=f"masc-stream-{peer}", daemon=True).start()
     finally:
         listener.close()
+        batcher.close()
 
 
 def warm_up(settings: GadgetSettings, cache: ModelCache = DEFAULT_CACHE, n_pe: int = 64,

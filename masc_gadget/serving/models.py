@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from masc_gadget.acquisition.batcher import DecisionBatcher
 from masc_gadget.acquisition.engine import AcquisitionEngine, EngineSettings
 from masc_gadget.acquisition.policies import SamplingPolicy, make_policy
 from masc_gadget.config import ConfigError
@@ -328,10 +329,12 @@ def load_models(settings: GadgetSettings, cache: ModelCache = DEFAULT_CACHE,
 
 def build_engine(settings: GadgetSettings, n_pe: int, n_readout: int, cache: ModelCache = DEFAULT_CACHE,
                  *, initial: int | None = None, budget: int | None = None,
-                 trusted: GadgetSettings | None = None) -> AcquisitionEngine:
+                 trusted: GadgetSettings | None = None,
+                 batcher: DecisionBatcher | None = None) -> AcquisitionEngine:
     """The engine of one scan (``n_pe`` x ``n_readout`` encoded matrix) with the models of
     ``settings``; ``initial`` / ``budget`` replace the settings' ones (the server's warm-up);
-    ``trusted`` as in :func:`load_models`.
+    ``trusted`` as in :func:`load_models`; ``batcher``: the server's shared decision batcher
+    (None: the engine runs its own decision passes).
 
     Raises ConfigError / ValueError for settings the scan cannot run with (episode larger than
     the matrix, unknown policy or device, missing checkpoint, a model not offered).
@@ -347,4 +350,4 @@ def build_engine(settings: GadgetSettings, n_pe: int, n_readout: int, cache: Mod
         # building a policy never moves the global RNGs
         with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
             policy = make_policy(settings.policy)
-    return AcquisitionEngine(scan, policy, mar=models.mar, mar_name=models.mar_name)
+    return AcquisitionEngine(scan, policy, mar=models.mar, mar_name=models.mar_name, batcher=batcher)

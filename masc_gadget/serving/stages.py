@@ -22,6 +22,7 @@ import ismrmrd
 import numpy as np
 
 from masc_gadget import __version__
+from masc_gadget.acquisition.batcher import DecisionBatcher
 from masc_gadget.acquisition.engine import AcquisitionEngine, SliceResult
 from masc_gadget.mrd.feedback import ZmqFeedback, allowed_endpoints, feedback_acquisition, is_feedback
 from masc_gadget.mrd.header import EncodingGeometry, encoding_geometry
@@ -60,6 +61,9 @@ class Context:
     on_error: Callable[[str], None] | None = None
     """Also told about every rejected or ignored item (besides the log)."""
     cache: ModelCache = DEFAULT_CACHE
+    batcher: DecisionBatcher | None = None
+    """The server's shared decision batcher (one batched forward for every connection waiting
+    at the same moment); None: this connection's engine decides alone."""
     trusted: GadgetSettings | None = None
     """The operator's settings: their checkpoints and ZeroMQ address may be anything; a value
     the connection changes (JSON parameters) must be a model name the server offers and an
@@ -100,7 +104,7 @@ class Context:
             allowed = (*allowed_endpoints(), s.zmq_address) if operator else None
             self.zmq_out = ZmqFeedback(s.zmq_address, allowed=allowed)
         self.engine = build_engine(s, self.geometry.n_pe, self.geometry.n_readout, self.cache,
-                                   trusted=self.trusted)
+                                   trusted=self.trusted, batcher=self.batcher)
         self.closed_loop = s.feedback == "inband"
 
     def finishes(self, slice_index: int) -> bool:

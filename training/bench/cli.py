@@ -132,6 +132,10 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     env.add_argument("--out", metavar="FILE.json", help="also write the results as JSON")
     env.set_defaults(func=cmd_env)
 
+    _register_serve(actions, common)
+
+
+def _register_serve(actions: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     serve = actions.add_parser(
         "serve", parents=[common], help="masc serve under concurrent closed-loop scans",
         description="Starts masc serve (its own process, this --config plus --server-set "

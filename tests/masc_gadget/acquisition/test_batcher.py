@@ -116,3 +116,81 @@ def test_split_rows():
 
     parts = split_rows(np.arange(6), [1, 2, 3])
     assert [p.tolist() for p in parts] == [[0], [1, 2], [3, 4, 5]]
+
+
+# --- engines sharing one batcher ------------------------------------------------------------------
+
+
+class _GatedBrightest:
+    """A policy reading images (brightest free row); blocks its first pass until ``gate`` is set,
+    so that the other engines' requests queue up meanwhile. Records its batch sizes."""
+
+    def __new__(cls):
+        from masc_gadget.acquisition.policies import SamplingPolicy
+        import numpy as np
+
+        class Gated(SamplingPolicy):
+            name = "gated-brightest"
+            needs_image = True
+
+            def __init__(self):
+                self.gate = threading.Event()
+                self.batches = []
+
+            def choose(self, state, rng):
+                energy = state.image.astype(np.float64).sum(axis=1)
+                energy[state.mask] = -np.inf
+                return int(np.argmax(energy))
+
+            def select_batch(self, states, rngs=None):
+                self.gate.wait(5)
+                self.batches.append(len(states))
+                return super().select_batch(states, rngs)
+
+        return Gated()
+
+
+def _kspace(seed, n=16):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((n, n)) + 1j * rng.standard_normal((n, n))).astype(np.complex64)
+
+
+def test_engines_sharing_a_batcher_decide_as_alone_in_fewer_passes():
+    from masc_gadget.acquisition.engine import AcquisitionEngine, EngineSettings
+
+    settings = EngineSettings(n_pe=16, n_readout=16, initial=2, budget=3, seed=0, device="cpu")
+    policy = _GatedBrightest()
+    policy.gate.set()
+    alone = [AcquisitionEngine(settings, policy) for _ in range(4)]
+    expected = []
+    for i, engine in enumerate(alone):
+        k = _kspace(i)
+        engine.on_line(0, 7, k[7])
+        expected.append([d.line for d in engine.on_line(0, 8, k[8])])
+    batcher = DecisionBatcher(AcquisitionEngine.run_group)
+    try:
+        engines = [AcquisitionEngine(settings, policy, batcher=batcher) for _ in range(4)]
+        policy.batches.clear()
+        policy.gate.clear()
+        got = [None] * 4
+
+        def scan(i):
+            k = _kspace(i)
+            engines[i].on_line(0, 7, k[7])
+            got[i] = [d.line for d in engines[i].on_line(0, 8, k[8])]
+
+        threads = [threading.Thread(target=scan, args=(i,)) for i in range(4)]
+        threads[0].start()
+        time.sleep(0.1)  # the first pass is running (gated); the others queue behind it
+        for t in threads[1:]:
+            t.start()
+        time.sleep(0.2)
+        policy.gate.set()
+        for t in threads:
+            t.join(10)
+    finally:
+        batcher.close()
+    assert got == expected
+    assert policy.batches == [1, 3]  # the three waiting engines: one pass
