@@ -15,10 +15,12 @@ This module imports no physics: the scanner client depends on it.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -30,6 +32,20 @@ from masc_gadget import __version__
 from masc_gadget.config import Config, from_dict, to_dict
 from sim_scanner.dataset import mrd_hdf5 as mrd
 from sim_scanner.physics.sequence import SequenceConfig
+
+_READ_LOCK = threading.RLock()
+
+
+def _serialized(read: Callable) -> Callable:
+    """Subject files are read one at a time per process: HDF5 reads of the same files from
+    several threads at once (concurrent simulated scanners) crash the HDF5 library."""
+
+    @functools.wraps(read)
+    def locked(*args: Any, **kwargs: Any) -> Any:
+        with _READ_LOCK:
+            return read(*args, **kwargs)
+
+    return locked
 
 # ---------------------------------------------------------------------------------- the folder
 
@@ -360,6 +376,7 @@ class SubjectFile:
         return json.loads(self.attrs[ATTR_CONFIG_JSON])
 
 
+@_serialized
 def read_subject(path: str | os.PathLike, arrays: Iterable[str] = tuple(ARRAYS)) -> SubjectFile:
     """Read the fast ``arrays`` (SubjectFile field names, default all) and the attributes of a
     subject file; ValueError when it is not a readable MASC subject file."""
@@ -377,6 +394,7 @@ def read_subject(path: str | os.PathLike, arrays: Iterable[str] = tuple(ARRAYS))
     return out
 
 
+@_serialized
 def subject_slices(path: str | os.PathLike) -> int:
     """Slices in a subject file (0 when it has no metal k-space), without reading the data."""
     with h5py.File(path, "r") as f:
@@ -398,6 +416,7 @@ class ScanInput(NamedTuple):
     """(y, x), as everywhere in the simulator."""
 
 
+@_serialized
 def read_scan_input(path: str | os.PathLike) -> ScanInput:
     """Read a subject file for the scanner: metal header + k-space (from the ISMRMRD group),
     clean images, sequence and geometry, checked against each other."""
