@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import reprlib
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -31,6 +32,23 @@ SECTIONS_GROUP = "masc.config_sections"
 
 class ConfigError(ValueError):
     """A configuration file or override does not match the typed defaults."""
+
+
+QUOTE_CHARS = 80
+"""At most this many characters of a value appear in an error message: values may come from a
+network peer (per-connection settings), and an error must stay small whatever they hold."""
+
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxtuple, _QUOTE.maxdict = 3, 4, 4, 4
+_QUOTE.maxset = _QUOTE.maxfrozenset = _QUOTE.maxdeque = _QUOTE.maxarray = 4
+_QUOTE.maxstring = _QUOTE.maxother = _QUOTE.maxlong = QUOTE_CHARS
+
+
+def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
+    """``repr(value)`` for an error message, at most ``limit`` characters, in time and memory
+    bounded however large, deeply nested or self-referencing ``value`` is."""
+    text = _QUOTE.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _type_name(tp: Any) -> str:
@@ -58,7 +76,7 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     if origin is Literal:
         if value in args:
             return value
-        raise ConfigError(f"{where}: must be {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{where}: must be {_type_name(tp)}, got {quote(value)}")
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -70,10 +88,10 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
                 return _coerce(arg, value, where)
             except ConfigError as err:
                 errors.append(str(err))
-        raise ConfigError(f"{where}: must be {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{where}: must be {_type_name(tp)}, got {quote(value)}")
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: must be a list ({_type_name(tp)}), got {value!r}")
+            raise ConfigError(f"{where}: must be a list ({_type_name(tp)}), got {quote(value)}")
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
                 raise ConfigError(
@@ -86,7 +104,7 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         return tuple(items) if origin is tuple else items
     if origin in (dict, Mapping):
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: must be a mapping, got {value!r}")
+            raise ConfigError(f"{where}: must be a mapping, got {quote(value)}")
         key_tp, val_tp = args if args else (Any, Any)
         return {
             _coerce(key_tp, k, f"{where}.{k}"): _coerce(val_tp, v, f"{where}.{k}")
@@ -100,27 +118,27 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         try:
             return tp(value)
         except ValueError:
-            raise ConfigError(f"{where}: must be {_type_name(tp)}, got {value!r}") from None
+            raise ConfigError(f"{where}: must be {_type_name(tp)}, got {quote(value)}") from None
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{where}: must be true or false, got {value!r}")
+        raise ConfigError(f"{where}: must be true or false, got {quote(value)}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"{where}: must be an integer, got {value!r}")
+        raise ConfigError(f"{where}: must be an integer, got {quote(value)}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        raise ConfigError(f"{where}: must be a number, got {value!r}")
+        raise ConfigError(f"{where}: must be a number, got {quote(value)}")
     if tp is str:
         if isinstance(value, str):
             return value
-        raise ConfigError(f"{where}: must be a string, got {value!r}")
+        raise ConfigError(f"{where}: must be a string, got {quote(value)}")
     if isinstance(tp, type):
         if isinstance(value, tp):
             return value
-        raise ConfigError(f"{where}: must be {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{where}: must be {_type_name(tp)}, got {quote(value)}")
     return value
 
 
@@ -133,13 +151,13 @@ def from_dict(cls: type, data: Mapping[str, Any] | None, where: str = "") -> Any
     data = {} if data is None else data
     prefix = f"{where}." if where else ""
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{where or cls.__name__}: must be a mapping of keys, got {data!r}")
+        raise ConfigError(f"{where or cls.__name__}: must be a mapping of keys, got {quote(data)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
         raise ConfigError(
-            f"unknown key {prefix}{unknown[0]}; allowed keys of {where or cls.__name__}: "
+            f"unknown key {prefix}{str(unknown[0])[:QUOTE_CHARS]}; allowed keys of {where or cls.__name__}: "
             + ", ".join(sorted(fields))
         )
     kwargs = {name: _coerce(hints[name], value, f"{prefix}{name}") for name, value in data.items()}

@@ -14,6 +14,11 @@ Header parsing is lenient where real peers differ and strict where it matters:
 * values that do not convert (``<x>abc</x>`` for an integer) and anything that is not an
   ``ismrmrdHeader`` raise ``ValueError("ISMRMRD header does not parse: ...")``. (An *empty*
   element with a schema default, ``<x></x>``, takes that default: xsdata's behaviour.)
+
+Headers come from peers, so :func:`parse_xml` (used for the header and for stream
+configurations) refuses document type declarations (and with them entities) and nesting
+deeper than :data:`MAX_XML_DEPTH` before anything else reads the text, and error messages quote
+at most :data:`QUOTE_CHARS` characters of any value (:func:`quote`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from typing import NamedTuple
 import ismrmrd
 import ismrmrd.xsd
 
+from masc_gadget.config import QUOTE_CHARS, quote
+
 log = logging.getLogger(__name__)
 
 ISMRMRD_NAMESPACE = "http://www.ismrm.org/ISMRMRD"
@@ -37,6 +44,42 @@ ISMRMRD_NAMESPACE = "http://www.ismrm.org/ISMRMRD"
 _context = (
     None  # xsdata XmlContext, built on first use and shared (it is a cache of class metadata)
 )
+
+MAX_XML_DEPTH = 32
+"""Deepest element nesting accepted in XML from a peer (an ISMRMRD header nests 5 levels)."""
+
+def clip(text: str, limit: int = 4 * QUOTE_CHARS) -> str:
+    """``text`` cut to ``limit`` characters (for messages that may carry a peer's data)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _LimitedTreeBuilder(ET.TreeBuilder):
+    """An ElementTree builder that stops at a document type declaration or too deep nesting."""
+
+    def __init__(self, what: str, max_depth: int) -> None:
+        super().__init__()
+        self._what, self._max_depth, self._depth = what, max_depth, 0
+
+    def start(self, tag, attrs):  # noqa: D102 - ElementTree's target interface
+        self._depth += 1
+        if self._depth > self._max_depth:
+            raise ValueError(f"{self._what}: XML nested deeper than {self._max_depth} elements")
+        return super().start(tag, attrs)
+
+    def end(self, tag):  # noqa: D102
+        self._depth -= 1
+        return super().end(tag)
+
+    def doctype(self, name, pubid, system):  # noqa: D102
+        raise ValueError(f"{self._what}: XML document type declarations (<!DOCTYPE>) are not allowed")
+
+
+def parse_xml(text: str | bytes, what: str, max_depth: int = MAX_XML_DEPTH) -> ET.Element:
+    """Parse XML from a peer: no ``<!DOCTYPE>`` (so no entities), at most ``max_depth`` nested
+    elements. Raises ``ValueError("{what}: ...")``; ``ET.ParseError`` for malformed XML."""
+    parser = ET.XMLParser(target=_LimitedTreeBuilder(what, max_depth))
+    parser.feed(text)
+    return parser.close()
 
 
 def _local(tag: str) -> str:
@@ -101,11 +144,11 @@ def _check_types(value: object, hint: object, path: str, errors: list[str]) -> N
         if len(options) == 1:
             _check_types(value, options[0], path, errors)
         elif not any(isinstance(value, typing.get_origin(a) or a) for a in options):
-            errors.append(f"{path} has an unexpected value {value!r}")
+            errors.append(f"{path} has an unexpected value {quote(value)}")
         return
     if origin is list:
         if not isinstance(value, list):
-            errors.append(f"{path} must be a list, got {value!r}")
+            errors.append(f"{path} must be a list, got {quote(value)}")
             return
         for i, item in enumerate(value):
             _check_types(item, args[0], f"{path}[{i}]", errors)
@@ -114,7 +157,7 @@ def _check_types(value: object, hint: object, path: str, errors: list[str]) -> N
         return
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, hint):
-            errors.append(f"{path} must be a <{hint.__name__}> element, got {value!r}")
+            errors.append(f"{path} must be a <{hint.__name__}> element, got {quote(value)}")
             return
         hints = _hints(hint)
         for f in dataclasses.fields(hint):
@@ -127,7 +170,7 @@ def _check_types(value: object, hint: object, path: str, errors: list[str]) -> N
     else:
         ok = isinstance(value, hint)
     if not ok:
-        errors.append(f"{path} must be {hint.__name__}, got {value!r}")
+        errors.append(f"{path} must be {hint.__name__}, got {quote(value)}")
 
 
 def _repair(root: ET.Element) -> list[str]:
@@ -138,7 +181,7 @@ def _repair(root: ET.Element) -> list[str]:
         plain_integer = len(child) == 0 and text.strip().lstrip("+-").isdigit()
         if _local(child.tag) == "version" and not plain_integer:
             root.remove(child)
-            repairs.append(f"dropped <version>{(child.text or '').strip()}</version>")
+            repairs.append(f"dropped <version>{quote((child.text or '').strip())}</version>")
     if not root.tag.startswith("{"):
         for element in root.iter():
             if isinstance(element.tag, str) and not element.tag.startswith("{"):
@@ -155,13 +198,13 @@ def parse_header(xml: str | bytes) -> ismrmrd.xsd.ismrmrdHeader:
     """
     text = _clean_text(xml)
     try:
-        root = ET.fromstring(text)
+        root = parse_xml(text, "ISMRMRD header does not parse")
     except ET.ParseError as error:
         raise ValueError(f"ISMRMRD header does not parse: not well-formed XML ({error})") from None
     if _local(root.tag) != "ismrmrdHeader":
         raise ValueError(
             "ISMRMRD header does not parse: root element must be <ismrmrdHeader>, "
-            f"got <{_local(root.tag)}>"
+            f"got <{_local(root.tag)[:QUOTE_CHARS]}>"
         )
     try:
         return _xsdata_parse(text, fail_on_unknown=True)
@@ -181,9 +224,10 @@ def parse_header(xml: str | bytes) -> ismrmrd.xsd.ismrmrdHeader:
     try:
         header = _xsdata_parse(repaired, fail_on_unknown=False)
     except (ValueError, TypeError):
-        raise ValueError(f"ISMRMRD header does not parse: {first_error}") from None
+        raise ValueError(f"ISMRMRD header does not parse: {clip(str(first_error))}") from None
     log.warning(
-        "ISMRMRD header has elements this library does not know, ignored: %s", unknown_error
+        "ISMRMRD header has elements this library does not know, ignored: %s",
+        clip(str(unknown_error)),
     )
     return header
 
@@ -252,6 +296,15 @@ def encoding_geometry(header: ismrmrd.xsd.ismrmrdHeader | str | bytes) -> Encodi
             f"ISMRMRD header kspace_encoding_step_1 center must be in [0, {n_pe}), got {pe_centre}"
         )
     return EncodingGeometry(n_readout, n_pe, n_slices, fov_mm, pe_centre)
+
+
+def slice_limit(header: ismrmrd.xsd.ismrmrdHeader) -> int | None:
+    """Slices the first encoding's limits allow (``slice.maximum + 1``); None without a slice
+    limit (:func:`encoding_geometry` then counts one slice)."""
+    limits = header.encoding[0].encodingLimits if header.encoding else None
+    if limits is None or limits.slice is None or limits.slice.maximum is None:
+        return None
+    return int(limits.slice.maximum) + 1
 
 
 def line_of(acq: ismrmrd.Acquisition) -> int:

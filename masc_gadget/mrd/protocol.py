@@ -38,9 +38,11 @@ from __future__ import annotations
 
 import ctypes
 import io
+import select
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -50,7 +52,7 @@ import numpy as np
 __all__ = [
     "ID_CONFIG_FILE", "ID_CONFIG_TEXT", "ID_HEADER", "ID_CLOSE", "ID_TEXT", "ID_ERROR",
     "ID_ACQUISITION", "ID_IMAGE", "ID_WAVEFORM", "MESSAGE_NAMES", "CONFIG_FILE_BYTES",
-    "Limits", "ProtocolError", "ConnectionClosed", "Message", "MrdStream",
+    "Limits", "ProtocolError", "ConnectionClosed", "ReadTimeout", "Message", "MrdStream",
     "frame_config_file", "frame_config_text", "frame_header", "frame_text", "frame_error",
     "frame_close", "frame_acquisition", "frame_image", "frame_waveform", "frame_message",
     "decode_text",
@@ -151,6 +153,15 @@ class ConnectionClosed(EOFError):
     def __init__(self, message: str, clean: bool):
         super().__init__(message)
         self.clean = clean
+
+
+class ReadTimeout(TimeoutError):
+    """A deadline of :meth:`MrdStream.read_message` passed (a ``socket.timeout`` too);
+    ``started``: part of the message had arrived (the stream is then out of step)."""
+
+    def __init__(self, message: str, started: bool):
+        super().__init__(message)
+        self.started = started
 
 
 class Message(NamedTuple):
@@ -369,7 +380,8 @@ class MrdStream:
     the stream out of step with the peer, and every later ``read_message`` raises ProtocolError
     (likewise a failed ``sendall`` makes later sends raise). A ProtocolError raised after the
     whole frame was read (invalid UTF-8, malformed image attributes) does not: the next message
-    can still be read.
+    can still be read. ``read_message`` also takes deadlines that a peer dripping single bytes
+    cannot renew (:class:`ReadTimeout`).
     """
 
     def __init__(self, sock: socket.socket, limits: Limits = Limits()):
@@ -380,6 +392,9 @@ class MrdStream:
         self._close_lock = threading.Lock()
         self._closed = False
         self._in_frame = False  # bytes of the current frame were consumed and more are owed
+        self._deadline: float | None = None  # time.monotonic() by which the current read must end
+        self._message_timeout: float | None = None
+        self._idle: float | None = None  # the socket's own timeout, restored after a timed read
         self._read_broken: str | None = None
         self._write_broken: str | None = None
         try:
@@ -411,8 +426,13 @@ class MrdStream:
 
     # ---------------------------------------------------------------------------- reading
 
-    def read_message(self) -> Message:
+    def read_message(self, deadline: float | None = None, message_timeout: float | None = None) -> Message:
         """Read exactly one message (blocking), and nothing beyond it.
+
+        ``deadline`` (``time.monotonic()``): the whole message must have arrived by then;
+        ``message_timeout``: the rest must follow its first byte within this many seconds. Either
+        raises :class:`ReadTimeout`, however slowly bytes trickle in; the socket's own timeout
+        still bounds each silence (``socket.timeout``), and is restored afterwards.
 
         Raises ConnectionClosed (``clean`` True at a message boundary, False mid-frame),
         ProtocolError for an unknown id or a field over :class:`Limits`.
@@ -422,22 +442,37 @@ class MrdStream:
                 raise ProtocolError(
                     f"stream is out of step after an earlier error: {self._read_broken}"
                 )
-            self._in_frame = False
+            timed = deadline is not None or message_timeout is not None
+            self._idle = self.sock.gettimeout() if timed else None
+            self._deadline, self._message_timeout = deadline, message_timeout
             try:
-                raw = self._recv_exact(_MESSAGE_ID.size, "message id", at_boundary=True)
-                message_id = _MESSAGE_ID.unpack(raw)[0]
-                reader = self._readers.get(message_id)
-                if reader is None:  # its length is unknown: the stream cannot be resynchronised
-                    raise ProtocolError(f"unknown message id {message_id}")
-                return Message(message_id, reader())
-            except ConnectionClosed as error:
-                if not error.clean:
-                    self._read_broken = str(error)
-                raise
-            except BaseException as error:
-                if self._in_frame:  # part of a frame was consumed: out of step with the peer
-                    self._read_broken = f"{type(error).__name__}: {error}"
-                raise
+                return self._read_one()
+            finally:
+                self._deadline = self._message_timeout = None
+                if timed:
+                    try:
+                        self.sock.settimeout(self._idle)
+                    except OSError:  # closed meanwhile
+                        pass
+
+    def _read_one(self) -> Message:
+        """One message (read lock held); a mid-frame failure leaves the stream out of step."""
+        self._in_frame = False
+        try:
+            raw = self._recv_exact(_MESSAGE_ID.size, "message id", at_boundary=True)
+            message_id = _MESSAGE_ID.unpack(raw)[0]
+            reader = self._readers.get(message_id)
+            if reader is None:  # its length is unknown: the stream cannot be resynchronised
+                raise ProtocolError(f"unknown message id {message_id}")
+            return Message(message_id, reader())
+        except ConnectionClosed as error:
+            if not error.clean:
+                self._read_broken = str(error)
+            raise
+        except BaseException as error:
+            if self._in_frame:  # part of a frame was consumed: out of step with the peer
+                self._read_broken = f"{type(error).__name__}: {error}"
+            raise
 
     def _recv_exact(self, n: int, what: str, at_boundary: bool = False) -> bytearray:
         """Receive exactly n bytes (n already checked against the limits); loop on short reads."""
@@ -445,7 +480,7 @@ class MrdStream:
         view = memoryview(buffer)
         got = 0
         while got < n:
-            count = self.sock.recv_into(view[got:], n - got)
+            count = self._recv_into(view[got:], n - got, what)
             if count == 0:
                 if at_boundary and got == 0:
                     raise ConnectionClosed("connection closed by the peer", clean=True)
@@ -455,6 +490,30 @@ class MrdStream:
             got += count
             self._in_frame = True
         return buffer
+
+    def _recv_into(self, view: memoryview, n: int, what: str) -> int:
+        """``sock.recv_into`` under the deadlines of :meth:`read_message`; the message's first
+        bytes start its ``message_timeout``."""
+        if self._deadline is None:
+            count = self.sock.recv_into(view, n)
+        else:
+            count = self._recv_before_deadline(view, n, what)
+        if count and not self._in_frame and self._message_timeout is not None:
+            end = time.monotonic() + self._message_timeout
+            self._deadline = end if self._deadline is None else min(self._deadline, end)
+        return count
+
+    def _recv_before_deadline(self, view: memoryview, n: int, what: str) -> int:
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise ReadTimeout(f"{what}: not received before the deadline", self._in_frame)
+        self.sock.settimeout(remaining if self._idle is None else min(self._idle, remaining))
+        try:
+            return self.sock.recv_into(view, n)
+        except socket.timeout:
+            if time.monotonic() >= self._deadline - 1e-3:
+                raise ReadTimeout(f"{what}: not received before the deadline", self._in_frame) from None
+            raise
 
     def _frame_done(self) -> None:
         """Mark the current frame as completely read (later errors leave the stream usable)."""
@@ -602,6 +661,29 @@ class MrdStream:
     def closed(self) -> bool:
         """True once :meth:`close` was called."""
         return self._closed
+
+    def interrupt(self, frame: bytes | None = None, lock_timeout: float = 0.2) -> bool:
+        """End the stream from another thread (e.g. a server shutting down), never blocking for
+        long: send ``frame`` (e.g. :func:`frame_close`) only if no other send holds the stream
+        for more than ``lock_timeout`` s and the socket takes it at once, then shut the socket
+        down, which wakes a reader blocked on it. Later sends raise OSError; :meth:`close` still
+        closes the socket. Returns whether ``frame`` went out whole."""
+        sent = False
+        locked = frame is not None and self._write_lock.acquire(timeout=lock_timeout)
+        try:
+            if locked and self._write_broken is None:
+                poller = select.poll()  # send only what the socket takes at once
+                poller.register(self.sock.fileno(), select.POLLOUT)
+                if poller.poll(0):
+                    sent = self.sock.send(frame, socket.MSG_DONTWAIT) == len(frame)
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # not connected any more
+            pass
+        finally:
+            self._write_broken = "the stream was interrupted"
+            if locked:
+                self._write_lock.release()
+        return sent
 
     def close(self) -> None:
         """Shut the socket down and close it (idempotent; unblocks a reader in another thread)."""

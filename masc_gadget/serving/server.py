@@ -3,37 +3,34 @@
 Speaks the client dialect of ``gadgetron_ismrmrd_client`` and of the python-ismrmrd-server
 client: config by name (1) or script (2), header (3), an optional text (5) with JSON parameters,
 acquisitions, close (4). Many connections at once, each in its own thread and isolated: a bad
-message gets a text (5) error back to that client only, and the server keeps serving. SIGTERM
-and SIGINT shut it down cleanly.
+message gets a text (5) error back to that client only, and the server keeps serving.
+
+Hostile clients are bounded (:mod:`masc_gadget.serving.connection`): connections still in their
+handshake are at most ``max_pending`` and must finish it within ``handshake_timeout_s``; a
+connection takes one of the ``max_connections`` slots only after a valid header (and token); an
+optional allow-list and shared token restrict who may connect. The port is listened on only
+after the warm-up. SIGTERM and SIGINT shut it down within a few seconds: every open connection
+gets the close message.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import queue
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
 
-from masc_gadget.config import Config, ConfigError, load_config
-from masc_gadget.serving.gadget import process
+from masc_gadget.config import Config, quote
+from masc_gadget.mrd.protocol import frame_close, frame_text
+from masc_gadget.serving.connection import ClientError, Connection, NamedConfigs
 from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache, build_engine, load_models
-from masc_gadget.serving.settings import GadgetSettings, settings_from_xml
-from masc_gadget.mrd.header import parse_header
-from masc_gadget.acquisition.policies import POLICIES
-from masc_gadget.mrd.protocol import (
-    ID_ACQUISITION,
-    ID_CLOSE,
-    ID_CONFIG_FILE,
-    ID_CONFIG_TEXT,
-    ID_HEADER,
-    ID_TEXT,
-    ConnectionClosed,
-    MrdStream,
-    ProtocolError,
-)
+from masc_gadget.serving.settings import GadgetSettings
+
+__all__ = ["ClientError", "MascServer", "NamedConfigs", "ServerConfig", "register"]
 
 log = logging.getLogger(__name__)
 
@@ -43,151 +40,84 @@ class ServerConfig:
     """The standalone server (config section ``server``)."""
 
     host: str = "127.0.0.1"
-    """Address to listen on (loopback by default)."""
+    """Address to listen on (loopback by default; any other address logs a warning)."""
     port: int = 9002
     """TCP port (9002 is the MRD / FIRE convention)."""
     max_connections: int = 32
-    """Connections served at once; more wait in the listen backlog."""
+    """Connections served at once (slots, taken after a valid header and token)."""
+    max_pending: int = 64
+    """Connections still in their handshake at once; more are refused with an error."""
     idle_timeout_s: float = 300.0
     """A connection silent for this long is closed."""
+    handshake_timeout_s: float = 10.0
+    """Configuration, header (and token) must arrive, and a slot be free, within this time."""
+    message_timeout_s: float = 60.0
+    """Every message must arrive whole within this time of its first byte."""
+    max_matrix: tuple[int, int] = (1024, 1024)
+    """Largest encoded matrix a header may announce: (phase-encoding lines, readout samples)."""
+    max_slices: int = 256
+    """Most slices a header may announce (encodingLimits slice maximum + 1), and the slice
+    indices accepted when the header has no slice limit."""
+    allow: tuple[str, ...] = ()
+    """Client addresses allowed to connect (IPs or CIDR networks); empty: every address."""
+    token: str = ""
+    """Shared secret a client must send as ``{"token": "..."}`` in its JSON parameters (message
+    5, right after the header); "" = no token needed."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
-        if self.idle_timeout_s <= 0:
-            raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
+        for name in ("max_connections", "max_pending", "max_slices"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("idle_timeout_s", "handshake_timeout_s", "message_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if len(self.max_matrix) != 2 or min(self.max_matrix) < 1:
+            raise ValueError(f"max_matrix must be two sizes >= 1 (PE lines, readout samples), got {self.max_matrix}")
+        allowed_networks(self.allow)
+
+    def networks(self) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+        """The allow-list, parsed."""
+        return allowed_networks(self.allow)
 
 
-class ClientError(Exception):
-    """The client broke the protocol; the message goes back to it as text."""
-
-
-class NamedConfigs:
-    """Configurations a client may select by name (message id 1): ``default`` (the server's own),
-    a policy name (the default with that policy), or a YAML file in the config folders."""
-
-    def __init__(self, config: Config, folders: list[Path]) -> None:
-        self.config = config
-        self.folders = [f for f in folders if f.is_dir()]
-
-    def names(self) -> list[str]:
-        yaml_names = sorted({p.stem for f in self.folders for p in f.glob("*.yaml")})
-        return ["default", *sorted(POLICIES), *yaml_names]
-
-    def resolve(self, name: str) -> GadgetSettings:
-        base = GadgetSettings.from_config(self.config)
-        if name in ("", "default"):
-            return base
-        if name in POLICIES:
-            return base.updated({"policy": name}, f"config {name!r}")
-        stem = name[:-5] if name.endswith(".yaml") else name
-        for folder in self.folders:
-            path = folder / f"{stem}.yaml"
-            if path.is_file():
-                return GadgetSettings.from_config(load_config(path))
-        raise ClientError(f"unknown configuration {name!r}; known configurations: {', '.join(self.names())}")
-
-
-class _Connection:
-    """One client: the handshake, then an item iterator for :func:`process`."""
-
-    def __init__(self, sock: socket.socket, peer: str, named: NamedConfigs, cache: ModelCache,
-                 idle_timeout_s: float) -> None:
-        sock.settimeout(idle_timeout_s)
-        self.stream = MrdStream(sock)
-        self.peer = peer
-        self.named = named
-        self.cache = cache
-        self.closed_by_client = False
-        self.stream_started = False
-
-    def send_error(self, message: str) -> None:
+def allowed_networks(allow: tuple[str, ...]) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+    """IP networks of ``allow`` (a plain address is a one-address network); ValueError naming a
+    bad entry."""
+    networks = []
+    for entry in allow:
         try:
-            self.stream.send_text(f"MASC error: {message}")
-        except OSError:
-            pass
+            networks.append(ipaddress.ip_network(str(entry).strip(), strict=False))
+        except ValueError:
+            raise ValueError(f"allow: {quote(entry)} is not an IP address or CIDR network") from None
+    return networks
 
-    def handshake(self) -> tuple[Any, GadgetSettings]:
-        msg = self.stream.read_message()
-        self.stream_started = True
-        if msg.id == ID_CONFIG_FILE:
-            settings = self.named.resolve(msg.payload.strip())
-        elif msg.id == ID_CONFIG_TEXT:
-            settings = settings_from_xml(msg.payload, self.named.resolve("default"))
-        else:
-            raise ClientError(f"expected a configuration (message 1 or 2) first, got message {msg.id}")
-        msg = self.stream.read_message()
-        if msg.id != ID_HEADER:
-            raise ClientError(f"expected the ISMRMRD header (message 3) after the configuration, got message {msg.id}")
-        try:
-            header = parse_header(msg.payload)
-        except ValueError as err:
-            raise ClientError(str(err)) from None
-        return header, settings
 
-    def items(self) -> Iterator[Any]:
-        while True:
-            try:
-                msg = self.stream.read_message()
-            except ConnectionClosed as err:
-                if not err.clean:
-                    raise
-                log.warning("%s closed the connection without a close message", self.peer)
-                return
-            if msg.id == ID_CLOSE:
-                self.closed_by_client = True
-                return
-            if msg.id in (ID_ACQUISITION, ID_TEXT):
-                yield msg.payload
-            else:
-                log.debug("%s: ignoring message %d", self.peer, msg.id)
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (or ``localhost``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
-    def run(self) -> None:
-        try:
-            header, settings = self.handshake()
-            stats = process(self.items(), header, settings, self._send, on_error=self.send_error, cache=self.cache)
-            log.info("%s done: %s", self.peer, stats)
-            self.stream.send_close()
-        except (ClientError, ProtocolError, ConfigError, ValueError) as err:
-            log.warning("%s: %s", self.peer, err)
-            self.send_error(str(err))
-            try:
-                self.stream.send_close()
-            except OSError:
-                pass
-        except ConnectionClosed as err:
-            if err.clean and not self.stream_started:
-                log.info("%s closed the connection without sending anything", self.peer)
-                return
-            log.warning("%s: connection lost (%s)", self.peer, err)
-            if not err.clean:  # a truncated frame: the client may still be listening
-                self.send_error(str(err))
-        except socket.timeout:
-            log.warning("%s: idle for too long, closing", self.peer)
-            self.send_error("connection idle for too long")
-        except OSError as err:
-            log.warning("%s: socket error: %s", self.peer, err)
-        except Exception:  # noqa: BLE001 - one client's crash must never take the server down
-            log.exception("%s: internal error", self.peer)
-            self.send_error("internal error in the MASC gadget (see the server log)")
-        finally:
-            self.stream.close()
 
-    def _send(self, item: Any) -> None:
-        import ismrmrd
-
-        if isinstance(item, ismrmrd.Image):
-            self.stream.send_image(item)
-        elif isinstance(item, ismrmrd.Acquisition):
-            self.stream.send_acquisition(item)
-        else:
-            raise TypeError(f"cannot send {type(item).__name__}")
+def _peer_allowed(address: str, networks: list) -> bool:
+    if not networks:
+        return True
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return any(ip.version == net.version and ip in net for net in networks)
 
 
 class MascServer:
-    """Threaded MRD server; ``start()`` binds and returns the bound (host, port)."""
+    """Threaded MRD server; ``start()`` binds, warms up, listens and returns (host, port)."""
 
     def __init__(self, config: Config, host: str | None = None, port: int | None = None,
                  config_folders: list[Path] | None = None, cache: ModelCache = DEFAULT_CACHE) -> None:
@@ -201,14 +131,19 @@ class MascServer:
         folders.append(Path.cwd() / "configs")
         self.named = NamedConfigs(config, folders)
         self.cache = cache
+        self._networks = scfg.networks()
         self._sock: socket.socket | None = None
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(scfg.max_connections)
-        self._threads: set[threading.Thread] = set()
+        self._pending = 0
+        self._connections: dict[Connection, threading.Thread] = {}
         self._accept: threading.Thread | None = None
         GadgetSettings.from_config(config)  # fail early on a bad config
 
     def start(self) -> tuple[str, int]:
+        """Bind (so that a taken port fails at once), warm up, then listen: the port accepts
+        connections only once the server can answer them."""
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -217,22 +152,32 @@ class MascServer:
         except OSError as err:
             sock.close()
             raise OSError(f"cannot listen on {self.host}:{self.port}: {err.strerror or err}") from None
-        sock.listen(64)
+        self.port = sock.getsockname()[1]
+        try:
+            self.warm_up()
+        except BaseException:
+            sock.close()
+            raise
+        sock.listen(max(64, min(self.scfg.max_pending, 1024)))
         sock.settimeout(0.2)
         self._sock = sock
-        self.port = sock.getsockname()[1]
-        self.warm_up()
         self._accept = threading.Thread(target=self._accept_loop, name="masc-accept", daemon=True)
         self._accept.start()
+        if not is_loopback(self.host):
+            log.warning("listening on %s, reachable from other hosts: %s", self.host,
+                        "; ".join(self._access_summary()))
         log.info("MASC server listening on %s:%d", self.host, self.port)
         return self.host, self.port
+
+    def _access_summary(self) -> list[str]:
+        return [f"allow-list {', '.join(self.scfg.allow)}" if self.scfg.allow
+                else "no allow-list (server.allow): every address may connect",
+                "token required" if self.scfg.token else "no token (server.token): no authentication"]
 
     def warm_up(self, n_pe: int = 64, n_readout: int = 64) -> float:
         """Load the default models and run one decision and one reconstruction before the first
         client, so that the first line of a scan does not pay for the process's kernel set-up
         (~0.25 s on a CPU). Returns the seconds it took."""
-        import time
-
         import numpy as np
 
         start = time.perf_counter()
@@ -251,6 +196,8 @@ class MascServer:
                  s.mar_checkpoint or "off", engine.device)
         return seconds
 
+    # ---------------------------------------------------------------------------- connections
+
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
             try:
@@ -259,30 +206,85 @@ class MascServer:
                 continue
             except OSError:
                 break
-            peer = f"{addr[0]}:{addr[1]}"
-            log.info("connection from %s", peer)
-            self._slots.acquire()
-            thread = threading.Thread(target=self._serve, args=(conn, peer), name=f"masc-{peer}", daemon=True)
-            self._threads.add(thread)
-            thread.start()
+            try:
+                self._admit(conn, addr)
+            except (OSError, RuntimeError) as err:  # the peer reset at once; no thread to be had
+                log.warning("connection from %s failed at once: %s", addr[0], err)
+                conn.close()
 
-    def _serve(self, conn: socket.socket, peer: str) -> None:
+    def _admit(self, conn: socket.socket, addr: tuple) -> None:
+        """Check a new connection against the allow-list and ``max_pending``; start its thread."""
+        peer = f"{addr[0]}:{addr[1]}"
+        if not _peer_allowed(addr[0], self._networks):
+            log.warning("refused %s: not in the allow-list (server.allow)", peer)
+            _refuse(conn, "this client address is not allowed to connect (server.allow)")
+            return
+        with self._lock:
+            busy = self._pending >= self.scfg.max_pending
+            if not busy:
+                self._pending += 1
+        if busy:
+            log.warning("refused %s: %d connections already in their handshake", peer, self.scfg.max_pending)
+            _refuse(conn, f"server busy: {self.scfg.max_pending} connections are already in their "
+                    "handshake (server.max_pending); try again later")
+            return
+        log.info("connection from %s", peer)
+        connection = None
         try:
-            _Connection(conn, peer, self.named, self.cache, self.scfg.idle_timeout_s).run()
+            connection = Connection(conn, peer, self.named, self.cache, self.scfg, self._take_slot)
+            thread = threading.Thread(target=self._serve, args=(connection,), name=f"masc-{peer}", daemon=True)
+            with self._lock:
+                self._connections[connection] = thread
+            thread.start()
+        except BaseException:
+            with self._lock:
+                self._pending -= 1
+                self._connections.pop(connection, None)
+            raise
+
+    def _take_slot(self, connection: Connection, deadline: float) -> bool:
+        """A slot for ``connection`` (its handshake is done), waiting until ``deadline``."""
+        while not (self._stop.is_set() or connection.interrupted.is_set()):
+            if self._slots.acquire(timeout=max(0.0, min(0.1, deadline - time.monotonic()))):
+                with self._lock:
+                    self._pending -= 1
+                connection.slot = True
+                return True
+            if time.monotonic() >= deadline:
+                return False
+        return False
+
+    def _serve(self, connection: Connection) -> None:
+        try:
+            connection.run()
         finally:
-            self._slots.release()
-            self._threads.discard(threading.current_thread())
+            with self._lock:
+                if connection.slot:
+                    self._slots.release()
+                else:
+                    self._pending -= 1
+                self._connections.pop(connection, None)
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop accepting, wait up to ``timeout`` s for running connections."""
+        """Stop accepting; send every open connection the close message and shut its socket;
+        wait up to ``timeout`` s in all for their threads."""
+        deadline = time.monotonic() + timeout
         self._stop.set()
+        if self._accept is not None:
+            self._accept.join(max(0.0, deadline - time.monotonic()))
         if self._sock is not None:
             self._sock.close()
-        if self._accept is not None:
-            self._accept.join(timeout)
-        for thread in list(self._threads):
-            thread.join(timeout)
-        log.info("MASC server stopped")
+        with self._lock:
+            open_connections = dict(self._connections)
+        for connection in open_connections:
+            connection.interrupt()
+        for thread in open_connections.values():
+            thread.join(max(0.0, deadline - time.monotonic()))
+        left = sum(thread.is_alive() for thread in open_connections.values())
+        if left:
+            log.warning("MASC server stopped with %d connection thread(s) still finishing", left)
+        else:
+            log.info("MASC server stopped (%d connection(s) closed)", len(open_connections))
 
     def serve_forever(self) -> None:
         """Run until SIGTERM / SIGINT (main thread only)."""
@@ -300,6 +302,18 @@ class MascServer:
                 continue
         log.info("signal %d received, shutting down", signum)
         self.shutdown()
+
+
+def _refuse(conn: socket.socket, message: str) -> None:
+    """Tell a connection that is not served why (never blocking the accept loop), and close it."""
+    try:
+        conn.settimeout(0.5)
+        conn.sendall(frame_text(f"MASC error: {message}") + frame_close())
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        conn.close()
 
 
 def register(subparsers, common) -> None:

@@ -10,6 +10,8 @@ that section's own checks validate it.
 from __future__ import annotations
 
 import json
+import re
+import typing
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, fields
 from typing import Any, Literal
@@ -17,9 +19,22 @@ from typing import Any, Literal
 import yaml
 
 from masc_gadget.acquisition.episode import AcquisitionConfig
-from masc_gadget.config import ConfigError, from_dict
+from masc_gadget.config import QUOTE_CHARS, ConfigError, from_dict, quote
+from masc_gadget.mrd.header import parse_xml
 
-__all__ = ["GadgetConfig", "GadgetSettings", "SETTINGS", "settings_from_json", "settings_from_xml"]
+__all__ = ["GadgetConfig", "GadgetSettings", "SETTINGS", "parameters_json", "settings_from_json", "settings_from_xml",
+           "MAX_CONFIG_CHARS", "MAX_PARAMETERS_CHARS", "MAX_VALUE_CHARS", "MAX_JSON_DEPTH"]
+
+MAX_CONFIG_CHARS = 1 << 20
+"""Longest configuration script (message 2) accepted; Gadgetron stream XMLs are a few kB."""
+MAX_PARAMETERS_CHARS = 64 << 10
+"""Longest JSON parameters text accepted."""
+MAX_VALUE_CHARS = 4096
+"""Longest value of one ``<configuration>`` property (a path at most)."""
+MAX_JSON_DEPTH = 8
+"""Deepest nesting of arrays and objects in the JSON parameters (the settings are scalars)."""
+
+_DEVICE = re.compile(r"cpu|auto|cuda(:[0-9]{1,4})?")
 
 
 @dataclass(frozen=True)
@@ -41,6 +56,10 @@ class GadgetConfig:
     """ZeroMQ PUSH address of the side channel (the scanner binds it); "" = off."""
     return_zero_filled: bool = False
     """Also return the zero-filled image of each slice, as image series 2."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {quote(self.device)}")
 
 
 _SECTIONS: dict[str, type] = {"acquisition": AcquisitionConfig, "gadget": GadgetConfig}
@@ -82,9 +101,9 @@ class GadgetSettings:
         """A copy with the flat ``values`` applied, each in the section that owns it and checked
         by that section (``from_dict``); unknown names and bad values raise ConfigError naming
         ``source`` and the key."""
-        unknown = sorted(set(values) - set(SETTINGS))
+        unknown = sorted(set(values) - set(SETTINGS), key=str)
         if unknown:
-            raise ConfigError(f"{source}: unknown setting {unknown[0]!r}; "
+            raise ConfigError(f"{source}: unknown setting {quote(unknown[0])}; "
                               f"known settings: {', '.join(sorted(SETTINGS))}")
         sections = {}
         for section in _SECTIONS:
@@ -112,44 +131,133 @@ for _key, _section in SETTINGS.items():
 del _key, _section
 
 
-def _typed(text: str) -> Any:
+def _is_text(key: str) -> bool:
+    """Whether setting ``key`` holds text (a ``str`` or a choice of strings)."""
+    cls = _SECTIONS[SETTINGS[key]]
+    hint = typing.get_type_hints(cls)[key]
+    if typing.get_origin(hint) is Literal:
+        return all(isinstance(a, str) for a in typing.get_args(hint))
+    return hint is str
+
+
+def _typed(key: str, text: str) -> Any:
+    """A ``<configuration>`` value as its setting's type: text settings take the text as it is
+    (so ``value=""`` is the empty string), the others a YAML scalar (``5``, ``true``). No YAML
+    anchors, aliases or collections: a value is one bounded scalar."""
+    if len(text) > MAX_VALUE_CHARS:
+        raise ConfigError(f"configuration.{key[:QUOTE_CHARS]}: value is {len(text)} characters, "
+                          f"more than the limit {MAX_VALUE_CHARS}")
+    text = text.strip()
+    if key not in SETTINGS or _is_text(key):
+        return text
+    if not text:
+        return text  # the setting's own check names the type it needs
     try:
-        return yaml.safe_load(text)
+        events = list(yaml.parse(text, Loader=yaml.SafeLoader))
     except yaml.YAMLError:
         return text
+    if any(isinstance(e, yaml.AliasEvent) or getattr(e, "anchor", None) for e in events):
+        raise ConfigError(f"configuration.{key}: YAML anchors and aliases are not allowed in values")
+    if any(isinstance(e, yaml.CollectionStartEvent) for e in events):
+        return text  # not a scalar: the setting's check rejects it, quoting it briefly
+    try:
+        return yaml.safe_load(text)
+    except (yaml.YAMLError, ValueError):  # ValueError: an integer of too many digits
+        return text
+
+
+def _as_element(config: ET.Element | str | bytes) -> ET.Element | None:
+    """The configuration as XML (None when empty), within the size and nesting limits."""
+    if not isinstance(config, (str, bytes)):
+        return config
+    text = config.decode("utf-8", "replace") if isinstance(config, bytes) else config
+    text = text.strip().rstrip("\x00")
+    if not text:
+        return None
+    if len(text) > MAX_CONFIG_CHARS:
+        raise ConfigError(f"configuration is {len(text)} characters, more than the limit {MAX_CONFIG_CHARS}")
+    try:
+        return parse_xml(text, "configuration")
+    except ET.ParseError as err:
+        raise ConfigError(f"configuration is not valid XML: {err}") from None
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _settings_element(element: ET.Element) -> ET.Element | None:
+    """The element whose children are the settings: a Gadgetron stream configuration
+    (``<configuration><stream><external><configuration>``) gives its external module's
+    ``<configuration>``; a flat ``<configuration>`` is itself."""
+    stream = element.find("stream")
+    if stream is None:
+        return element
+    inner = [ext.find("configuration") for ext in stream.iter("external")]
+    inner = [c for c in inner if c is not None]
+    if len(inner) > 1:
+        raise ConfigError(f"configuration: the stream has {len(inner)} <external> modules with a "
+                          "<configuration>; MASC takes the properties of exactly one")
+    return inner[0] if inner else None
 
 
 def settings_from_xml(element: ET.Element | str | bytes | None, base: GadgetSettings) -> GadgetSettings:
     """Apply a Gadgetron ``<configuration>`` element: ``<property name="policy" value="random"/>``
-    children (Gadgetron's convention) or ``<policy>random</policy>`` children."""
+    children (Gadgetron's convention) or ``<policy>random</policy>`` children; or a whole
+    Gadgetron stream configuration, whose ``<stream><external><configuration>`` gives them.
+    An empty value is the empty string (``value=""``, ``<mar_checkpoint/>``)."""
     if element is None:
         return base
-    if isinstance(element, (str, bytes)):
-        text = element.decode("utf-8", "replace") if isinstance(element, bytes) else element
-        text = text.strip().rstrip("\x00")
-        if not text:
-            return base
-        try:
-            element = ET.fromstring(text)
-        except ET.ParseError as err:
-            raise ConfigError(f"configuration is not valid XML: {err}") from None
+    element = _as_element(element)
+    element = None if element is None else _settings_element(element)
+    if element is None:
+        return base
     values: dict[str, Any] = {}
     for child in element.iter():
-        if child is element:
+        if child is element or not isinstance(child.tag, str):
             continue
         if child.tag == "property" and "name" in child.attrib:
-            values[child.attrib["name"]] = _typed(child.attrib.get("value", child.text or ""))
-        elif len(child) == 0 and child.tag not in ("property",) and child.text is not None:
-            values[child.tag] = _typed(child.text.strip())
+            name = child.attrib["name"]
+            values[name] = _typed(name, child.attrib.get("value", child.text or ""))
+        elif len(child) == 0 and child.tag != "property":
+            values[child.tag] = _typed(child.tag, child.text or "")
     return base.updated(values, "configuration")
 
 
-def settings_from_json(text: str, base: GadgetSettings) -> GadgetSettings:
-    """Apply JSON parameters (a text message right after the header, FIRE-client style)."""
+def _json_depth_exceeds(text: str, limit: int) -> bool:
+    """Whether arrays / objects nest deeper than ``limit`` (brackets inside strings ignored)."""
+    depth = 0
+    for token in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', text):
+        char = token.group()
+        if char in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif char in "]}":
+            depth -= 1
+    return False
+
+
+def parameters_json(text: str) -> dict[str, Any]:
+    """The JSON object of a parameters text, within :data:`MAX_PARAMETERS_CHARS` and
+    :data:`MAX_JSON_DEPTH`; ConfigError otherwise."""
+    if len(text) > MAX_PARAMETERS_CHARS:
+        raise ConfigError(f"parameters text is {len(text)} characters, more than the limit "
+                          f"{MAX_PARAMETERS_CHARS}")
+    if _json_depth_exceeds(text, MAX_JSON_DEPTH):
+        raise ConfigError(f"parameters text nests arrays / objects deeper than the limit {MAX_JSON_DEPTH}")
     try:
         values = json.loads(text)
     except json.JSONDecodeError as err:
         raise ConfigError(f"parameters text is not valid JSON: {err}") from None
+    except (ValueError, RecursionError) as err:  # e.g. an integer of too many digits
+        raise ConfigError(f"parameters text is not usable JSON: {str(err)[:2 * QUOTE_CHARS]}") from None
     if not isinstance(values, dict):
         raise ConfigError("parameters text must be a JSON object")
+    return values
+
+
+def settings_from_json(text: str, base: GadgetSettings) -> GadgetSettings:
+    """Apply JSON parameters (a text message right after the header, FIRE-client style). The key
+    ``token`` is the server's authentication (``masc serve`` checks it first), not a setting."""
+    values = parameters_json(text)
+    values.pop("token", None)
     return base.updated(values, "parameters")
