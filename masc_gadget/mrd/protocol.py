@@ -19,10 +19,8 @@ id          name              payload
 1026        waveform          WaveformHeader (40 bytes), data uint32 [channels, samples]
 ==========  ================  ======================================================
 
-Reading is defensive: every length field is checked against :class:`Limits` *before* the body is
-read or allocated, so a hostile or corrupted length cannot exhaust memory or block the reader on
-a body that will never come. Only framing is checked here; what the data mean (NaNs, line
-numbers out of range) is for the engine to judge.
+Reading is defensive: every length is checked against :class:`Limits` before the body is read
+or allocated. Only framing is checked here; what the data mean is for the engine to judge.
 
 One deliberate departure from the reference Python packages, towards the MRD spec and the C++
 implementations (Gadgetron, ``gadgetron_ismrmrd_client``): ``DATATYPE_INT`` images travel as
@@ -49,13 +47,14 @@ from typing import Callable, NamedTuple
 import ismrmrd
 import numpy as np
 
+from masc_gadget.mrd import tcp
+
 __all__ = [
     "ID_CONFIG_FILE", "ID_CONFIG_TEXT", "ID_HEADER", "ID_CLOSE", "ID_TEXT", "ID_ERROR",
-    "ID_ACQUISITION", "ID_IMAGE", "ID_WAVEFORM", "MESSAGE_NAMES", "CONFIG_FILE_BYTES",
-    "Limits", "ProtocolError", "ConnectionClosed", "ReadTimeout", "Message", "MrdStream",
-    "frame_config_file", "frame_config_text", "frame_header", "frame_text", "frame_error",
-    "frame_close", "frame_acquisition", "frame_image", "frame_waveform", "frame_message",
-    "decode_text",
+    "ID_ACQUISITION", "ID_IMAGE", "ID_WAVEFORM", "MESSAGE_NAMES", "CONFIG_FILE_BYTES", "Limits",
+    "ProtocolError", "ConnectionClosed", "ReadTimeout", "Message", "MrdStream", "frame_config_file",
+    "frame_config_text", "frame_header", "frame_text", "frame_error", "frame_close",
+    "frame_acquisition", "frame_image", "frame_waveform", "frame_message", "decode_text",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -384,7 +383,7 @@ class MrdStream:
     cannot renew (:class:`ReadTimeout`).
     """
 
-    def __init__(self, sock: socket.socket, limits: Limits = Limits()):
+    def __init__(self, sock: socket.socket, limits: Limits = Limits(), quick_ack: bool = False):
         self.sock = sock
         self.limits = limits
         self._read_lock = threading.Lock()
@@ -397,6 +396,7 @@ class MrdStream:
         self._idle: float | None = None  # the socket's own timeout, restored after a timed read
         self._read_broken: str | None = None
         self._write_broken: str | None = None
+        self.quick_ack = quick_ack  # TCP_QUICKACK before each read: peer without TCP_NODELAY
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:  # AF_UNIX (socketpair): no Nagle to turn off
@@ -494,6 +494,8 @@ class MrdStream:
     def _recv_into(self, view: memoryview, n: int, what: str) -> int:
         """``sock.recv_into`` under the deadlines of :meth:`read_message`; the message's first
         bytes start its ``message_timeout``."""
+        if self.quick_ack:
+            tcp.quick_ack(self.sock)
         if self._deadline is None:
             count = self.sock.recv_into(view, n)
         else:

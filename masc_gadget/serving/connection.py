@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from masc_gadget.acquisition.policies import POLICIES
+from masc_gadget.acquisition.batcher import DecisionBatcher
 from masc_gadget.config import Config, ConfigError, load_config, quote
 from masc_gadget.mrd.header import encoding_geometry, parse_header, slice_limit
 from masc_gadget.mrd.protocol import (
@@ -115,7 +116,8 @@ class Connection:
     (True) or not by ``deadline`` (False); the server releases it after :meth:`run`."""
 
     def __init__(self, sock: socket.socket, peer: str, named: NamedConfigs, cache: ModelCache,
-                 scfg: ServerConfig, take_slot: Callable[[Connection, float], bool] | None = None) -> None:
+                 scfg: ServerConfig, take_slot: Callable[[Connection, float], bool] | None = None,
+                 batcher: DecisionBatcher | None = None) -> None:
         sock.settimeout(scfg.idle_timeout_s)
         self.stream = MrdStream(sock)
         self.peer = peer
@@ -123,6 +125,8 @@ class Connection:
         self.cache = cache
         self.scfg = scfg
         self.take_slot = take_slot
+        self.batcher = batcher
+        self.trusted: GadgetSettings | None = None
         self.closed_by_client = False
         self.stream_started = False
         self.interrupted = threading.Event()
@@ -166,8 +170,10 @@ class Connection:
         self.stream_started = True
         if msg.id == ID_CONFIG_FILE:
             settings = self.named.resolve(msg.payload.strip())
+            self.trusted = settings  # the operator's configuration, chosen by name
         elif msg.id == ID_CONFIG_TEXT:
-            settings = settings_from_xml(msg.payload, self.named.resolve("default"))
+            self.trusted = self.named.resolve("default")  # a client's script: its models must be names
+            settings = settings_from_xml(msg.payload, self.trusted)
         else:
             raise ClientError(f"expected a configuration (message 1 or 2) first, got message {msg.id}")
         msg = self._read(deadline)
@@ -293,7 +299,8 @@ class Connection:
                 raise ClientError("the server is shutting down")
             raise ClientError(f"server busy: all {self.scfg.max_connections} connection slots are in use "
                               "(server.max_connections); try again later")
-        stats = process(self.items(), header, settings, self._send, on_error=self.send_error, cache=self.cache)
+        stats = process(self.items(), header, settings, self._send, on_error=self.send_error, cache=self.cache,
+                        trusted=self.trusted, batcher=self.batcher)
         log.info("%s done: %s", self.peer, stats)
         if self.read_error is not None:
             self._fail(self.read_error)

@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
+
 from masc_gadget import __version__
 from masc_gadget.acquisition.batcher import DecisionBatcher
 from masc_gadget.acquisition.engine import AcquisitionEngine
@@ -160,16 +162,23 @@ def serve_connect_mode(port: int, settings: GadgetSettings, host: str = "127.0.0
 
 def warm_up(settings: GadgetSettings, cache: ModelCache = DEFAULT_CACHE, n_pe: int = 64,
             n_readout: int = 64) -> float:
-    """Load the models of ``settings`` into ``cache`` and run one decision on a dummy slice
-    (a learned policy on its own image size); returns the seconds it took."""
+    """Load the models of ``settings`` into ``cache`` and run one decision and one final
+    reconstruction on a dummy slice (a learned policy on its own image size), so that the first
+    line of a scan does not pay for the process's kernel set-up; returns the seconds it took."""
     start = time.perf_counter()
     policy = load_models(settings, cache).policy
     net = getattr(policy, "net", None)
     if net is not None:
         n_pe, n_readout = net.n_pe, net.width
-    build_engine(settings, n_pe, n_readout, cache, initial=min(settings.initial, n_pe - 1), budget=1)
+    initial = min(settings.initial, n_pe - 1)
+    engine = build_engine(settings, n_pe, n_readout, cache, initial=initial, budget=1)
+    zeros = np.zeros(n_readout, np.complex64)
+    for line in range(n_pe // 2 - initial // 2, n_pe // 2 - initial // 2 + initial):
+        engine.on_line(0, line, zeros)
+    engine.finish_slice(0)
     seconds = time.perf_counter() - start
-    log.info("warmed up in %.2f s (policy %s)", seconds, settings.policy)
+    log.info("warmed up in %.2f s (policy %s, MAR %s, device %s)", seconds, settings.policy,
+             settings.mar_checkpoint or "off", engine.device)
     return seconds
 
 

@@ -24,10 +24,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from masc_gadget.acquisition.batcher import DecisionBatcher
+from masc_gadget.acquisition.engine import AcquisitionEngine
 from masc_gadget.config import Config, quote
 from masc_gadget.mrd.protocol import frame_close, frame_text
 from masc_gadget.serving.connection import ClientError, Connection, NamedConfigs
-from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache, build_engine, load_models
+from masc_gadget.serving.gadget import configure, warm_up
+from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache
 from masc_gadget.serving.settings import GadgetSettings
 
 __all__ = ["ClientError", "MascServer", "NamedConfigs", "ServerConfig", "register"]
@@ -63,10 +68,16 @@ class ServerConfig:
     token: str = ""
     """Shared secret a client must send as ``{"token": "..."}`` in its JSON parameters (message
     5, right after the header); "" = no token needed."""
+    threads: int = 1
+    """torch CPU threads of the server process (0: torch's default, one per core). Decisions
+    of all connections run batched on one worker; on a busy machine more threads per forward
+    mostly contend with each other."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0 = torch's default), got {self.threads}")
         for name in ("max_connections", "max_pending", "max_slices"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -131,6 +142,8 @@ class MascServer:
         folders.append(Path.cwd() / "configs")
         self.named = NamedConfigs(config, folders)
         self.cache = cache
+        configure(config, cache)  # the models and feedback sections: what clients may choose
+        self.batcher = DecisionBatcher(AcquisitionEngine.run_group)
         self._networks = scfg.networks()
         self._sock: socket.socket | None = None
         self._stop = threading.Event()
@@ -153,6 +166,8 @@ class MascServer:
             sock.close()
             raise OSError(f"cannot listen on {self.host}:{self.port}: {err.strerror or err}") from None
         self.port = sock.getsockname()[1]
+        if self.scfg.threads:
+            torch.set_num_threads(self.scfg.threads)
         try:
             self.warm_up()
         except BaseException:
@@ -176,25 +191,8 @@ class MascServer:
 
     def warm_up(self, n_pe: int = 64, n_readout: int = 64) -> float:
         """Load the default models and run one decision and one reconstruction before the first
-        client, so that the first line of a scan does not pay for the process's kernel set-up
-        (~0.25 s on a CPU). Returns the seconds it took."""
-        import numpy as np
-
-        start = time.perf_counter()
-        s = GadgetSettings.from_config(self.named.config)
-        policy = load_models(s, self.cache).policy
-        if policy is not None:  # a learned policy knows its matrix
-            n_pe, n_readout = policy.net.n_pe, policy.net.width
-        initial = min(s.initial, n_pe - 1)
-        engine = build_engine(s, n_pe, n_readout, self.cache, initial=initial, budget=1)
-        zeros = np.zeros(n_readout, np.complex64)
-        for line in range(n_pe // 2 - initial // 2, n_pe // 2 - initial // 2 + initial):
-            engine.on_line(0, line, zeros)
-        engine.finish_slice(0)
-        seconds = time.perf_counter() - start
-        log.info("warmed up in %.2f s (policy %s, MAR %s, device %s)", seconds, s.policy,
-                 s.mar_checkpoint or "off", engine.device)
-        return seconds
+        client (:func:`masc_gadget.serving.gadget.warm_up`); returns the seconds it took."""
+        return warm_up(GadgetSettings.from_config(self.named.config), self.cache, n_pe, n_readout)
 
     # ---------------------------------------------------------------------------- connections
 
@@ -231,7 +229,8 @@ class MascServer:
         log.info("connection from %s", peer)
         connection = None
         try:
-            connection = Connection(conn, peer, self.named, self.cache, self.scfg, self._take_slot)
+            connection = Connection(conn, peer, self.named, self.cache, self.scfg, self._take_slot,
+                                    self.batcher)
             thread = threading.Thread(target=self._serve, args=(connection,), name=f"masc-{peer}", daemon=True)
             with self._lock:
                 self._connections[connection] = thread
@@ -280,6 +279,7 @@ class MascServer:
             connection.interrupt()
         for thread in open_connections.values():
             thread.join(max(0.0, deadline - time.monotonic()))
+        self.batcher.close(max(0.0, deadline - time.monotonic()))
         left = sum(thread.is_alive() for thread in open_connections.values())
         if left:
             log.warning("MASC server stopped with %d connection thread(s) still finishing", left)

@@ -119,7 +119,9 @@ class _GadgetLink:
         from masc_gadget.mrd.protocol import MrdStream
 
         self.sock = sock
-        self.stream = MrdStream(sock)
+        # acknowledge every chunk at once: the gadget's side (stock Gadgetron) may hold its small
+        # replies until an ACK comes back (Nagle's algorithm against a delayed ACK)
+        self.stream = MrdStream(sock, quick_ack=True)
         self.mode = mode
         self.board = board
         self.errors = errors
@@ -176,7 +178,6 @@ class _GadgetLink:
         try:
             while True:
                 try:
-                    tcp.quick_ack(self.sock)  # the gadget's side may not set TCP_NODELAY
                     message = self.stream.read_message()
                 except (EOFError, OSError, ValueError) as err:
                     # ConnectionClosed is an EOFError, ProtocolError a ValueError.

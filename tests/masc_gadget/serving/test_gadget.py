@@ -144,8 +144,9 @@ def test_closed_loop_with_mar_equals_offline(subject, mar_ckpt):
     from masc_gadget.models.checkpoint import load_mar
     from masc_gadget.serving.models import ModelCache
 
-    config = load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu", "server.port=0"])
-    srv = MascServer(config, host="127.0.0.1", port=0, cache=ModelCache(directory=str(mar_ckpt.parent)))
+    config = load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu", "server.port=0",
+                                                 f"models.directory={mar_ckpt.parent}"])
+    srv = MascServer(config, host="127.0.0.1", port=0, cache=ModelCache())
     _, port = srv.start()
     header, acqs, kspace = subject
     try:
