@@ -25,7 +25,7 @@ from masc_gadget import __version__
 from masc_gadget.acquisition.batcher import DecisionBatcher
 from masc_gadget.acquisition.engine import AcquisitionEngine, SliceResult
 from masc_gadget.mrd.feedback import ZmqFeedback, allowed_endpoints, feedback_acquisition, is_feedback
-from masc_gadget.mrd.header import EncodingGeometry, encoding_geometry
+from masc_gadget.mrd.header import EncodingGeometry, encoding_geometry, slice_limit
 from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache, build_engine
 from masc_gadget.serving.settings import GadgetSettings, settings_from_json
 
@@ -156,12 +156,17 @@ def start_engine(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[
 
 
 def well_formed(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[ismrmrd.Acquisition]:
-    """Reject (``ctx.reject``) acquisitions that are not one channel of the header's readout."""
+    """Reject (``ctx.reject``) acquisitions that are not one channel of the header's readout,
+    or whose slice is beyond the header's slice limit (a stream cannot grow without bound)."""
     n_readout = ctx.geometry.n_readout
+    n_slices = slice_limit(ctx.header)
     for acq in acqs:
         slice_index, line = int(acq.idx.slice), int(acq.idx.kspace_encode_step_1)
         data = acq.data
-        if data.ndim != 2 or data.shape[0] != 1:
+        if n_slices is not None and slice_index >= n_slices:
+            ctx.reject(f"slice {slice_index} line {line}: beyond the header's slice limit "
+                       f"({n_slices} slices)")
+        elif data.ndim != 2 or data.shape[0] != 1:
             ctx.reject(f"slice {slice_index} line {line}: acquisition has {data.shape[0]} channels; "
                        "MASC expects coil-combined single-channel data")
         elif data.shape[1] != n_readout:

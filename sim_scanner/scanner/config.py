@@ -73,6 +73,9 @@ class ScannerConfig:
     """A stream configuration file (e.g. configs/gadgetron/masc_external.xml) sent as the
     configuration script (message id 2) instead of ``config_name``: Gadgetron runs it without
     it being installed in its config folder, and masc serve takes its gadget properties."""
+    token: str = ""
+    """Shared secret sent as ``{"token": ...}`` in the JSON parameters, for a ``masc serve``
+    that requires one (``server.token``); "" = none."""
     connect_timeout_s: float = 5.0
     """Timeout of the TCP connection to the gadget, s."""
     close_timeout_s: float = 10.0

@@ -164,13 +164,16 @@ def gadget_parameters(
     side channel it is "none" and ``zmq_address`` is the endpoint the scanner bound (otherwise
     "", so that the gadget pushes to no one).
     """
-    return {
+    params = {
         "feedback": "inband" if scfg.feedback == "inband" else "none",
         "zmq_address": pump.endpoint if pump is not None else "",
         "initial": acq.initial,
         "budget": acq.budget,
         "policy": acq.policy,
     }
+    if scfg.token:
+        params["token"] = scfg.token
+    return params
 
 
 @dataclass

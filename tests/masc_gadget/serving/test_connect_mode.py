@@ -1,6 +1,7 @@
 """Gadgetron's connect mode: one module process serves many streams at once, warmed up before
 its port opens, with TCP_NODELAY on every stream; Gadgetron's side is played by real sockets."""
 
+import copy
 import socket
 import threading
 
@@ -119,3 +120,22 @@ def test_streams_get_tcp_nodelay(module, subject, monkeypatch):
     results = {}
     _stream(module, subject, results, 0)
     assert seen and all(seen)
+
+
+def test_lines_beyond_the_header_slice_limit_are_rejected_inside_gadgetron_too(subject):
+    """Through Gadgetron no server checks the stream: the gadget's own stages refuse a slice
+    index beyond the header's limit, and keep the other slices."""
+    from masc_gadget.mrd.header import parse_header, slice_limit
+    from masc_gadget.serving.gadget import process
+
+    header, acqs, n_slices, n_pe = subject
+    parsed = parse_header(header)
+    assert slice_limit(parsed) == n_slices
+    rogue = copy.deepcopy(acqs[(0, n_pe // 2)])
+    rogue.idx.slice = n_slices + 100
+    errors, sent = [], []
+    stream = [acqs[(0, k)] for k in range(n_pe)] + [rogue]
+    stats = process(iter(stream), parsed, GadgetSettings(device="cpu"), sent.append, on_error=errors.append,
+                    cache=ModelCache())
+    assert stats["rejected"] == 1 and f"slice {n_slices + 100}" in errors[0] and "slice limit" in errors[0]
+    assert [im.slice for im in sent if isinstance(im, ismrmrd.Image)] == [0]

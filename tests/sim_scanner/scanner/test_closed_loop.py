@@ -116,3 +116,20 @@ def test_sigterm_stops_the_server_cleanly(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_masc_scan_sends_the_token_a_server_requires(tiny_dataset, tmp_path):
+    config = load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu", "server.token=sesame"])
+    server = MascServer(config, host="127.0.0.1", port=0)
+    _, port = server.start()
+    try:
+        scan = [f"scanner.server=127.0.0.1:{port}", "scanner.deadline_ms=2000", "scanner.max_subjects=1"]
+        with_token = run_scan(load_config(CONFIGS / "tiny.yaml", [*scan, "scanner.token=sesame"]),
+                              tiny_dataset, "test", tmp_path / "ok", progress=False)
+        without = run_scan(load_config(CONFIGS / "tiny.yaml", scan), tiny_dataset, "test", tmp_path / "no",
+                           progress=False)
+    finally:
+        server.shutdown()
+    assert with_token.totals.fallbacks == 0 and with_token.totals.gadget_errors == 0
+    assert without.totals.from_gadget == 0 and without.totals.images_zero_filled == without.totals.slices
+    assert any("authentication required" in e for s in without.subjects for e in s.gadget_errors)
