@@ -34,6 +34,16 @@ from training.rl.env import EnvConfig
 from training.rl.ppo import PPOConfig
 
 
+def _write_json(path: str | None, payload: object) -> None:
+    """``--out``: the results as JSON (folders made as needed); nothing when no path is given."""
+    if not path:
+        return
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    print(f"results written to {out}")
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -177,11 +187,7 @@ def cmd_unet(args: argparse.Namespace) -> int:
           f"{' (' + env['device_name'] + ')' if 'device_name' in env else ''}, torch {env['torch']}, "
           f"{env['cpu_threads']} CPU threads; latency per call (whole batch)")
     print(format_table(rows))
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"environment": env, "rows": rows}, indent=2) + "\n")
-        print(f"results written to {out}")
+    _write_json(args.out, {"environment": env, "rows": rows})
     return 0
 
 
@@ -240,12 +246,7 @@ def cmd_env(args: argparse.Namespace) -> int:
           f"{info['cpu_threads']} CPU threads, load average {_load(info['load_average'])} before, "
           f"{_load(info['load_average_end'])} after")
     print(format_env_table(result, ppo_result))
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"command": command, "environment": info, "env": result, "ppo": ppo_result}
-        out.write_text(json.dumps(payload, indent=2) + "\n")
-        print(f"results written to {out}")
+    _write_json(args.out, {"command": command, "environment": info, "env": result, "ppo": ppo_result})
     return 0
 
 
@@ -271,9 +272,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"feedback {scanner.feedback}, deadline {scanner.deadline_ms:g} ms, "
           f"{args.max_slices or 'all'} slices per scan, {os.cpu_count()} CPUs")
     print(format_serve_table(result))
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2, default=str) + "\n")
-        print(f"results written to {out}")
+    _write_json(args.out, result)
     return 0
