@@ -8,6 +8,9 @@ Two forms (DESIGN.md, "Next-line feedback"):
   ``user_int[1]`` = decision latency in microseconds. Channel counts are those of ISMRMRD's
   own empty acquisition (``ismrmrd_init_acquisition_header``: 0 samples, 1 active and
   1 available channel), so it has no payload and every MRD reader takes it.
+* **message 1028** ("feedback", FIRE-style; opt-in with ``feedback = "fire"``, masc serve only):
+  name ``"masc.next_lines"``, data little-endian ``uint32`` slice, step, latency_us, n_lines,
+  then ``n_lines`` x ``uint32`` line (the lines to acquire next, in order; one today).
 * **side channel**: ZeroMQ PUSH (gadget, connects) -> PULL (scanner, binds), one JSON object
   per decision: ``{"slice", "line", "step", "latency_us", "t"}`` (``t``: unix time of sending).
   Sending never blocks: a full queue or an absent scanner drops the decision and counts it.
@@ -25,6 +28,7 @@ import fnmatch
 import json
 import logging
 import numbers
+import struct
 import re
 import threading
 import time
@@ -36,6 +40,7 @@ import ismrmrd
 import zmq
 
 from masc_gadget.acquisition.decision import Decision
+from masc_gadget.mrd.frames import Feedback
 
 __all__ = [
     "DEFAULT_ZMQ_ALLOW",
@@ -144,6 +149,33 @@ def decision_from_acquisition(acq: ismrmrd.Acquisition | ismrmrd.AcquisitionHead
         step=int(acq.user_int[0]),
         latency_us=int(acq.user_int[1]),
     )
+
+
+FIRE_NAME = "masc.next_lines"
+"""The name of MASC's 1028 feedback messages."""
+_FIRE_HEAD = struct.Struct("<IIII")  # slice, step, latency_us, n_lines
+_LINE = struct.Struct("<I")
+
+
+def fire_feedback(decision: Decision) -> Feedback:
+    """The 1028 message of a decision (module docstring)."""
+    return Feedback(FIRE_NAME, _FIRE_HEAD.pack(int(decision.slice), int(decision.step),
+                                               int(decision.latency_us), 1) + _LINE.pack(int(decision.line)))
+
+
+def decision_from_fire(feedback: Feedback) -> Decision:
+    """The decision a 1028 message carries (inverse of :func:`fire_feedback`). ValueError for
+    another name, a short or inconsistent body, or a message with no line."""
+    if feedback.name != FIRE_NAME:
+        raise ValueError(f"feedback message {feedback.name[:40]!r} is not {FIRE_NAME!r}")
+    data = feedback.data
+    if len(data) < _FIRE_HEAD.size:
+        raise ValueError(f"{FIRE_NAME}: {len(data)} bytes, shorter than its {_FIRE_HEAD.size}-byte head")
+    slice_index, step, latency_us, n_lines = _FIRE_HEAD.unpack_from(data)
+    if n_lines < 1 or len(data) != _FIRE_HEAD.size + n_lines * _LINE.size:
+        raise ValueError(f"{FIRE_NAME}: {len(data)} bytes do not hold {n_lines} line(s) (at least one)")
+    line = _LINE.unpack_from(data, _FIRE_HEAD.size)[0]
+    return Decision(slice=slice_index, line=line, step=step, latency_us=latency_us)
 
 
 def decision_json(decision: Decision) -> str:

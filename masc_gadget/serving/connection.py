@@ -35,6 +35,7 @@ from masc_gadget.mrd.protocol import (
     MrdStream,
     ProtocolError,
     ReadTimeout,
+    Feedback,
     frame_close,
 )
 from masc_gadget.serving.gadget import process
@@ -323,5 +324,7 @@ class Connection:
             self.stream.send_image(item)
         elif isinstance(item, ismrmrd.Acquisition):
             self.stream.send_acquisition(item)
+        elif isinstance(item, Feedback):
+            self.stream.send_feedback(item)
         else:
             raise TypeError(f"cannot send {type(item).__name__}")

@@ -30,7 +30,7 @@ import numpy as np
 from masc_gadget import __version__
 from masc_gadget.acquisition.batcher import DecisionBatcher
 from masc_gadget.acquisition.engine import AcquisitionEngine
-from masc_gadget.config import Config
+from masc_gadget.config import Config, ConfigError
 from masc_gadget.mrd import tcp
 from masc_gadget.mrd.feedback import set_allowed_endpoints
 from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache, build_engine, load_models
@@ -102,6 +102,9 @@ def masc(connection, settings: GadgetSettings | None = None, cache: ModelCache =
     _low_latency(connection)
     base = settings or GadgetSettings()
     settings = settings_from_xml(getattr(connection, "config", None), base)
+    if settings.feedback == "fire":
+        raise ConfigError("feedback fire (message 1028) is for masc serve; through Gadgetron use "
+                          "feedback inband or a zmq_address")
     log.info("MASC gadget %s: policy %s, %d + %d lines, MAR %s, feedback %s%s", __version__, settings.policy,
              settings.initial, settings.budget, settings.mar_checkpoint or "off", settings.feedback,
              f", zmq {settings.zmq_address}" if settings.zmq_address else "")

@@ -49,9 +49,10 @@ class GadgetConfig:
     """Trained MASC checkpoint (``masc train masc``) used when the policy is ``masc``."""
     device: str = "auto"
     """cpu, cuda, cuda:N or auto (CUDA when present)."""
-    feedback: Literal["none", "inband"] = "none"
-    """Default next-line feedback in the stream; clients opt in per connection, because
-    gadgetron_ismrmrd_client aborts on acquisitions it does not expect."""
+    feedback: Literal["none", "inband", "fire"] = "none"
+    """Default next-line feedback in the stream: none, inband (header-only ACQ_USER1
+    acquisitions) or fire (message 1028 "feedback", masc serve only); clients opt in per
+    connection, because gadgetron_ismrmrd_client aborts on messages it does not expect."""
     zmq_address: str = ""
     """ZeroMQ PUSH address of the side channel (the scanner binds it); "" = off."""
     return_zero_filled: bool = False

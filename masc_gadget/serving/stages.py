@@ -24,7 +24,7 @@ import numpy as np
 from masc_gadget import __version__
 from masc_gadget.acquisition.batcher import DecisionBatcher
 from masc_gadget.acquisition.engine import AcquisitionEngine, SliceResult
-from masc_gadget.mrd.feedback import ZmqFeedback, allowed_endpoints, feedback_acquisition, is_feedback
+from masc_gadget.mrd.feedback import fire_feedback, ZmqFeedback, allowed_endpoints, feedback_acquisition, is_feedback
 from masc_gadget.mrd.header import EncodingGeometry, encoding_geometry, slice_limit
 from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache, build_engine
 from masc_gadget.serving.settings import GadgetSettings, settings_from_json
@@ -105,7 +105,7 @@ class Context:
             self.zmq_out = ZmqFeedback(s.zmq_address, allowed=allowed)
         self.engine = build_engine(s, self.geometry.n_pe, self.geometry.n_readout, self.cache,
                                    trusted=self.trusted, batcher=self.batcher)
-        self.closed_loop = s.feedback == "inband"
+        self.closed_loop = s.feedback in ("inband", "fire")
 
     def finishes(self, slice_index: int) -> bool:
         """Whether a slice is finished now, before the scanner's ``ACQ_LAST_IN_SLICE``: its
@@ -195,6 +195,8 @@ def decide(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[SliceR
             ctx.stats["decisions"] += 1
             if ctx.settings.feedback == "inband":
                 ctx.send_item(feedback_acquisition(decision, acq.getHead()))
+            elif ctx.settings.feedback == "fire":
+                ctx.send_item(fire_feedback(decision))
             if ctx.zmq_out is not None:
                 ctx.zmq_out.send(decision)
         if acq.is_flag_set(ismrmrd.ACQ_LAST_IN_SLICE) or ctx.finishes(slice_index):

@@ -41,8 +41,9 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
                       help="split to scan (default: test)")
     scan.add_argument("--out", required=True, metavar="OUTDIR", help="folder for report.json and images.h5")
     scan.add_argument("--server", metavar="HOST:PORT", help="gadget address (default 127.0.0.1:9002)")
-    scan.add_argument("--feedback", choices=["inband", "zmq", "none"],
-                      help="decisions in-band, over ZeroMQ, or none (open loop); default inband")
+    scan.add_argument("--feedback", choices=["inband", "fire", "zmq", "none"],
+                      help="decisions in-band, as message 1028 (fire), over ZeroMQ, or none (open "
+                      "loop); default inband")
     scan.add_argument("--deadline-ms", type=float, metavar="D",
                       help="wait for each decision at most D ms after the previous line (default 200)")
     scan.add_argument("--fallback", metavar="ORDER",

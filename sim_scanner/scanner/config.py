@@ -9,7 +9,7 @@ from typing import Literal
 
 from masc_gadget.acquisition.policies import make_policy
 
-FEEDBACK_MODES = ("inband", "zmq", "none")
+FEEDBACK_MODES = ("inband", "fire", "zmq", "none")
 IMAGE_FROM_GADGET = "gadget"
 IMAGE_ZERO_FILLED = "scanner zero-filled"
 REPORT_FILE = "report.json"
@@ -49,9 +49,9 @@ class ScannerConfig:
 
     server: str = "127.0.0.1:9002"
     """Gadget to connect to, HOST:PORT (``masc serve`` or Gadgetron)."""
-    feedback: Literal["inband", "zmq", "none"] = "inband"
+    feedback: Literal["inband", "fire", "zmq", "none"] = "inband"
     """How next-line decisions come back: in-band feedback acquisitions on the MRD connection,
-    the ZeroMQ side channel (the scanner binds ``zmq_address``), or none (open loop: stream the
+    message 1028 "feedback" on the MRD connection (fire, masc serve), the ZeroMQ side channel (the scanner binds ``zmq_address``), or none (open loop: stream the
     initial lines and the fallback order without waiting, like a plain MRD client)."""
     deadline_ms: float = 200.0
     """How long the scanner waits for the decision for a slice's next line, from sending the

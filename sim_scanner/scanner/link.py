@@ -171,6 +171,20 @@ class _GadgetLink:
         log.warning("gadget connection lost: %s", reason)
         self.board.close()
 
+    def _feedback(self, message: Any) -> None:
+        """A 1028 "feedback" message: MASC's next-line decision when the scan asked for them."""
+        from masc_gadget.mrd.feedback import decision_from_fire
+
+        if self.mode != "fire":
+            log.debug("ignoring a 1028 feedback message (feedback=%s)", self.mode)
+            return
+        try:
+            decision = decision_from_fire(message)
+        except ValueError as err:
+            self.errors.append(f"bad 1028 decision: {err}")
+            return
+        self.board.put(decision, time.perf_counter())
+
     def _read_loop(self) -> None:
         from masc_gadget.mrd import protocol
         from masc_gadget.mrd.feedback import decision_from_acquisition, is_feedback
@@ -209,6 +223,8 @@ class _GadgetLink:
                             log.debug("ignoring an in-band decision (feedback=%s)", self.mode)
                     else:
                         log.debug("ignoring an acquisition returned by the gadget")
+                elif mid == protocol.ID_FEEDBACK:
+                    self._feedback(payload)
                 elif mid == protocol.ID_IMAGE:
                     self.images.append(payload)
                 elif mid in (protocol.ID_TEXT, protocol.ID_ERROR):

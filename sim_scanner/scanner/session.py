@@ -165,7 +165,7 @@ def gadget_parameters(
     "", so that the gadget pushes to no one).
     """
     params = {
-        "feedback": "inband" if scfg.feedback == "inband" else "none",
+        "feedback": scfg.feedback if scfg.feedback in ("inband", "fire") else "none",
         "zmq_address": pump.endpoint if pump is not None else "",
         "initial": acq.initial,
         "budget": acq.budget,

@@ -139,3 +139,14 @@ def test_lines_beyond_the_header_slice_limit_are_rejected_inside_gadgetron_too(s
                     cache=ModelCache())
     assert stats["rejected"] == 1 and f"slice {n_slices + 100}" in errors[0] and "slice limit" in errors[0]
     assert [im.slice for im in sent if isinstance(im, ismrmrd.Image)] == [0]
+
+
+def test_message_1028_feedback_is_refused_through_gadgetron():
+    from masc_gadget.config import ConfigError
+
+    class Stream:
+        config = '<configuration><property name="feedback" value="fire"/></configuration>'
+        header = None
+
+    with pytest.raises(ConfigError, match="feedback fire .* is for masc serve"):
+        gadget.masc(Stream())

@@ -46,14 +46,14 @@ def _start_serve(port, *extra):
             time.sleep(0.1)
 
 
-@pytest.mark.parametrize("interleave", [False, True])
-def test_masc_scan_closed_loop_equals_offline(tiny_dataset, tmp_path, interleave):
+@pytest.mark.parametrize("interleave, feedback", [(False, "inband"), (True, "inband"), (False, "fire")])
+def test_masc_scan_closed_loop_equals_offline(tiny_dataset, tmp_path, interleave, feedback):
     config = load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu"])
     server = MascServer(config, host="127.0.0.1", port=0)
     _, port = server.start()
     try:
         scan_config = load_config(CONFIGS / "tiny.yaml", [
-            f"scanner.server=127.0.0.1:{port}", "scanner.feedback=inband", "scanner.deadline_ms=2000",
+            f"scanner.server=127.0.0.1:{port}", f"scanner.feedback={feedback}", "scanner.deadline_ms=2000",
             f"scanner.interleave={str(interleave).lower()}", "acquisition.policy=equispaced",
         ])
         report = run_scan(scan_config, tiny_dataset, "test", tmp_path / "scan", progress=False)
