@@ -29,6 +29,7 @@ from masc_gadget.mrd.protocol import (
     ID_HEADER,
     ID_IMAGE,
     ID_TEXT,
+    ID_FEEDBACK,
     ID_WAVEFORM,
     MESSAGE_NAMES,
     ConnectionClosed,
@@ -215,8 +216,8 @@ def assert_images_equal(got, want):
 
 def test_message_ids_and_names():
     ids = [ID_CONFIG_FILE, ID_CONFIG_TEXT, ID_HEADER, ID_CLOSE, ID_TEXT, ID_ERROR,
-           ID_ACQUISITION, ID_IMAGE, ID_WAVEFORM]
-    assert ids == [1, 2, 3, 4, 5, 8, 1008, 1022, 1026]
+           ID_ACQUISITION, ID_IMAGE, ID_WAVEFORM, ID_FEEDBACK]
+    assert ids == [1, 2, 3, 4, 5, 8, 1008, 1022, 1026, 1028]
     assert set(MESSAGE_NAMES) == set(ids)
     # The same numbers as the gadgetron client's constants.
     assert ID_ACQUISITION == gconstants.GADGET_MESSAGE_ISMRMRD_ACQUISITION
