@@ -24,6 +24,8 @@ from masc_gadget.core.kspace import zero_filled
 from masc_gadget.core.metrics import METRICS, slice_metrics
 from masc_gadget.acquisition.policies import SamplingPolicy, make_policy, slice_rng
 from training.data import SliceSet, load_split
+from training.evaluation.oracle import NAME as ORACLE
+from training.evaluation.oracle import GreedyOracle
 from training.evaluation.figures import plot_curves, plot_examples
 from training.evaluation.stats import mean_std
 from training.evaluation.tables import add_tests, render_table
@@ -36,7 +38,8 @@ class EvalConfig:
     """Evaluation settings (config section ``eval``)."""
 
     methods: tuple[str, ...] = ("center-out", "random", "random-lowbias", "equispaced")
-    """Sampling methods to compare (policy names)."""
+    """Sampling methods to compare: policy names, and ``oracle`` (the greedy one-step oracle,
+    which reads the ground truth: the yardstick, not a deployable method)."""
     accelerations: dict[str, tuple[int, int]] = field(
         default_factory=lambda: {"10x": (2, 18), "5x": (8, 32)}
     )
@@ -78,11 +81,12 @@ class Trajectories:
     finals: dict[bool, torch.Tensor] = field(default_factory=dict)  # mar? -> (E, H, W) example images
 
 
-def run_method(policy: SamplingPolicy, data: SliceSet, initial: int, budget: int,
+def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: int, budget: int,
                mar: torch.nn.Module | None, seed: int, batch_size: int, device: torch.device,
                example_index: list[int] = ()) -> Trajectories:
     """Run ``policy`` on every slice (batched), scoring the zero-filled and the MAR image after
-    the initial lines and after each choice."""
+    the initial lines and after each choice. The :class:`GreedyOracle` chooses with the clean
+    target, under ``mar`` when given."""
     n, n_pe = len(data), data.n_pe
     steps = budget + 1
     lines = np.zeros((n, initial + budget), dtype=np.int64)
@@ -109,6 +113,9 @@ def run_method(policy: SamplingPolicy, data: SliceSet, initial: int, budget: int
                         for m in settings:
                             finals[m].append((wanted[i], images[m][b].cpu()))
                 break
+            if isinstance(policy, GreedyOracle):
+                episodes.acquire(policy.choose(episodes, kspace, target, mar))
+                continue
             seen = None
             if policy.needs_image:
                 seen = images[policy.sees_mar(mar is not None)].cpu().numpy()
@@ -139,12 +146,15 @@ def _row_key(method: str, mar: bool) -> str:
 
 
 def load_policies(methods: list[str], checkpoint: str | Path | None, device: torch.device
-                  ) -> tuple[dict[str, SamplingPolicy], dict[str, torch.nn.Module]]:
+                  ) -> tuple[dict[str, SamplingPolicy | GreedyOracle], dict[str, torch.nn.Module]]:
     """The policy of each method, and the MAR networks that learned methods bring with them
     (a MASC checkpoint fine-tuned end to end), by method name."""
     own_mar: dict[str, torch.nn.Module] = {}
-    policies: dict[str, SamplingPolicy] = {}
+    policies: dict[str, SamplingPolicy | GreedyOracle] = {}
     for name in methods:
+        if name == ORACLE:
+            policies[name] = GreedyOracle()
+            continue
         if name != "masc":
             policies[name] = make_policy(name)
             continue
