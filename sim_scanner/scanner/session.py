@@ -160,9 +160,10 @@ def gadget_parameters(
 ) -> dict[str, Any]:
     """The JSON parameters (text message, id 5) sent after the header.
 
-    ``feedback`` is the in-band switch of the gadget: "inband" only in in-band mode. With the
-    side channel it is "none" and ``zmq_address`` is the endpoint the scanner bound (otherwise
-    "", so that the gadget pushes to no one).
+    ``feedback`` is the gadget's switch for decisions on the MRD connection: "inband" or "fire"
+    (message 1028) in those modes. With the side channel it is "none" and ``zmq_address`` is the
+    endpoint the scanner bound (otherwise "", so that the gadget pushes to no one); ``token``
+    only when ``scanner.token`` is set.
     """
     params = {
         "feedback": scfg.feedback if scfg.feedback in ("inband", "fire") else "none",
