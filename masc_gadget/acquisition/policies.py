@@ -282,6 +282,34 @@ class Equispaced(SamplingPolicy):
         return farthest_free_line(state.mask)
 
 
+class FixedOrder(SamplingPolicy):
+    """A fixed, non-adaptive order of lines, e.g. the population-greedy order learned on a
+    training split. Deterministic; not in the registry (it needs its ``order``).
+
+    :meth:`select` returns the first line of ``order`` not acquired yet; once every line of the
+    order is acquired (the scanner acquired others), the free line farthest from every acquired
+    line (:func:`farthest_free_line`).
+    """
+
+    name = "fixed-order"
+
+    def __init__(self, order: Sequence[int], name: str = "fixed-order") -> None:
+        order = np.asarray(order, dtype=np.int64).reshape(-1)
+        if order.size == 0 or order.min() < 0 or np.unique(order).size != order.size:
+            raise ValueError(f"order must be distinct non-negative line numbers, got {order.tolist()}")
+        self.order, self.name = order, str(name)
+
+    def choose(self, state: AcquisitionState, rng: np.random.Generator | None) -> int:
+        order = self.order[self.order < state.n_pe]
+        pending = order[~state.mask[order]]
+        if pending.size:
+            return int(pending[0])
+        return farthest_free_line(state.mask)
+
+    def __repr__(self) -> str:
+        return f"FixedOrder({self.order.tolist()}, name={self.name!r})"
+
+
 PolicyFactory = Callable[..., SamplingPolicy]
 
 POLICIES: dict[str, PolicyFactory] = {

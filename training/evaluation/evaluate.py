@@ -22,10 +22,12 @@ from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
 from masc_gadget.core.kspace import zero_filled
 from masc_gadget.core.metrics import METRICS, slice_metrics
-from masc_gadget.acquisition.policies import SamplingPolicy, make_policy, slice_rng
+from masc_gadget.acquisition.policies import FixedOrder, SamplingPolicy, make_policy, slice_rng
 from training.data import SliceSet, load_split
 from training.evaluation.oracle import NAME as ORACLE
 from training.evaluation.oracle import GreedyOracle
+from training.evaluation.population import NAME as POPULATION
+from training.evaluation.population import population_order, spread_subset
 from training.evaluation.figures import plot_curves, plot_examples
 from training.evaluation.stats import mean_std
 from training.evaluation.tables import add_tests, render_table
@@ -38,8 +40,9 @@ class EvalConfig:
     """Evaluation settings (config section ``eval``)."""
 
     methods: tuple[str, ...] = ("center-out", "random", "random-lowbias", "equispaced")
-    """Sampling methods to compare: policy names, and ``oracle`` (the greedy one-step oracle,
-    which reads the ground truth: the yardstick, not a deployable method)."""
+    """Sampling methods to compare: policy names, ``oracle`` (the greedy one-step oracle, which
+    reads the ground truth: the yardstick, not a deployable method) and ``population`` (the
+    population-greedy fixed order, learned on the training split)."""
     accelerations: dict[str, tuple[int, int]] = field(
         default_factory=lambda: {"10x": (2, 18), "5x": (8, 32)}
     )
@@ -57,6 +60,9 @@ class EvalConfig:
     """cpu, cuda, cuda:N or auto."""
     max_slices: int = 0
     """Evaluate only the first N slices of the split (0 = all)."""
+    population_slices: int = 64
+    """Training slices the ``population`` order is computed on, evenly spread over the training
+    split (0 = all; its cost grows as slices x lines x budget)."""
 
     def __post_init__(self) -> None:
         if not self.methods:
@@ -68,8 +74,8 @@ class EvalConfig:
                 raise ValueError(f"accelerations.{name}: initial and budget must be >= 1, got {initial}, {budget}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.examples < 0 or self.max_slices < 0:
-            raise ValueError("examples and max_slices must be >= 0")
+        if self.examples < 0 or self.max_slices < 0 or self.population_slices < 0:
+            raise ValueError("examples, max_slices and population_slices must be >= 0")
 
 
 @dataclass
@@ -155,6 +161,8 @@ def load_policies(methods: list[str], checkpoint: str | Path | None, device: tor
         if name == ORACLE:
             policies[name] = GreedyOracle()
             continue
+        if name == POPULATION:  # one order per acceleration, learned in evaluate()
+            continue
         if name != "masc":
             policies[name] = make_policy(name)
             continue
@@ -166,6 +174,24 @@ def load_policies(methods: list[str], checkpoint: str | Path | None, device: tor
         if masc_mar is not None:
             own_mar[name] = masc_mar.eval()
     return policies, own_mar
+
+
+def population_policies(ecfg: EvalConfig, data_dir: str | Path, n_pe: int,
+                        mar: torch.nn.Module | None, device: torch.device
+                        ) -> tuple[dict[str, FixedOrder], dict[str, Any]]:
+    """The ``population`` method's fixed order at each acceleration, learned on (a spread
+    subsample of) the *training* split under ``mar``; and its record for results.json."""
+    train = spread_subset(load_split(data_dir, "train"), ecfg.population_slices)
+    if train.n_pe != n_pe:
+        raise ValueError(f"the training split has {train.n_pe} PE lines, the evaluated split {n_pe}")
+    orders = {}
+    for acc, (initial, budget) in ecfg.accelerations.items():
+        log.info("learning the population order for %s on %d training slices", acc, len(train))
+        orders[acc] = FixedOrder(population_order(train, initial, budget, mar, device, ecfg.batch_size),
+                                 name=POPULATION)
+    record = {"split": "train", "n_slices": len(train), "slices": [train.label(i) for i in range(len(train))],
+              "orders": {acc: p.order.tolist() for acc, p in orders.items()}}
+    return orders, record
 
 
 def result_rows(method: str, traj: Trajectories, initial: int, budget: int) -> list[dict[str, Any]]:
@@ -213,6 +239,9 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
     if reference not in valid:
         raise ValueError(f"reference {reference!r} is not an evaluated row; choose one of {', '.join(sorted(valid))}")
     examples = pick_examples(data, ecfg.examples)
+    population, population_record = {}, None
+    if POPULATION in methods:
+        population, population_record = population_policies(ecfg, data_dir, data.n_pe, mar, device)
     results: dict[str, Any] = {
         "split": split,
         "data": str(data_dir),
@@ -222,6 +251,7 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
         "mar_metadata": {k: mar_meta.get(k) for k in ("kind", "epoch", "val", "code_version") if k in mar_meta},
         "reference": reference,
         "config": {"eval": to_dict(ecfg)},
+        "population": population_record,
         "accelerations": {},
     }
     figures: dict[str, Any] = {"examples": examples, "labels": [data.label(i) for i in examples],
@@ -236,7 +266,8 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
                                  f"({data.n_pe}), got {initial} + {budget}")
             bar.set_postfix(acc=acc, method=method)
             method_mar = own_mar.get(method, mar) if mar is not None else None
-            traj = run_method(policies[method], data, initial, budget, method_mar, ecfg.seed, ecfg.batch_size,
+            policy = population[acc] if method == POPULATION else policies[method]
+            traj = run_method(policy, data, initial, budget, method_mar, ecfg.seed, ecfg.batch_size,
                               device, examples)
             block = results["accelerations"].setdefault(acc, {
                 "initial": initial, "budget": budget, "n_pe": data.n_pe,

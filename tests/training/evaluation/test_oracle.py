@@ -54,7 +54,7 @@ def test_tables_report_the_oracle_gain_captured(tiny_dataset, perturbed_mar, tmp
         assert share["center-out+nomar"] == pytest.approx(
             (ssim["center-out+nomar"] - ssim["random+nomar"]) / (ssim["oracle+nomar"] - ssim["random+nomar"]))
     table = (tmp_path / "table.md").read_text()
-    assert "Oracle (greedy, uses the ground truth)" in table and "oracle gain captured (SSIM)" in table
+    assert "Oracle (greedy, uses the ground truth)" in table and "oracle gain captured over Random (SSIM)" in table
 
 
 def test_oracle_gain_is_none_without_a_gain():
