@@ -47,6 +47,19 @@ def register_eval(subparsers: argparse._SubParsersAction, common: argparse.Argum
     ev.set_defaults(func=cmd_eval)
 
 
+def register_diversity(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    div = subparsers.add_parser("diversity", parents=[common], help="how predictable a dataset is",
+                                description="Can line choice matter on this dataset? The SSIM of the nearest "
+                                "training image (no scan), of the MAR network from the initial centre lines "
+                                "and after a centre-out / random scan with the budget, the train / test gap "
+                                "and the fully sampled ceiling.")
+    div.add_argument("--data", required=True, metavar="DIR", help="dataset folder")
+    div.add_argument("--mar", required=True, metavar="CKPT", help="MAR checkpoint (masc train mar)")
+    div.add_argument("--split", default="test", choices=["val", "test"])
+    div.add_argument("--out", metavar="FILE.json", help="also write the report as JSON")
+    div.set_defaults(func=cmd_diversity)
+
+
 def cmd_train_mar(args: argparse.Namespace) -> int:
     from masc_gadget.cli import config_from_args
     from training.mar import train_mar
@@ -86,4 +99,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     paths = write_outputs(results, figures, args.out)
     print(render_table(results))
     print("written: " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def cmd_diversity(args: argparse.Namespace) -> int:
+    import json
+
+    from masc_gadget.cli import config_from_args
+    from training.evaluation.diversity import diversity_report, render_report
+
+    report = diversity_report(config_from_args(args), args.data, args.mar, args.split)
+    print(render_report(report), end="")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"written: {args.out}")
     return 0
