@@ -29,6 +29,8 @@ def register_train(subparsers: argparse._SubParsersAction, common: argparse.Argu
     masc.add_argument("--out", required=True, metavar="CKPT", help="best checkpoint (.pt); "
                       "<CKPT stem>.last.pt and .csv are written beside it")
     masc.add_argument("--resume", metavar="CKPT", help="continue from a .last.pt checkpoint")
+    masc.add_argument("--demos", metavar="FILE", help="where the greedy oracle's demonstrations for the "
+                      "imitation warm start (imitation.slices > 0) are kept: read when they match, else written")
     masc.set_defaults(func=cmd_train_masc)
 
 
@@ -77,7 +79,7 @@ def cmd_train_masc(args: argparse.Namespace) -> int:
     from training.coadapt import train_masc
 
     config = config_from_args(args)
-    best = train_masc(config, args.data, args.mar, args.out, resume=args.resume)
+    best = train_masc(config, args.data, args.mar, args.out, resume=args.resume, demos=args.demos)
     print(f"best MASC checkpoint: {args.out} (rollout {best.get('rollout', '?')}, val SSIM "
           f"{best.get('ssim', float('nan')):.4f}, PSNR {best.get('psnr', float('nan')):.2f} dB, "
           f"{best.get('seconds', 0):.0f} s); log: {Path(args.out).with_suffix('.csv')}")

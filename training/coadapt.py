@@ -33,7 +33,8 @@ from masc_gadget.acquisition.learned import policy_metadata
 from masc_gadget.core.metrics import scale_by_target
 from masc_gadget.models.policy_net import PolicyNet
 from training.csvlog import append_row
-from training.data import load_split
+from training.data import SliceSet, load_split
+from training.imitation import ImitationConfig, imitate, load_or_make_demonstrations
 from training.rl.env import BatchedAcquisitionEnv, EnvConfig
 from training.mar import mar_loss
 from training.rl.ppo import Rollout, greedy_actions, make_optimizer, run_ppo
@@ -259,11 +260,30 @@ class _Run:
         append_row(self.csv_path, row, list(dict.fromkeys(fields)))
 
 
+def warm_start(run: _Run, train: SliceSet, demos_path: str | Path | None, progress: bool) -> None:
+    """Imitation of the greedy oracle (section ``imitation``) on training slices, before PPO;
+    the imitated policy is validated and checkpointed as rollout 0, so model selection on the
+    validation split keeps it when PPO does not improve on it."""
+    icfg: ImitationConfig = run.config["imitation"]
+    acq = run.config["acquisition"]
+    demos = load_or_make_demonstrations(demos_path, train, icfg, run.ecfg, acq.initial, acq.budget, run.mar,
+                                        next(run.net.parameters()).device)
+    history = imitate(run.net, demos, icfg, run.gen, progress)
+    for row in history:
+        append_row(run.csv_path.with_name(run.out.stem + ".imitation.csv"), row, list(row))
+    stats = {"charts/episodic_return": math.nan, **{k: v for k, v in history[-1].items() if k != "epoch"}}
+    run._append_csv({"rollout": 0, "global_step": 0, **stats, **run._validate_and_save(0, stats),
+                     "seconds": time.perf_counter() - run.t0}, stats)
+
+
 def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None, out: str | Path,
-               resume: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
+               resume: str | Path | None = None, progress: bool = True,
+               demos: str | Path | None = None) -> dict[str, Any]:
     """Co-adaptive training; the best checkpoint (validation SSIM of greedy episodes) goes to
     ``out`` (policy + MAR, loadable by the gadget and ``masc eval``), the latest to
     ``<out>.last.pt``, the per-rollout log to ``<out>.csv``. Returns the best validation metrics.
+    With ``imitation.slices > 0`` a fresh run first imitates the greedy oracle
+    (:func:`warm_start`); ``demos`` is the file its demonstrations are kept in (shared by seeds).
 
     The PPO loop is :func:`~training.rl.ppo.run_ppo`; the MAR fine-tuning, validation,
     checkpoints and the log happen in its hook, :meth:`_Run.after_rollout`."""
@@ -300,8 +320,9 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
     start, best = 0, {"ssim": -math.inf}
     if resume is not None:
         start, best = _resume(resume, net, optimizer, gen, mar, mar_opt, device)
-    elif out.with_suffix(".csv").exists():
-        out.with_suffix(".csv").unlink()
+    else:
+        for log_file in (out.with_suffix(".csv"), out.with_name(out.stem + ".imitation.csv")):
+            log_file.unlink(missing_ok=True)
 
     env = BatchedAcquisitionEnv(train, ecfg, acq.initial, acq.budget, mar, device, seed=tcfg.seed + start)
     val_env = BatchedAcquisitionEnv(val, ecfg, acq.initial, acq.budget, mar, device, seed=tcfg.seed)
@@ -313,6 +334,9 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
              "k-space %s, %d rollouts on %s", len(train), len(val), ecfg.n_envs, n_steps, tcfg.mar_mode,
              ecfg.kspace, tcfg.rollouts, device)
     run.t0 = time.perf_counter()
+    if config["imitation"].slices > 0 and start == 0:
+        warm_start(run, train, demos, progress)
+        env.set_mar(mar)
     run.bar = tqdm(desc="train masc", unit="rollout", disable=not progress, initial=start, total=tcfg.rollouts)
     run_ppo(run.recorder, net, pcfg, optimizer, gen, max(0, tcfg.rollouts - start),
             on_rollout=run.after_rollout, start_iteration=start + 1)
