@@ -6,7 +6,9 @@ line per slice, written and read by :mod:`sim_scanner.dataset.mrd_hdf5`), the fa
 ``kspace/{metal,clean}`` (complex64 [slice, pe, ro]), ``images/{metal,clean}`` (float32
 [slice, y, x]), ``implant_mask`` (uint8 [slice, y, x]), ``field_map_hz`` (float32
 [slice, y, x], off-resonance with the implant at each slice centre), and every simulation
-parameter as attributes.
+parameter as attributes: the dataset's config, the subject's drawn anatomy and implant, and how
+the subject was scanned (``scanner_json``: pose, field strength, bandwidth, noise level...,
+drawn per subject by the ``variation`` section; absent in files written before it existed).
 
 Everything else (the simulator, the scanner, training, previews) goes through the writers and
 readers here; none of them names a file, group, dataset or attribute of the format itself.
@@ -15,12 +17,13 @@ This module imports no physics: the scanner client depends on it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
 import platform
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -56,8 +59,13 @@ FORMAT_VERSION = 1
 SUBJECT_SUFFIX = ".h5"
 TMP_SUFFIX = ".tmp"
 """Suffix of a file being written (renamed into place when complete)."""
-SIM_SECTIONS = ("dataset", "phantom", "implant", "sequence", "physics")
+SIM_SECTIONS = ("dataset", "phantom", "implant", "sequence", "physics", "variation")
 """Config sections that describe the simulation (manifest ``config``, attribute ``config_json``)."""
+ADDED_SECTIONS = ("variation",)
+"""Simulation sections added after datasets were first written, whose defaults simulate exactly
+what those datasets hold: a manifest without one counts as holding its defaults."""
+SUBJECT_SECTIONS = ("sequence", "physics")
+"""Sections whose fields a subject's ``scanner`` record may override for that subject."""
 
 # ------------------------------------------------------------------------- inside a subject file
 
@@ -93,6 +101,7 @@ ATTR_FOV_CENTRE = "fov_centre_mm"
 ATTR_CONFIG_JSON = "config_json"
 ATTR_ANATOMY_JSON = "anatomy_json"
 ATTR_IMPLANT_JSON = "implant_json"
+ATTR_SCANNER_JSON = "scanner_json"
 ATTR_IMPLANT_SIDE = "implant.side"
 IMPLANT_PARTS = ("stem", "head", "liner", "cup")
 
@@ -210,9 +219,13 @@ def _comparable(sim: dict[str, Any]) -> dict[str, Any]:
 
 def same_simulation(manifest: dict[str, Any], config: Config, splits: dict[str, list[str]]) -> bool:
     """Whether ``manifest`` records a dataset simulated with ``config``'s data-changing
-    parameters and the same ``splits`` (so a rerun may resume into it)."""
-    return (_comparable(manifest.get("config", {})) == _comparable(sim_config_dict(config))
-            and manifest.get("splits") == splits)
+    parameters and the same ``splits`` (so a rerun may resume into it). A section of
+    ADDED_SECTIONS missing from the manifest counts as its defaults, which simulate what such
+    a dataset holds; any other value of it is another simulation."""
+    old = dict(manifest.get("config", {}))
+    for name in ADDED_SECTIONS:
+        old.setdefault(name, to_dict(type(config[name])()))
+    return _comparable(old) == _comparable(sim_config_dict(config)) and manifest.get("splits") == splits
 
 
 def split_counts(manifest: dict[str, Any]) -> dict[str, int]:
@@ -278,6 +291,20 @@ class SubjectData:
     fov_centre_mm: tuple[float, float]
     anatomy: dict[str, Any] = field(default_factory=dict)
     implant: dict[str, Any] = field(default_factory=dict)
+    scanner: dict[str, Any] = field(default_factory=dict)
+    """How the subject was scanned (JSON-able: pose, field strength...); under the keys of
+    SUBJECT_SECTIONS, the fields of those config sections as this subject's scan set them."""
+
+
+def subject_section(config: Config, scanner: Mapping[str, Any], name: str) -> Any:
+    """Config section ``name`` as one subject was simulated with it: ``config``'s, with the
+    fields that the subject's ``scanner`` record overrides under ``name``."""
+    if name not in SUBJECT_SECTIONS:
+        raise ValueError(
+            f"subjects override only the sections {', '.join(SUBJECT_SECTIONS)}, not {name!r}"
+        )
+    overrides = scanner.get(name) or {}
+    return dataclasses.replace(config[name], **overrides) if overrides else config[name]
 
 
 def write_subject(data: SubjectData, path: Path, config: Config, split: str) -> None:
@@ -299,8 +326,9 @@ def write_subject(data: SubjectData, path: Path, config: Config, split: str) -> 
 
 
 def _write_mrd_groups(path: Path, data: SubjectData, config: Config) -> None:
-    """The ISMRMRD groups ``metal`` and ``clean``: header + every line of every slice."""
-    seq = config["sequence"]
+    """The ISMRMRD groups ``metal`` and ``clean``: header + every line of every slice, with the
+    subject's own sequence (field strength, bandwidths)."""
+    seq = subject_section(config, data.scanner, "sequence")
     for group, kspace in ((MRD_METAL, data.kspace_metal), (MRD_CLEAN, data.kspace_clean)):
         header = mrd.build_header(
             seq,
@@ -322,9 +350,9 @@ def _write_attrs(attrs: h5py.AttributeManager, data: SubjectData, config: Config
     attrs[ATTR_SEED] = config["dataset"].seed
     attrs[ATTR_SLICE_CENTRES] = np.asarray(data.slice_centres_mm)
     attrs[ATTR_FOV_CENTRE] = np.asarray(data.fov_centre_mm)
-    for key, value in to_dict(config["sequence"]).items():
+    for key, value in to_dict(subject_section(config, data.scanner, "sequence")).items():
         attrs[sequence_attr(key)] = value
-    for key, value in to_dict(config["physics"]).items():
+    for key, value in to_dict(subject_section(config, data.scanner, "physics")).items():
         attrs[physics_attr(key)] = value
     attrs[ATTR_IMPLANT_SIDE] = data.implant.get("side", "")
     for part in IMPLANT_PARTS:
@@ -334,6 +362,7 @@ def _write_attrs(attrs: h5py.AttributeManager, data: SubjectData, config: Config
     attrs[ATTR_CONFIG_JSON] = json.dumps(sim_config_dict(config))
     attrs[ATTR_ANATOMY_JSON] = json.dumps(data.anatomy)
     attrs[ATTR_IMPLANT_JSON] = json.dumps(data.implant)
+    attrs[ATTR_SCANNER_JSON] = json.dumps(data.scanner)
 
 
 # ------------------------------------------------------------------------------ reading subjects
@@ -374,6 +403,29 @@ class SubjectFile:
         """The simulation sections the subject was simulated with (attribute ``config_json``)."""
         self.require(ATTR_CONFIG_JSON)
         return json.loads(self.attrs[ATTR_CONFIG_JSON])
+
+    @property
+    def anatomy(self) -> dict[str, Any]:
+        """The subject's drawn anatomy parameters ({} when the file has none)."""
+        return json.loads(self.attrs.get(ATTR_ANATOMY_JSON, "{}"))
+
+    @property
+    def implant(self) -> dict[str, Any]:
+        """The subject's drawn implant, anatomical coordinates ({} when the file has none)."""
+        return json.loads(self.attrs.get(ATTR_IMPLANT_JSON, "{}"))
+
+    @property
+    def scanner(self) -> dict[str, Any]:
+        """How the subject was scanned (:attr:`SubjectData.scanner`); {} in files written
+        before per-subject variation, which were scanned exactly as their config says."""
+        return json.loads(self.attrs.get(ATTR_SCANNER_JSON, "{}"))
+
+    @property
+    def sequence(self) -> SequenceConfig:
+        """The sequence this subject was scanned with: the config's, with the subject's
+        overrides (field strength, bandwidths, slab offset)."""
+        data = {**(self.sim_config.get("sequence") or {}), **(self.scanner.get("sequence") or {})}
+        return from_dict(SequenceConfig, data, "sequence")
 
 
 @_serialized
@@ -425,7 +477,7 @@ def read_scan_input(path: str | os.PathLike) -> ScanInput:
     sub.require(ATTR_CONFIG_JSON, ATTR_SLICE_CENTRES, ATTR_FOV_CENTRE)
     clean = np.asarray(sub.images_clean, dtype=np.float32)
     centres, fov = sub.slice_centres_mm, sub.fov_centre_mm
-    seq = from_dict(SequenceConfig, sub.sim_config.get("sequence"), "sequence")
+    seq = sub.sequence
     n_slices, n_pe, n_ro = group.kspace.shape
     if (seq.n_slices, seq.n_pe, seq.n_readout) != (n_slices, n_pe, n_ro):
         raise ValueError(

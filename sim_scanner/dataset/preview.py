@@ -26,6 +26,22 @@ def pick_slices(implant_mask: np.ndarray, count: int) -> list[int]:
     return sorted({int(pool[i]) for i in picks})
 
 
+def scan_summary(scanner: dict) -> str:
+    """One line on how a subject was scanned (its ``scanner`` record), "" when it has none."""
+    if not scanner:
+        return ""
+    shift = scanner.get("fov_shift_mm", [0.0, 0.0])
+    parts = [
+        f"turned {scanner.get('rotation_deg', 0.0):+.1f} deg",
+        f"FOV shift x {shift[0]:+.0f} y {shift[1]:+.0f} mm",
+        f"slab {scanner.get('slab_offset_mm', 0.0):+.0f} mm from the head",
+        f"SNR {scanner['snr']:.0f}" if scanner.get("snr") else "no noise",
+        f"coil shading {scanner.get('coil', {}).get('strength', 0.0):g}",
+        f"head {scanner.get('head_material', '?')}",
+    ]
+    return ", ".join(parts)
+
+
 def write_preview(folder: str | Path, subject: str | None, out: str | Path, n_slices: int = 4) -> Path:
     """Render the preview PNG of ``subject`` (default: the first test subject) to ``out``."""
     import matplotlib
@@ -69,9 +85,11 @@ def write_preview(folder: str | Path, subject: str | None, out: str | Path, n_sl
             if col == 0:
                 ax.set_ylabel(f"slice {k}  z={centres[k]:+.0f} mm", fontsize=9)
             if col == 4 and row == len(slices) - 1:
-                fig.colorbar(im, ax=axes[:, 4], shrink=0.6, label=f"Hz (±5 px at {bw:g} Hz/px)")
-    fig.suptitle(f"{manifest.get('name', '')} {subject}: {b0:g} T, {materials} implant, "
-                 f"readout L-R (x), phase encoding A-P (y)", fontsize=11)
+                fig.colorbar(im, ax=axes[:, 4], shrink=0.6, label=f"Hz (±5 px at {bw:.0f} Hz/px)")
+    title = (f"{manifest.get('name', '')} {subject}: {b0:g} T, {bw:.0f} Hz/px, {materials} implant, "
+             f"readout L-R (x), phase encoding A-P (y)")
+    scan = scan_summary(sub.scanner)
+    fig.suptitle(title + (f"\n{scan}" if scan else ""), fontsize=11)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)

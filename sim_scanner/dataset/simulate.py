@@ -38,12 +38,21 @@ from sim_scanner.dataset.layout import (
 )
 from sim_scanner.physics.grid import Grid
 from sim_scanner.physics.implant import (
+    ImplantParams,
     draw_implant,
     implant_chi_ppm,
     postop_labels,
     rasterize_implant,
+    turned_implant,
 )
-from sim_scanner.physics.phantom import draw_anatomy, rasterize_anatomy, tissue_maps
+from sim_scanner.physics.phantom import (
+    Anatomy,
+    PhantomConfig,
+    draw_anatomy,
+    rasterize_anatomy,
+    tissue_maps,
+    turned_landmarks,
+)
 from sim_scanner.physics.field import dipole_field_hz, fit_shim
 from sim_scanner.physics.forward import (
     FAT_CHEMICAL_SHIFT_PPM,
@@ -52,6 +61,7 @@ from sim_scanner.physics.forward import (
     tse_signal,
 )
 from sim_scanner.physics.tissues import Tissue, tissue_properties
+from sim_scanner.physics.variation import coil_sensitivity, draw_variation
 
 log = logging.getLogger(__name__)
 
@@ -120,31 +130,35 @@ def _to_image_grid(volume: np.ndarray, grid: Grid, s: int, margin_cols: int, pla
 
 
 def simulate_subject(index: int, config: Config, progress=None) -> SubjectData:
-    """Simulate subject ``index`` of the dataset described by ``config`` (bit-reproducible)."""
-    dcfg, pcfg, icfg, seq, phys = (config[name] for name in SIM_SECTIONS)
+    """Simulate subject ``index`` of the dataset described by ``config`` (bit-reproducible).
+
+    The anatomy, implant and noise come from the subject's generator ``SeedSequence([seed,
+    index])``; how the subject is scanned (section ``variation``: pose, field strength,
+    bandwidth, SNR, coil shading, implant materials) from a second one, ``SeedSequence([seed,
+    index, 1])``, so varying the scan leaves the anatomy alone. The patient is turned about z,
+    the axis of B0, so the dipole field of the turned object is computed on the scanner's grid
+    as it stands; the shim and the encoding directions are the scanner's.
+    """
+    dcfg, pcfg, icfg, seq, phys, vcfg = (config[name] for name in SIM_SECTIONS)
     rng = np.random.default_rng(np.random.SeedSequence([dcfg.seed, index]))
+    # a trailing 0 would give the stream of [seed, index] again (SeedSequence ignores it)
+    var = draw_variation(vcfg, seq, phys, icfg,
+                         np.random.default_rng(np.random.SeedSequence([dcfg.seed, index, 1])))
+    seq, phys, icfg = var.sequence(seq), var.physics(phys), var.implant(icfg)
     anatomy = draw_anatomy(pcfg, rng)
     implant = draw_implant(icfg, anatomy, rng)
-    hip = anatomy.hips[implant.side]
-    head = hip.head_centre_mm
-    fov_centre = (0.0, float(head[2])) if seq.fov_centre == "hip" else (0.0, 0.0)
+    head = anatomy.hips[implant.side].head_centre_mm
+    fov_centre = var.fov_centre((0.0, float(head[2])) if seq.fov_centre == "hip" else (0.0, 0.0))
     stack_centre = float(head[0]) + seq.slab_offset_mm
     grid = object_grid(seq, phys, fov_centre, stack_centre)
     slice_centres = [stack_centre + off for off in seq.slice_offsets_mm()]
 
-    labels_pre = rasterize_anatomy(anatomy, grid, pcfg)
-    components = rasterize_implant(implant, grid)
-    labels_post = postop_labels(labels_pre, components, implant, anatomy, grid)
-    maps_post = tissue_maps(labels_post, anatomy, grid, seq.b0_t, pcfg)
+    labels_post, labels_clean, components, maps_post, maps_clean = _rasterise(
+        anatomy, implant, grid, pcfg, icfg.clean_mode, seq.b0_t, var.rotation_deg
+    )
     chi_metal = maps_post.chi_ppm.copy()
     for comp, chi in implant_chi_ppm(implant).items():
         chi_metal[components == int(comp)] = chi
-    if icfg.clean_mode == "no_implant":
-        labels_clean = labels_pre
-        maps_clean = tissue_maps(labels_pre, anatomy, grid, seq.b0_t, pcfg)
-    else:
-        labels_clean, maps_clean = labels_post, maps_post
-
     chi_air = tissue_properties(seq.b0_t)[Tissue.AIR].chi_ppm
     chi_maps = [maps_post.chi_ppm - chi_air, chi_metal - chi_air]
     if icfg.clean_mode == "no_implant":
@@ -157,6 +171,10 @@ def simulate_subject(index: int, config: Config, progress=None) -> SubjectData:
     # the scanner's shim: fitted to the tissue field of the post-operative anatomy (the implant's
     # own field is far beyond what shim coils can correct), applied to both partners
     shim = fit_shim(field_tissue, signal_metal > 0, grid, phys.shim)
+    if var.coil.strength > 0:  # receive shading, at each spin's own place, in both partners
+        shading = coil_sensitivity(var.coil, signal_metal > 0, grid)
+        signal_metal *= shading
+        signal_clean *= shading
     del fields, field_tissue, chi_maps
     field_clean -= shim
     field_metal -= shim
@@ -183,7 +201,27 @@ def simulate_subject(index: int, config: Config, progress=None) -> SubjectData:
         fov_centre_mm=fov_centre,
         anatomy=dict(anatomy.params),
         implant=implant.to_dict(),
+        scanner=var.to_dict(),
     )
+
+
+def _rasterise(anatomy: Anatomy, implant: ImplantParams, grid: Grid, pcfg: PhantomConfig,
+               clean_mode: str, b0_t: float, rotation_deg: float):
+    """The patient turned by ``rotation_deg`` about z, with its implant, on ``grid`` (scanner
+    coordinates): post-operative and clean labels (uint8 [z, y, x]), implant components, and
+    the property maps of both partners (the same object when the clean one keeps the void)."""
+    labels_pre = rasterize_anatomy(anatomy, grid, pcfg, rotation_deg)
+    placed = turned_implant(implant, rotation_deg)
+    components = rasterize_implant(placed, grid)
+    landmarks = turned_landmarks(anatomy, rotation_deg)
+    labels_post = postop_labels(labels_pre, components, placed, landmarks, grid)
+    maps_post = tissue_maps(labels_post, anatomy, grid, b0_t, pcfg, rotation_deg)
+    if clean_mode == "no_implant":
+        labels_clean = labels_pre
+        maps_clean = tissue_maps(labels_pre, anatomy, grid, b0_t, pcfg, rotation_deg)
+    else:
+        labels_clean, maps_clean = labels_post, maps_post
+    return labels_post, labels_clean, components, maps_post, maps_clean
 
 
 def _add_noise(k_metal: np.ndarray, k_clean: np.ndarray, phys: Any,

@@ -6,14 +6,34 @@ Conventions used by every module of the simulator:
 * patient axes follow DICOM LPS: +x towards the patient's left, +y posterior, +z superior
   (head); B0 points along z (supine, head first), so axial slices are planes of constant z;
 * coordinates are millimetres of voxel *centres*, ``axis_mm(i) = centre + (i - (n - 1) / 2) * d``;
-* readout (frequency encoding) runs along x, phase encoding along y.
+* readout (frequency encoding) runs along x, phase encoding along y;
+* a patient lying rotated on the table (:func:`rotate_zyx`) is turned about the z axis through
+  the origin, positive angles from +x (left) towards +y (posterior), i.e. right-handed about +z.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+
+def rotate_zyx(v: Sequence[float], angle_deg: float) -> tuple[float, float, float]:
+    """A point or direction (z, y, x) turned by ``angle_deg`` about the z axis through the
+    origin, from +x towards +y; z is unchanged."""
+    c, s = math.cos(math.radians(angle_deg)), math.sin(math.radians(angle_deg))
+    z, y, x = (float(a) for a in v)
+    return (z, s * x + c * y, c * x - s * y)
+
+
+def unrotate_yx(y: np.ndarray, x: np.ndarray, angle_deg: float) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of :func:`rotate_zyx` in the plane for broadcastable float32 arrays: the (y, x)
+    a point had before the turn by ``angle_deg`` that brought it to (y, x); shape of y + x."""
+    c = np.float32(math.cos(math.radians(angle_deg)))
+    s = np.float32(math.sin(math.radians(angle_deg)))
+    return c * y - s * x, c * x + s * y
 
 
 @dataclass(frozen=True)

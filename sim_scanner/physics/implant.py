@@ -31,13 +31,13 @@ The Lewinnek "safe zone" is 40 +- 10 deg inclination, 15 +- 10 deg anteversion.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from sim_scanner.physics.grid import Grid
+from sim_scanner.physics.grid import Grid, rotate_zyx
 from sim_scanner.physics.tissues import Tissue
 
 if TYPE_CHECKING:
@@ -431,6 +431,23 @@ def _draw_stem(
 
 def _vec(v: np.ndarray) -> tuple[float, float, float]:
     return (float(v[0]), float(v[1]), float(v[2]))
+
+
+def turned_implant(params: ImplantParams, angle_deg: float) -> ImplantParams:
+    """``params`` of a patient lying turned by ``angle_deg`` about the z axis through the
+    origin (:func:`~sim_scanner.physics.grid.rotate_zyx`): every point and direction turned;
+    the radiographic cup angles, measured against the body axes, stay. Angle 0: ``params``."""
+    if angle_deg == 0.0:
+        return params
+    turn = lambda v: rotate_zyx(v, angle_deg)  # noqa: E731
+    return replace(
+        params,
+        centre_mm=turn(params.centre_mm),
+        cup_axis=turn(params.cup_axis),
+        stem_points_mm=tuple(turn(p) for p in params.stem_points_mm),
+        resection_point_mm=turn(params.resection_point_mm),
+        resection_normal=turn(params.resection_normal),
+    )
 
 
 def implant_chi_ppm(params: ImplantParams) -> dict[Component, float]:

@@ -44,7 +44,7 @@ result does not depend on the slab size.
 Modules
 -------
 ``config``       :class:`PhantomConfig` (config section ``phantom``) and its validation
-``records``      :class:`HipJoint`, :class:`Anatomy`, :func:`phantom_params`
+``records``      :class:`HipJoint`, :class:`Anatomy`, :func:`phantom_params`, :func:`turned_landmarks`
 ``anatomy``      :func:`draw_anatomy`: drawing the per-subject parameters
 ``skeleton``     pelvic frame, femur parts and the bone spheres the outline must contain
 ``shapes``       vector helpers, implicit shapes (signed distances) and world boxes
@@ -67,7 +67,13 @@ from sim_scanner.physics.phantom.anatomy import draw_anatomy
 from sim_scanner.physics.phantom.config import PhantomConfig
 from sim_scanner.physics.phantom.maps import TissueMaps, tissue_maps
 from sim_scanner.physics.phantom.rasterize import rasterize_anatomy
-from sim_scanner.physics.phantom.records import Anatomy, HipJoint, Vec3, phantom_params
+from sim_scanner.physics.phantom.records import (
+    Anatomy,
+    HipJoint,
+    Vec3,
+    phantom_params,
+    turned_landmarks,
+)
 
 __all__ = [
     "Anatomy",
@@ -79,4 +85,5 @@ __all__ = [
     "phantom_params",
     "rasterize_anatomy",
     "tissue_maps",
+    "turned_landmarks",
 ]

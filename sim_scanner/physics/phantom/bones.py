@@ -99,14 +99,18 @@ def _paint_pelvis_side(ch: _Chunk, lay: _Layout, side: str) -> None:
     d_pel = np.maximum(acc.d, r_acet - (_sphere(qw, H, 0.0)))
     # sacrum and coccyx (+ lumbar column above), midline, in this half
     sac, vb, phase = _sacrum_and_lumbar(pel, s, zp, yp, xq)
+    # pubic symphysis disc
+    symd = _ellipsoid(qp, pel.mid(-24.0, -46.0), (16.0 * s, 8.0 * s, 3.0))
+    if ch.rotation_deg != 0.0:
+        # the box cuts this half at the midline; a turned patient's box reaches across it
+        other = ~((xq >= 0.0) if sig > 0 else (xq <= -1e-3))
+        d_pel, sac, vb, symd = (np.where(other, _BIG, d) for d in (d_pel, sac, vb, symd))
     disc = vb < 0
     disc &= phase < 10.0
     # SI joint: a thin cartilage line where sacrum meets ilium
     sl = acc.sl
     _paint_bone(ch, sl, np.minimum(sac, np.where(phase >= 10.0, vb, _BIG)), 1.5, Tissue.RED_MARROW)
     ch.paint(sl, disc, Tissue.CARTILAGE)
-    # pubic symphysis disc
-    symd = _ellipsoid(qp, pel.mid(-24.0, -46.0), (16.0 * s, 8.0 * s, 3.0))
     ch.paint(sl, symd < 0, Tissue.CARTILAGE)
     _paint_bone(ch, sl, d_pel, 1.8, Tissue.RED_MARROW)
     si = (sac < 0) & (np.abs(wing) < 1.2)

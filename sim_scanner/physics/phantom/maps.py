@@ -27,13 +27,15 @@ class TissueMaps:
 
 
 def tissue_maps(labels: np.ndarray, anatomy: Anatomy, grid: Grid, b0_t: float,
-                cfg: PhantomConfig) -> TissueMaps:
+                cfg: PhantomConfig, rotation_deg: float = 0.0) -> TissueMaps:
     """PD, T1, T2 and susceptibility maps (float32 [z, y, x]) of a label volume.
 
     Properties come from :func:`~sim_scanner.physics.tissues.tissue_properties` at ``b0_t``, varied per
     subject and tissue by ``cfg.property_variation`` (deterministic from ``anatomy.seed``); PD
     (and, less, T2) carry a smooth multiplicative texture defined in mm. Susceptibility is not
-    textured. Unknown label values raise ValueError.
+    textured. Unknown label values raise ValueError. ``rotation_deg``: the patient lies turned
+    by this angle about z (as passed to :func:`~sim_scanner.physics.phantom.rasterize_anatomy`),
+    and the texture turns with it.
     """
     if labels.shape != grid.shape:
         raise ValueError(f"labels shape {labels.shape} does not match grid shape {grid.shape}")
@@ -81,8 +83,9 @@ def tissue_maps(labels: np.ndarray, anatomy: Anatomy, grid: Grid, b0_t: float,
         pd = pd_t[lab]
         t2 = t2_t[lab]
         if amp > 0:
-            pd *= 1.0 + np.float32(amp) * _texture(seed_pd, grid, cfg.texture_scale_mm, zs)
-            t2 *= 1.0 + np.float32(0.5 * amp) * _texture(seed_t2, grid, cfg.texture_scale_mm, zs)
+            scale = cfg.texture_scale_mm
+            pd *= 1.0 + np.float32(amp) * _texture(seed_pd, grid, scale, zs, rotation_deg)
+            t2 *= 1.0 + np.float32(0.5 * amp) * _texture(seed_t2, grid, scale, zs, rotation_deg)
         np.clip(pd, 0.0, 1.0, out=pd)
         out.pd[zs] = pd
         out.t1_ms[zs] = t1_t[lab]

@@ -8,8 +8,10 @@ implant model can use them without importing each other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
+
+from sim_scanner.physics.grid import rotate_zyx
 
 Vec3 = tuple[float, float, float]
 """A point or direction in mm, ordered (z, y, x) like the volumes."""
@@ -67,3 +69,21 @@ def phantom_params(anatomy: Anatomy) -> dict[str, Any]:
             val = getattr(h, f.name)
             out[f"hip_{side}_{f.name}"] = list(val) if isinstance(val, tuple) else val
     return out
+
+
+def turned_landmarks(anatomy: Anatomy, angle_deg: float) -> Anatomy:
+    """``anatomy`` with the points and directions of its hip landmarks turned by ``angle_deg``
+    about the z axis through the origin (:func:`~sim_scanner.physics.grid.rotate_zyx`): the
+    landmarks of a patient lying turned, in scanner coordinates, for the implant model
+    (:func:`~sim_scanner.physics.implant.postop_labels`). Rasterise the anatomy itself with
+    ``rasterize_anatomy(..., rotation_deg=angle_deg)``, never this. Angle 0: ``anatomy``."""
+    if angle_deg == 0.0:
+        return anatomy
+    turn = lambda v: rotate_zyx(v, angle_deg)  # noqa: E731
+    hips = {
+        side: replace(h, head_centre_mm=turn(h.head_centre_mm),
+                      acetabulum_axis=turn(h.acetabulum_axis), neck_axis=turn(h.neck_axis),
+                      shaft_top_mm=turn(h.shaft_top_mm), shaft_axis=turn(h.shaft_axis))
+        for side, h in anatomy.hips.items()
+    }
+    return replace(anatomy, hips=hips)

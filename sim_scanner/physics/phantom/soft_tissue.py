@@ -72,11 +72,10 @@ def _cavity_mask(ch: _Chunk, lay: _Layout, env: np.ndarray) -> np.ndarray:
     f32 = lambda v: np.asarray(v, np.float32)[:, None, None]  # noqa: E731
     amax = float(np.max(a)) + lay.amp
     ylo, yhi = float(np.min(ym - hf)) - lay.amp, float(np.max(ym + hb)) + lay.amp
-    ys = slice(int(np.searchsorted(ch.y, ylo)), int(np.searchsorted(ch.y, yhi, side="right")))
-    xs = slice(int(np.searchsorted(ch.x, -amax)), int(np.searchsorted(ch.x, amax, side="right")))
-    if ys.stop <= ys.start or xs.stop <= xs.start:
+    inplane = ch.inplane_slices(ylo, yhi, -amax, amax)
+    if inplane is None:
         return cav
-    sl = (zs, ys, xs)
+    sl = (zs, *inplane)
     _, yw, xw = (c[sl] for c in ch.warped)
     dy = yw - f32(ym)
     b = np.where(dy < 0, f32(hf), f32(hb))

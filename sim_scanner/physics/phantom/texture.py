@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sim_scanner.physics.grid import Grid
+from sim_scanner.physics.grid import Grid, unrotate_yx
 
 
 def _hash_uniform(seed: int, i: np.ndarray, j: np.ndarray, k: np.ndarray) -> np.ndarray:
@@ -57,10 +57,36 @@ def _value_noise(seed: int, grid: Grid, spacing: float, z_slice: slice) -> np.nd
     return a[jz] * (1.0 - wz)[:, None, None] + a[jz + 1] * wz[:, None, None]
 
 
-def _texture(seed: int, grid: Grid, spacing: float, z_slice: slice) -> np.ndarray:
-    """Two octaves of value noise, unit-ish standard deviation."""
-    coarse = _value_noise(seed, grid, spacing, z_slice)
-    fine = _value_noise(seed + 7919, grid, spacing / 2.5, z_slice)
+def _value_noise_turned(seed: int, grid: Grid, spacing: float, z_slice: slice,
+                        rotation_deg: float) -> np.ndarray:
+    """:func:`_value_noise` of a patient turned by ``rotation_deg`` about z
+    (:func:`~sim_scanner.physics.grid.rotate_zyx`): the noise is evaluated at the anatomical
+    coordinates of the voxel centres, so it turns with the anatomy (bilinear in the plane)."""
+    iz, wz = _lattice_weights(grid.axis_mm(0)[z_slice], spacing)
+    ya, xa = unrotate_yx(grid.axis_mm(1)[:, None], grid.axis_mm(2)[None, :], rotation_deg)
+    iy, wy = _lattice_weights(ya, spacing)
+    ix, wx = _lattice_weights(xa, spacing)
+    lz = np.arange(iz.min(), iz.max() + 2)
+    ly = np.arange(iy.min(), iy.max() + 2)
+    lx = np.arange(ix.min(), ix.max() + 2)
+    nodes = _hash_uniform(seed, lz[:, None, None], ly[None, :, None], lx[None, None, :])
+    jy, jx = iy - ly[0], ix - lx[0]
+    a = ((nodes[:, jy, jx] * (1.0 - wx) + nodes[:, jy, jx + 1] * wx) * (1.0 - wy)
+         + (nodes[:, jy + 1, jx] * (1.0 - wx) + nodes[:, jy + 1, jx + 1] * wx) * wy)
+    jz = iz - lz[0]
+    return a[jz] * (1.0 - wz)[:, None, None] + a[jz + 1] * wz[:, None, None]
+
+
+def _texture(seed: int, grid: Grid, spacing: float, z_slice: slice,
+             rotation_deg: float = 0.0) -> np.ndarray:
+    """Two octaves of value noise, unit-ish standard deviation, on planes ``z_slice`` of
+    ``grid``, of a patient turned by ``rotation_deg`` about z."""
+    if rotation_deg == 0.0:
+        coarse = _value_noise(seed, grid, spacing, z_slice)
+        fine = _value_noise(seed + 7919, grid, spacing / 2.5, z_slice)
+    else:
+        coarse = _value_noise_turned(seed, grid, spacing, z_slice, rotation_deg)
+        fine = _value_noise_turned(seed + 7919, grid, spacing / 2.5, z_slice, rotation_deg)
     return (coarse + 0.5 * fine) * np.float32(1.6)
 
 
@@ -94,10 +120,10 @@ def _draw_deformation(seed: int, amp: float) -> _Deformation:
                         wave_amp=amps * amp)  # (component, wave); |u_c| <= amp
 
 
-def _warped_coords(deform: _Deformation, z: np.ndarray, y: np.ndarray, x: np.ndarray,
+def _warped_coords(deform: _Deformation, z3: np.ndarray, y3: np.ndarray, x3: np.ndarray,
                    shape: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Warped coordinates ``p + u(p)`` (float32 [z, y, x] each) of the grid with axes z, y, x."""
-    z3, y3, x3 = z[:, None, None], y[None, :, None], x[None, None, :]
+    """Warped coordinates ``p + u(p)`` (float32 [z, y, x] each) of the points with coordinates
+    z3, y3, x3 (float32 arrays that broadcast to ``shape``, e.g. (nz,1,1), (1,ny,1), (1,1,nx))."""
     uz = np.zeros(shape, np.float32)
     uy = np.zeros(shape, np.float32)
     ux = np.zeros(shape, np.float32)
