@@ -57,6 +57,14 @@ class SliceSet:
         return f"{self.subjects[i]}/{int(self.slices[i])}"
 
 
+def spread_subset(data: SliceSet, count: int) -> SliceSet:
+    """``count`` slices evenly spread over ``data`` (all when count is 0 or >= len(data)), so a
+    subsample covers every subject and slice position rather than the first subjects."""
+    if count <= 0 or count >= len(data):
+        return data
+    return data.subset(np.unique(np.linspace(0, len(data) - 1, count).round().astype(np.int64)))
+
+
 def load_split(data_dir: str | Path, split: str, max_slices: int = 0) -> SliceSet:
     """Read the fast arrays of every subject of ``split`` (first ``max_slices`` slices if > 0)."""
     parts: dict[str, list[np.ndarray]] = {k: [] for k in ("km", "kc", "t", "m", "mask")}

@@ -1,7 +1,7 @@
 """Imitation of the greedy oracle: a warm start for the policy before co-adaptive PPO.
 
 PPO from scratch has to discover, from a reward of a few hundredths of SSIM per line, which
-lines help a given slice. The greedy oracle (:mod:`training.evaluation.oracle`) knows: with the
+lines help a given slice. The greedy oracle (:mod:`training.oracle`) knows: with the
 clean image it scores every free line. On training slices only, :func:`oracle_demonstrations`
 runs the oracle under the pre-trained MAR network and records, at every step, what the policy
 would observe (the MAR image, the mask, the steps left) with the oracle's score of *every* free
@@ -30,9 +30,8 @@ from masc_gadget.acquisition.episode import EpisodeBatch
 from masc_gadget.core.kspace import zero_filled
 from masc_gadget.core.metrics import quality
 from masc_gadget.models.policy_net import PolicyNet, masked_logits
-from training.data import SliceSet
-from training.evaluation.oracle import GreedyOracle
-from training.evaluation.population import spread_subset
+from training.data import SliceSet, spread_subset
+from training.oracle import GreedyOracle
 from training.rl.env import EnvConfig
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from tests.conftest import CONFIGS
 from training.coadapt import train_masc
 from training.data import load_split
 from training.evaluation.evaluate import run_method
-from training.evaluation.oracle import GreedyOracle
+from training.oracle import GreedyOracle
 from training.imitation import (
     ImitationConfig,
     imitate,

@@ -30,9 +30,8 @@ from masc_gadget.config import Config
 from masc_gadget.core.metrics import slice_metrics, ssim
 from masc_gadget.device import resolve_device
 from masc_gadget.models.checkpoint import load_mar
-from training.data import SliceSet, load_split
+from training.data import SliceSet, load_split, spread_subset
 from training.evaluation.evaluate import EvalConfig, run_method
-from training.evaluation.population import spread_subset
 from training.evaluation.stats import mean_std
 
 log = logging.getLogger(__name__)

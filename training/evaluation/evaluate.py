@@ -23,11 +23,11 @@ from masc_gadget.device import resolve_device
 from masc_gadget.core.kspace import zero_filled
 from masc_gadget.core.metrics import METRICS, slice_metrics
 from masc_gadget.acquisition.policies import FixedOrder, SamplingPolicy, make_policy, slice_rng
-from training.data import SliceSet, load_split
-from training.evaluation.oracle import NAME as ORACLE
-from training.evaluation.oracle import GreedyOracle
+from training.data import SliceSet, load_split, spread_subset
+from training.oracle import NAME as ORACLE
+from training.oracle import GreedyOracle
 from training.evaluation.population import NAME as POPULATION
-from training.evaluation.population import population_order, spread_subset
+from training.evaluation.population import population_order
 from training.evaluation.figures import plot_curves, plot_examples
 from training.evaluation.stats import mean_std
 from training.evaluation.tables import add_tests, render_table

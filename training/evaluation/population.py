@@ -18,20 +18,12 @@ import torch
 
 from masc_gadget.acquisition.episode import EpisodeBatch
 from training.data import SliceSet
-from training.evaluation.oracle import GreedyOracle
+from training.oracle import GreedyOracle
 
 NAME = "population"
 """Its method name in ``masc eval``."""
 
 log = logging.getLogger(__name__)
-
-
-def spread_subset(data: SliceSet, count: int) -> SliceSet:
-    """``count`` slices evenly spread over ``data`` (all when count is 0 or >= len(data)), so a
-    subsample covers every subject and slice position rather than the first subjects."""
-    if count <= 0 or count >= len(data):
-        return data
-    return data.subset(np.unique(np.linspace(0, len(data) - 1, count).round().astype(np.int64)))
 
 
 @torch.no_grad()

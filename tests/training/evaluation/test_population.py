@@ -12,9 +12,9 @@ from masc_gadget.acquisition.policies import FixedOrder, run_episode
 from masc_gadget.cli import main
 from masc_gadget.models.checkpoint import load_mar
 from tests.conftest import CONFIGS
-from training.data import load_split
-from training.evaluation.oracle import GreedyOracle
-from training.evaluation.population import population_order, spread_subset
+from training.data import load_split, spread_subset
+from training.oracle import GreedyOracle
+from training.evaluation.population import population_order
 from training.evaluation.tables import oracle_gain
 
 CPU = torch.device("cpu")

@@ -14,7 +14,7 @@ from masc_gadget.models.checkpoint import load_mar
 from tests.conftest import CONFIGS
 from training.data import load_split
 from training.evaluation.evaluate import run_method
-from training.evaluation.oracle import GreedyOracle
+from training.oracle import GreedyOracle
 from training.evaluation.tables import oracle_gain
 
 
