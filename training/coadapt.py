@@ -32,7 +32,7 @@ from masc_gadget.core.kspace import zero_filled
 from masc_gadget.acquisition.learned import policy_metadata
 from masc_gadget.core.metrics import scale_by_target
 from masc_gadget.models.policy_net import PolicyNet
-from training.csvlog import append_row
+from training.csvlog import append_row, plot_training
 from training.data import SliceSet, load_split
 from training.imitation import ImitationConfig, imitate, load_or_make_demonstrations
 from training.rl.env import BatchedAcquisitionEnv, EnvConfig
@@ -262,18 +262,18 @@ class _Run:
 
 def warm_start(run: _Run, train: SliceSet, demos_path: str | Path | None, progress: bool) -> None:
     """Imitation of the greedy oracle (section ``imitation``) on training slices, before PPO;
-    the imitated policy is validated and checkpointed as rollout 0, so model selection on the
-    validation split keeps it when PPO does not improve on it."""
+    the imitated policy is validated and checkpointed as rollout 0 (its ``val/...`` columns end
+    ``<out>.imitation.csv``), so model selection on the validation split keeps it when PPO does
+    not improve on it."""
     icfg: ImitationConfig = run.config["imitation"]
     acq = run.config["acquisition"]
     demos = load_or_make_demonstrations(demos_path, train, icfg, run.ecfg, acq.initial, acq.budget, run.mar,
                                         next(run.net.parameters()).device)
     history = imitate(run.net, demos, icfg, run.gen, progress)
-    for row in history:
-        append_row(run.csv_path.with_name(run.out.stem + ".imitation.csv"), row, list(row))
-    stats = {"charts/episodic_return": math.nan, **{k: v for k, v in history[-1].items() if k != "epoch"}}
-    run._append_csv({"rollout": 0, "global_step": 0, **stats, **run._validate_and_save(0, stats),
-                     "seconds": time.perf_counter() - run.t0}, stats)
+    history[-1].update(run._validate_and_save(0, {"charts/episodic_return": math.nan}))
+    fields = list(dict.fromkeys([*history[0], *VAL_FIELDS]))
+    for row in history:  # the main log keeps PPO's columns; rollout 0's validation ends this one
+        append_row(run.out.with_name(run.out.stem + ".imitation.csv"), row, fields)
 
 
 def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None, out: str | Path,
@@ -342,4 +342,7 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
             on_rollout=run.after_rollout, start_iteration=start + 1)
     run.bar.close()
     run.best["seconds"] = time.perf_counter() - run.t0
+    if run.csv_path.exists():
+        figure = plot_training(run.csv_path, out.with_suffix(".png"), out.with_name(out.stem + ".imitation.csv"))
+        log.info("training curves: %s", figure)
     return run.best
