@@ -268,7 +268,7 @@ def warm_start(run: _Run, train: SliceSet, demos_path: str | Path | None, progre
     icfg: ImitationConfig = run.config["imitation"]
     acq = run.config["acquisition"]
     demos = load_or_make_demonstrations(demos_path, train, icfg, run.ecfg, acq.initial, acq.budget, run.mar,
-                                        next(run.net.parameters()).device)
+                                        next(run.net.parameters()).device, progress)
     history = imitate(run.net, demos, icfg, run.gen, progress)
     history[-1].update(run._validate_and_save(0, {"charts/episodic_return": math.nan}))
     fields = list(dict.fromkeys([*history[0], *VAL_FIELDS]))

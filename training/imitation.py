@@ -99,14 +99,17 @@ class Demonstrations:
 @torch.no_grad()
 def oracle_demonstrations(data: SliceSet, ecfg: EnvConfig, initial: int, budget: int,
                           mar: torch.nn.Module | None, device: torch.device,
-                          batch_size: int = 16) -> Demonstrations:
+                          batch_size: int = 16, progress: bool = True) -> Demonstrations:
     """Run the greedy oracle on every slice of ``data`` (training slices only!) and record the
     states it visits, as the policy would observe them (``ecfg.observe_mar``), with the scores
     of every free line under the reward's image (``ecfg.reward_mar``)."""
     oracle = GreedyOracle(ecfg.l_ssim, ecfg.l_nmse)
     reward_mar = mar if ecfg.reward_mar else None
     kspace_all = data.kspace_clean if ecfg.kspace == "clean" else data.kspace_metal
+    from tqdm.auto import tqdm
+
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("images", "masks", "steps", "scores", "q")}
+    bar = tqdm(total=len(data), desc="oracle demonstrations", unit="slice", disable=not progress)
     for start in range(0, len(data), batch_size):
         index = list(range(start, min(start + batch_size, len(data))))
         kspace, target = kspace_all[index].to(device), data.target[index].to(device)
@@ -126,6 +129,8 @@ def oracle_demonstrations(data: SliceSet, ecfg: EnvConfig, initial: int, budget:
             episodes.acquire(scores.argmax(axis=1))
         q = torch.stack(qs, dim=1).cpu()  # (b, budget + 1)
         parts["q"].append(ecfg.alpha * (q[:, -1:] - q[:, :-1]))  # return to go per step
+        bar.update(len(index))
+    bar.close()
     steps = torch.cat(parts["steps"])
     returns = torch.cat([r.T.reshape(-1) for r in parts["q"]])  # the states' order: batch, step, slice
     demos = Demonstrations(torch.cat(parts["images"]), torch.cat(parts["masks"]), steps,
@@ -202,7 +207,7 @@ def _fingerprint(mar: torch.nn.Module | None) -> str:
 
 def load_or_make_demonstrations(path: str | Path | None, train: SliceSet, cfg: ImitationConfig,
                                 ecfg: EnvConfig, initial: int, budget: int, mar: torch.nn.Module | None,
-                                device: torch.device) -> Demonstrations:
+                                device: torch.device, progress: bool = False) -> Demonstrations:
     """The demonstrations on ``cfg.slices`` spread training slices: read from ``path`` when it
     holds those of the same slices, episode size, environment and MAR weights; else computed
     (and written to ``path`` when given)."""
@@ -217,7 +222,7 @@ def load_or_make_demonstrations(path: str | Path | None, train: SliceSet, cfg: I
             log.info("oracle demonstrations read from %s", path)
             return Demonstrations(**stored["tensors"], budget=budget, meta=stored["meta"])
         log.warning("%s holds demonstrations of other slices, settings or MAR weights: recomputing", path)
-    demos = oracle_demonstrations(data, ecfg, initial, budget, mar, device)
+    demos = oracle_demonstrations(data, ecfg, initial, budget, mar, device, progress=progress)
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         tensors = {name: getattr(demos, name) for name in ("images", "masks", "steps_left", "scores", "returns")}

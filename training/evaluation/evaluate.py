@@ -89,10 +89,12 @@ class Trajectories:
 
 def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: int, budget: int,
                mar: torch.nn.Module | None, seed: int, batch_size: int, device: torch.device,
-               example_index: list[int] = ()) -> Trajectories:
+               example_index: list[int] = (), progress: bool = False) -> Trajectories:
     """Run ``policy`` on every slice (batched), scoring the zero-filled and the MAR image after
     the initial lines and after each choice. The :class:`GreedyOracle` chooses with the clean
-    target, under ``mar`` when given."""
+    target, under ``mar`` when given. ``progress``: a bar over the slices (the oracle is slow)."""
+    from tqdm.auto import tqdm
+
     n, n_pe = len(data), data.n_pe
     steps = budget + 1
     lines = np.zeros((n, initial + budget), dtype=np.int64)
@@ -100,8 +102,10 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
     curves = {m: {k: np.zeros((n, steps)) for k in METRICS} for m in settings}
     finals: dict[bool, list[tuple[int, torch.Tensor]]] = {m: [] for m in settings}
     wanted = {int(i): j for j, i in enumerate(example_index)}
+    bar = tqdm(total=n, desc=getattr(policy, "name", "method"), unit="slice", leave=False, disable=not progress)
     for start in range(0, n, batch_size):
         index = list(range(start, min(start + batch_size, n)))
+        bar.update(len(index))
         kspace = data.kspace_metal[index].to(device)
         target = data.target[index].to(device)
         episodes = EpisodeBatch(n_pe, initial, budget, len(index), device,
@@ -127,6 +131,7 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
                 seen = images[policy.sees_mar(mar is not None)].cpu().numpy()
             episodes.acquire(episodes.select(policy, images=seen))
         lines[index] = episodes.chosen()
+    bar.close()
     return Trajectories(lines, curves, {m: torch.stack([img for _, img in sorted(v, key=lambda x: x[0])])
                                         for m, v in finals.items() if v})
 
@@ -177,7 +182,7 @@ def load_policies(methods: list[str], checkpoint: str | Path | None, device: tor
 
 
 def population_policies(ecfg: EvalConfig, data_dir: str | Path, n_pe: int,
-                        mar: torch.nn.Module | None, device: torch.device
+                        mar: torch.nn.Module | None, device: torch.device, progress: bool = False
                         ) -> tuple[dict[str, FixedOrder], dict[str, Any]]:
     """The ``population`` method's fixed order at each acceleration, learned on (a spread
     subsample of) the *training* split under ``mar``; and its record for results.json."""
@@ -187,7 +192,8 @@ def population_policies(ecfg: EvalConfig, data_dir: str | Path, n_pe: int,
     orders = {}
     for acc, (initial, budget) in ecfg.accelerations.items():
         log.info("learning the population order for %s on %d training slices", acc, len(train))
-        orders[acc] = FixedOrder(population_order(train, initial, budget, mar, device, ecfg.batch_size),
+        orders[acc] = FixedOrder(population_order(train, initial, budget, mar, device, ecfg.batch_size,
+                                                  progress=progress),
                                  name=POPULATION)
     record = {"split": "train", "n_slices": len(train), "slices": [train.label(i) for i in range(len(train))],
               "orders": {acc: p.order.tolist() for acc, p in orders.items()}}
@@ -241,7 +247,7 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
     examples = pick_examples(data, ecfg.examples)
     population, population_record = {}, None
     if POPULATION in methods:
-        population, population_record = population_policies(ecfg, data_dir, data.n_pe, mar, device)
+        population, population_record = population_policies(ecfg, data_dir, data.n_pe, mar, device, progress)
     results: dict[str, Any] = {
         "split": split,
         "data": str(data_dir),
@@ -268,7 +274,7 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
             method_mar = own_mar.get(method, mar) if mar is not None else None
             policy = population[acc] if method == POPULATION else policies[method]
             traj = run_method(policy, data, initial, budget, method_mar, ecfg.seed, ecfg.batch_size,
-                              device, examples)
+                              device, examples, progress=progress and isinstance(policy, GreedyOracle))
             block = results["accelerations"].setdefault(acc, {
                 "initial": initial, "budget": budget, "n_pe": data.n_pe,
                 "factor": data.n_pe / (initial + budget), "rows": [],

@@ -29,17 +29,19 @@ log = logging.getLogger(__name__)
 @torch.no_grad()
 def population_order(data: SliceSet, initial: int, budget: int, mar: torch.nn.Module | None,
                      device: torch.device, batch_size: int = 32,
-                     oracle: GreedyOracle | None = None) -> np.ndarray:
+                     oracle: GreedyOracle | None = None, progress: bool = False) -> np.ndarray:
     """(budget,) int64: the population-greedy order of ``data`` (module docstring).
 
     Every step scores every free line on every slice of ``data`` (``budget * n_free * len(data)``
     recon + MAR forwards, batched); ties go to the lowest line."""
     if len(data) == 0:
         raise ValueError("the population order needs at least one training slice")
+    from tqdm.auto import tqdm
+
     oracle = oracle or GreedyOracle()
     n_pe = data.n_pe
     order: list[int] = []
-    for step in range(budget):
+    for step in tqdm(range(budget), desc="population order", unit="line", disable=not progress):
         total = np.zeros(n_pe)
         for start in range(0, len(data), batch_size):
             index = list(range(start, min(start + batch_size, len(data))))
