@@ -54,9 +54,11 @@ class ImitationConfig:
     """Adam learning rate."""
     batch_size: int = 64
     """States per step."""
-    temperature: float = 1.0
-    """Soft target ``softmax(alpha * Q_line / temperature)`` over the free lines (alpha: the
-    reward scale, so 1 means one reward unit); 0 = the oracle's choice alone (one-hot)."""
+    temperature: float = 0.0
+    """0: the target is the oracle's choice (one-hot). > 0: the soft target
+    ``softmax(alpha * Q_line / temperature)`` over the free lines (alpha: the reward scale, so 1
+    is one reward unit). On the small configuration the lines' scores differ by well under one
+    reward unit, so temperature 1 gives a nearly uniform target that teaches nothing."""
     value_weight: float = 0.05
     """Weight of the critic's regression on the oracle's return to go (small: the returns are of
     order alpha x 0.1, and the critic shares the actor's trunk)."""
