@@ -7,6 +7,9 @@ PY := $(VENV)/bin/python
 MASC := $(VENV)/bin/masc
 STAMP := $(VENV)/.masc-installed
 DATA ?= data/small
+DEMO_DATA ?= data/demo
+DEMO_SUBJECTS ?= 8
+DEMO_SEED ?= 1000
 PORT ?= 9002
 SCAN ?= runs/demo-scan
 PYTEST_ARGS ?=
@@ -34,20 +37,27 @@ test-all: install
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
+# The demo scans subjects none of the shipped model's training data came from (a dataset seed of
+# their own) and compares MASC, the baselines and the greedy oracle on them.
 demo: install
-	$(MASC) simulate dataset --config configs/small.yaml --out $(DATA)
-	$(MASC) simulate preview $(DATA) --out $(DATA)/preview.png
+	$(MASC) simulate dataset --config configs/small.yaml --out $(DEMO_DATA) --subjects $(DEMO_SUBJECTS) \
+	    --set dataset.seed=$(DEMO_SEED)
+	$(MASC) simulate preview $(DEMO_DATA) --out $(DEMO_DATA)/preview.png
 	@# closed loop: masc serve in the background, masc scan against it, then stop the server
 	@$(MASC) serve --config configs/small.yaml --port $(PORT) --log-level WARNING & pid=$$!; \
 	for i in $$(seq 120); do $(PY) -c "import socket; socket.create_connection(('127.0.0.1', $(PORT)), 0.2)" 2>/dev/null && break; sleep 0.25; done; \
 	rc=0; for policy in masc center-out; do \
 	    echo "== closed-loop scan, policy $$policy"; \
-	    $(MASC) scan --config configs/small.yaml --data $(DATA) --split test --server 127.0.0.1:$(PORT) \
+	    $(MASC) scan --config configs/small.yaml --data $(DEMO_DATA) --split test --server 127.0.0.1:$(PORT) \
 	        --feedback inband --deadline-ms 200 --fallback center-out --out $(SCAN)/$$policy \
 	        --set scanner.max_subjects=2 --set acquisition.policy=$$policy --log-level WARNING || rc=$$?; \
 	done; \
 	kill -TERM $$pid; wait $$pid; exit $$rc
-	@echo "demo done: dataset $(DATA), preview $(DATA)/preview.png, closed-loop scan reports $(SCAN)/{masc,center-out}/report.json (images in images.h5 beside them)"
+	@echo "== MASC against the baselines and the greedy oracle (which reads the ground truth), all under MASC's MAR network"
+	$(MASC) eval --config configs/small.yaml --data $(DEMO_DATA) --split test --mar shipped:masc_small \
+	    --checkpoint shipped:masc_small --methods random,center-out,population,masc,oracle \
+	    --set eval.population_slices=8 --out $(SCAN)/eval --log-level WARNING
+	@echo "demo done: dataset $(DEMO_DATA), preview $(DEMO_DATA)/preview.png, closed-loop scan reports $(SCAN)/{masc,center-out}/report.json (images in images.h5 beside them), comparison $(SCAN)/eval/{table.md,curves.png,examples.png}"
 
 # The benchmarks behind the README's figures (needs the demo data set; the MaskablePPO comparison
 # needs the optional `bench` extra, sb3-contrib). DEVICE=cuda on a GPU machine.
