@@ -105,7 +105,6 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
     bar = tqdm(total=n, desc=getattr(policy, "name", "method"), unit="slice", leave=False, disable=not progress)
     for start in range(0, n, batch_size):
         index = list(range(start, min(start + batch_size, n)))
-        bar.update(len(index))
         kspace = data.kspace_metal[index].to(device)
         target = data.target[index].to(device)
         episodes = EpisodeBatch(n_pe, initial, budget, len(index), device,
@@ -131,6 +130,7 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
                 seen = images[policy.sees_mar(mar is not None)].cpu().numpy()
             episodes.acquire(episodes.select(policy, images=seen))
         lines[index] = episodes.chosen()
+        bar.update(len(index))
     bar.close()
     return Trajectories(lines, curves, {m: torch.stack([img for _, img in sorted(v, key=lambda x: x[0])])
                                         for m, v in finals.items() if v})
