@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -105,31 +106,32 @@ def oracle_demonstrations(data: SliceSet, ecfg: EnvConfig, initial: int, budget:
     """Run the greedy oracle on every slice of ``data`` (training slices only!) and record the
     states it visits, as the policy would observe them (``ecfg.observe_mar``), with the scores
     of every free line under the reward's image (``ecfg.reward_mar``)."""
-    oracle = GreedyOracle(ecfg.l_ssim, ecfg.l_nmse)
-    reward_mar = mar if ecfg.reward_mar else None
-    kspace_all = data.kspace_clean if ecfg.kspace == "clean" else data.kspace_metal
     from tqdm.auto import tqdm
 
+    oracle = GreedyOracle(ecfg.l_ssim, ecfg.l_nmse)
+    reward_mar = mar if ecfg.reward_mar else None
+    observe_mar = mar if ecfg.observe_mar else None
+    kspace_all = data.kspace_clean if ecfg.kspace == "clean" else data.kspace_metal
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("images", "masks", "steps", "scores", "q")}
     bar = tqdm(total=len(data), desc="oracle demonstrations", unit="slice", disable=not progress)
     for start in range(0, len(data), batch_size):
         index = list(range(start, min(start + batch_size, len(data))))
         kspace, target = kspace_all[index].to(device), data.target[index].to(device)
         episodes = EpisodeBatch(data.n_pe, initial, budget, len(index), device)
-        qs = []
-        for t in range(budget + 1):
+        zf = zero_filled(kspace, episodes.mask).float()
+        first = reward_mar(zf) if reward_mar is not None else zf
+        qs = [quality(first, target, ecfg.l_ssim, ecfg.l_nmse).double().cpu()]
+        for t in range(budget):
             zf = zero_filled(kspace, episodes.mask).float()
-            corrected = mar(zf).float() if mar is not None else zf
-            qs.append(quality(corrected if reward_mar is not None else zf, target, ecfg.l_ssim, ecfg.l_nmse))
-            if t == budget:
-                break
             scores = oracle.scores(episodes, kspace, target, reward_mar)
-            parts["images"].append((corrected if (mar is not None and ecfg.observe_mar) else zf).cpu())
+            chosen = scores.argmax(axis=1)
+            parts["images"].append((observe_mar(zf).float() if observe_mar is not None else zf).cpu())
             parts["masks"].append(episodes.mask.cpu())
             parts["steps"].append(torch.full((len(index),), budget - t, dtype=torch.long))
             parts["scores"].append(torch.from_numpy(ecfg.alpha * scores).float())
-            episodes.acquire(scores.argmax(axis=1))
-        q = torch.stack(qs, dim=1).cpu()  # (b, budget + 1)
+            qs.append(torch.from_numpy(scores[np.arange(len(index)), chosen]))  # Q after the oracle's line
+            episodes.acquire(chosen)
+        q = torch.stack(qs, dim=1).float()  # (b, budget + 1)
         parts["q"].append(ecfg.alpha * (q[:, -1:] - q[:, :-1]))  # return to go per step
         bar.update(len(index))
     bar.close()
