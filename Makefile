@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 DEVICE ?= auto
 BENCH ?= runs/bench
 
-.PHONY: install test test-all demo bench clean
+.PHONY: install test test-all demo bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +74,12 @@ bench: install
 	$(MASC) bench env --config configs/small.yaml --data $(DATA) --device $(DEVICE) --n-envs 64 \
 	    --steps 10 --mar-width 16 --sb3 --sb3-policy ours --ppo-steps 1024 --out $(BENCH)/env_mar16_samenet.json --log-level WARNING
 	@echo "benchmark results: $(BENCH)/{unet,env_nomar,env_mar16,env_nomar_samenet,env_mar16_samenet}.json"
+
+# Every GPU measurement in one run (under 8 minutes on one H100): gpu-marked tests, U-Net variants at
+# paper width, env and PPO throughput, concurrent serving, a paper-scale subject simulated on CUDA.
+# Writes $(BENCH)/gpu-check/gpu_check.{json,md}. Without CUDA it runs the CPU-safe parts.
+gpu-check: install
+	$(MASC) bench gpu-check --out $(BENCH)/gpu-check
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

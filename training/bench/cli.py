@@ -143,6 +143,47 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     env.set_defaults(func=cmd_env)
 
     _register_serve(actions, common)
+    _register_gpu_check(actions, common)
+
+
+def _register_gpu_check(actions: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    from training.bench.gpucheck import STEPS
+
+    check = actions.add_parser(
+        "gpu-check", parents=[common], help="every GPU measurement in one run (make gpu-check)",
+        description="Runs, each as its own process with its own time limit: the gpu-marked tests, "
+        "the MAR U-Net at paper width and 256x200 (bf16, channels-last, torch.compile), the batched "
+        "environment against the one-slice loop and PPO against MaskablePPO, masc serve under 1 "
+        "and 16 concurrent scans, and one paper-scale subject simulated on CUDA. Writes "
+        "gpu_check.json and gpu_check.md (and one log per step) in --out. Without CUDA the "
+        "CPU-safe parts run and the CUDA-only ones are reported as skipped.",
+    )
+    check.add_argument("--out", default="runs/gpu-check", metavar="DIR",
+                       help="output folder (default runs/gpu-check)")
+    check.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    check.add_argument("--steps", default=",".join(STEPS), metavar="S[,S...]",
+                       help=f"steps to run (default all: {','.join(STEPS)})")
+    check.add_argument("--quick", action="store_true",
+                       help="tiny sizes everywhere: checks that the steps run, gives no figures")
+    check.add_argument("--budget-s", type=float, default=480.0, metavar="S",
+                       help="stop starting steps after S seconds (default 480, 8 minutes)")
+    check.add_argument("--config-small", default="configs/small.yaml", metavar="FILE")
+    check.add_argument("--config-paper", default="configs/paper.yaml", metavar="FILE")
+    check.set_defaults(func=cmd_gpu_check)
+
+
+def cmd_gpu_check(args: argparse.Namespace) -> int:
+    from training.bench.gpucheck import gpu_check
+
+    steps = [s.strip() for s in args.steps.split(",") if s.strip()]
+    report = gpu_check(args.out, device=args.device, quick=args.quick, steps=steps,
+                       config_small=args.config_small, config_paper=args.config_paper,
+                       budget_s=args.budget_s)
+    print((Path(args.out) / "gpu_check.md").read_text())
+    failed = [r["step"] for r in report["steps"] if r["status"] in ("failed", "timeout")]
+    if failed:
+        print(f"gpu-check: {', '.join(failed)} did not finish; see their logs in {args.out}")
+    return 1 if failed else 0
 
 
 def _register_serve(actions: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
