@@ -80,7 +80,8 @@ def make_plan(out: str | Path, device: str = "auto", quick: bool = False,
         if not Path(path).is_file():
             raise FileNotFoundError(f"config {path} not found; run from the repository root "
                                     "or pass --config-small / --config-paper")
-    timeouts = {"tests": 180, "unet": 300, "data": 180, "env": 240, "serve": 240, "paper-sim": 300}
+    timeouts = {"tests": 180, "unet": 300, "data": 180, "env": 240, "serve": 240, "serve-cpu": 240,
+                "paper-sim": 300}
     return Plan(device=device, quick=quick, out=Path(out), config_small=config_small,
                 config_paper=config_paper, timeouts=timeouts)
 
@@ -165,6 +166,18 @@ def _dataset_summary(folder: Path) -> dict[str, Any] | None:
     return out
 
 
+def portable(obj: Any, out: str | Path, python: str = sys.executable) -> Any:
+    """``obj`` with this run's output folder written ``<out>`` and the interpreter ``python``,
+    so that a report can be shared or committed without this machine's paths."""
+    if isinstance(obj, str):
+        return obj.replace(str(out), "<out>").replace(python, "python")
+    if isinstance(obj, dict):
+        return {k: portable(v, out, python) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [portable(v, out, python) for v in obj]
+    return obj
+
+
 def run_step(step: str, plan: Plan, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run one step; its record: status ok | failed | timeout | skipped, wall_s, result, reason."""
     record: dict[str, Any] = {"step": step, "status": "skipped", "wall_s": None, "result": None,
@@ -194,7 +207,7 @@ def run_step(step: str, plan: Plan, log: Callable[[str], None] = print) -> dict[
         record["reason"] = f"stopped at its {plan.timeouts.get(step):.0f} s limit"
     elif rc != 0:
         record["status"] = "failed"
-        tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
+        tail = [t for t in log_path.read_text(errors="replace").strip().splitlines() if t.strip()][-2:]
         record["reason"] = f"exit status {rc}: " + " | ".join(tail)
     else:
         record["status"] = "ok"
@@ -209,6 +222,7 @@ def run_step(step: str, plan: Plan, log: Callable[[str], None] = print) -> dict[
         record["result"] = _dataset_summary(plan.data)
     elif step == "paper-sim":
         record["result"] = _dataset_summary(plan.work / "paper")
+    record = portable(record, plan.out)
     log(f"[gpu-check] {step}: {record['status']} in {record['wall_s']:.1f} s"
         + (f" ({record['reason']})" if record["reason"] else ""))
     return record

@@ -79,3 +79,10 @@ def test_budget_skips_the_steps_it_cannot_start(tmp_path):
                        config_small=SMALL, config_paper=PAPER, log=lambda m: None)
     assert [r["status"] for r in report["steps"]] == ["skipped", "skipped"]
     assert "budget" in report["steps"][0]["reason"]
+
+
+def test_report_has_no_machine_paths(tmp_path):
+    report = gpu_check(tmp_path, device="cpu", quick=True, steps=["unet"], config_small=SMALL,
+                       config_paper=PAPER, log=lambda m: None)
+    text = json.dumps(report)
+    assert str(tmp_path) not in text and "<out>/unet.json" in text
