@@ -38,13 +38,21 @@ def register_eval(subparsers: argparse._SubParsersAction, common: argparse.Argum
     ev = subparsers.add_parser("eval", parents=[common], help="evaluate sampling methods with / without MAR",
                                description="Evaluate sampling methods with and without MAR on a split: "
                                "results.json, table.md, curves.png, examples.png.")
-    ev.add_argument("--data", required=True, metavar="DIR", help="dataset folder")
+    ev.add_argument("--data", metavar="DIR", help="dataset folder (required unless --combine)")
     ev.add_argument("--split", default="test", choices=["train", "val", "test"])
     ev.add_argument("--methods", metavar="LIST", help="comma-separated policy names (default: eval.methods)")
     ev.add_argument("--mar", metavar="CKPT", help="MAR checkpoint (without it: no-MAR rows only)")
     ev.add_argument("--checkpoint", metavar="CKPT", help="trained MASC checkpoint for the learned method "
                     "'masc' (its own fine-tuned MAR is used for its MAR rows)")
     ev.add_argument("--reference", metavar="ROW", help="row for the p-values, e.g. random or random+nomar")
+    ev.add_argument("--combine", metavar="DIR,DIR[,...]",
+                    help="instead of evaluating: combine the outputs of earlier masc eval runs, one per "
+                    "training seed, into combined.json / combined.md (mean and spread over seeds, "
+                    "paired tests within each seed)")
+    ev.add_argument("--compare", default="masc", metavar="NAME",
+                    help="with --combine: the method compared with every other row (default masc)")
+    ev.add_argument("--alpha", type=float, default=0.01,
+                    help="with --combine: the level a win needs in both paired tests (default 0.01)")
     ev.add_argument("--out", required=True, metavar="OUTDIR")
     ev.set_defaults(func=cmd_eval)
 
@@ -86,8 +94,31 @@ def cmd_train_masc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_combine(args: argparse.Namespace) -> int:
+    from masc_gadget.cli import CommandError
+    from training.evaluation.seeds import combine_seeds, load_results, render_combined, write_combined
+
+    given = [f"--{n}" for n in ("data", "mar", "checkpoint", "methods", "reference") if getattr(args, n)]
+    if given:
+        raise CommandError(f"--combine reads finished evaluations; drop {', '.join(given)}")
+    if not 0 < args.alpha < 1:
+        raise CommandError(f"--alpha must be between 0 and 1, got {args.alpha}")
+    folders = [f.strip() for f in args.combine.split(",") if f.strip()]
+    report = combine_seeds([load_results(f) for f in folders], [Path(f).name for f in folders],
+                           method=args.compare, alpha=args.alpha)
+    paths = write_combined(report, args.out)
+    print(render_combined(report))
+    print("written: " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
-    from masc_gadget.cli import config_from_args
+    from masc_gadget.cli import CommandError, config_from_args
+
+    if args.combine:
+        return cmd_eval_combine(args)
+    if not args.data:
+        raise CommandError("masc eval needs --data DIR (or --combine DIR,DIR,... to combine seeds)")
     from training.evaluation.evaluate import evaluate, write_outputs
     from training.evaluation.tables import render_table
 
