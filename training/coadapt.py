@@ -33,8 +33,9 @@ from masc_gadget.acquisition.learned import policy_metadata
 from masc_gadget.core.metrics import scale_by_target
 from masc_gadget.models.policy_net import PolicyNet
 from training.csvlog import append_row, plot_training
-from training.data import SliceSet, load_split
+from training.data import SliceSet, load_split, spread_subset
 from training.imitation import ImitationConfig, imitate, load_or_make_demonstrations
+from training.population import population_order
 from training.rl.env import BatchedAcquisitionEnv, EnvConfig
 from training.mar import mar_loss
 from training.rl.ppo import Rollout, greedy_actions, make_optimizer, run_ppo
@@ -70,8 +71,13 @@ class MascTrainConfig:
     """cpu, cuda, cuda:N or auto."""
     seed: int = 0
     """Seed of the networks' init, slice draws, action sampling and minibatches."""
+    prior_slices: int = 32
+    """With ``policy_net.prior_weight`` > 0: training slices (spread over the split) the
+    population-greedy prior order is computed on, under the pre-trained MAR network (0 = all)."""
 
     def __post_init__(self) -> None:
+        if self.prior_slices < 0:
+            raise ValueError(f"prior_slices must be >= 0, got {self.prior_slices}")
         for name in ("rollouts", "mar_epochs", "mar_batch_size", "val_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -311,9 +317,18 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
     n_steps = pcfg.steps_per_env(ecfg.n_envs)
 
     gen = torch.Generator().manual_seed(tcfg.seed)
+    pncfg = config["policy_net"]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(tcfg.seed)
-        net = PolicyNet(train.n_pe, *train.target.shape[1:], config["policy_net"]).to(device)
+        net = PolicyNet(train.n_pe, *train.target.shape[1:], pncfg,
+                        prior_lines=acq.budget if pncfg.prior_weight > 0 else 0).to(device)
+    if net.prior_lines and resume is None:
+        # the policy starts from the population-greedy order; PPO learns where to leave it
+        order = population_order(spread_subset(train, tcfg.prior_slices), acq.initial, acq.budget, mar,
+                                 device, tcfg.mar_batch_size, progress=progress)
+        net.set_prior(order)
+        log.info("prior: the population order of %d training slices, bonus %.2f: %s",
+                 min(len(train), tcfg.prior_slices or len(train)), pncfg.prior_weight, order.tolist())
     optimizer = make_optimizer(net, pcfg)
     mar_opt = torch.optim.Adam(mar.parameters(), lr=tcfg.mar_lr) if tcfg.mar_mode == "joint" else None
     lambda_ssim = config["mar_train"].lambda_ssim if tcfg.mar_loss == "pretrain" else None
@@ -337,6 +352,9 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
     if config["imitation"].slices > 0 and start == 0:
         warm_start(run, train, demos, progress)
         env.set_mar(mar)
+    elif net.prior_lines and start == 0:
+        # the prior alone is rollout 0: selection on val keeps it when PPO does not improve on it
+        run._validate_and_save(0, {"charts/episodic_return": math.nan})
     run.bar = tqdm(desc="train masc", unit="rollout", disable=not progress, initial=start, total=tcfg.rollouts)
     run_ppo(run.recorder, net, pcfg, optimizer, gen, max(0, tcfg.rollouts - start),
             on_rollout=run.after_rollout, start_iteration=start + 1)

@@ -68,6 +68,7 @@ def policy_metadata(
         "height": net.height,
         "width": net.width,
         "observes_mar": bool(observes_mar),
+        "prior_lines": net.prior_lines,
     }
     if mar is not None:
         meta["mar_model"] = to_dict(mar.config)
@@ -196,6 +197,9 @@ def _check_sizes(meta: dict[str, Any], label: str) -> None:
         check_size(label, "policy_net.channels[]", c, MAX_CHANNELS)
     check_size(label, "policy_net.hidden", section.get("hidden", PolicyNetConfig.hidden), MAX_HIDDEN)
     check_size(label, "policy_net.pool_size", section.get("pool_size", PolicyNetConfig.pool_size), MAX_POOL)
+    prior = meta.get("prior_lines", 0)
+    if prior != 0:
+        check_size(label, "prior_lines", prior, meta["n_pe"])
 
 
 def _policy_from(ck: Checkpoint, path: str | Path, device: str | torch.device) -> LearnedPolicy:
@@ -220,10 +224,12 @@ def _policy_from(ck: Checkpoint, path: str | Path, device: str | torch.device) -
     _check_sizes(meta, str(path))
     try:
         cfg = from_dict(PolicyNetConfig, meta["policy_net"], "policy_net")
-        check_weights_fit(lambda: PolicyNet(meta["n_pe"], meta["height"], meta["width"], cfg),
+        prior = meta.get("prior_lines", 0)  # checkpoints before the prior have none
+        check_weights_fit(lambda: PolicyNet(meta["n_pe"], meta["height"], meta["width"], cfg,
+                                            prior_lines=prior),
                           ck.state_dicts["policy"], "policy", str(path))
         with torch.random.fork_rng(devices=[]):  # the init is overwritten; leave the global RNG alone
-            net = PolicyNet(meta["n_pe"], meta["height"], meta["width"], cfg)
+            net = PolicyNet(meta["n_pe"], meta["height"], meta["width"], cfg, prior_lines=prior)
     except ConfigError as err:
         raise ValueError(f"{path}: {err}") from None
     except ValueError as err:
@@ -232,6 +238,11 @@ def _policy_from(ck: Checkpoint, path: str | Path, device: str | torch.device) -
         net.load_state_dict(ck.state_dicts["policy"])
     except RuntimeError as err:
         raise ValueError(f"{path}: 'policy' weights do not match policy_net {cfg}: {err}") from None
+    if net.prior_order is not None:
+        try:
+            net.set_prior(net.prior_order.clone())  # the stored order must be valid lines
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
     return LearnedPolicy(net, observes_mar=meta["observes_mar"], device=device, metadata=meta)
 
 

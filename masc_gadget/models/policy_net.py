@@ -12,6 +12,12 @@ Layout (``channels`` = (c1, ..., cn), default (16, 32, 64))::
     trunk    flatten ++ steps_left fraction -> Linear -> ReLU                 -> (B, hidden)
     actor    Linear hidden -> n_pe                                            -> logits (B, n_pe)
     critic   Linear hidden -> 1                                               -> value (B,)
+    prior    (optional) + s * onehot(next line of a fixed order not yet acquired)  -> logits
+
+With a prior (``prior_lines`` > 0, the order set by :meth:`PolicyNet.set_prior`), the actor
+starts from a fixed line order, e.g. the population-greedy one, and learns per-slice
+corrections to it: the logit of the first line of the order that is not yet acquired gets the
+bonus ``s``, a learnable scalar initialised to ``policy_net.prior_weight``.
 
 Image rows are PE lines (line k is row k of centred k-space), so the mask of line k fills row
 k of the mask channel. Weights are initialised as in CleanRL: orthogonal, gain sqrt(2) for the
@@ -47,6 +53,11 @@ class PolicyNetConfig:
     pool_size: int = 8
     """The encoder's output map is average-pooled to pool_size x pool_size before flattening,
     so the size of the fully connected layer does not grow with the matrix."""
+    prior_weight: float = 0.0
+    """Initial logit bonus of the next line of a fixed prior order (``masc train masc``: the
+    population-greedy order of the training split); 0 = no prior. With the actor head's small
+    init, a bonus of 8 makes the untrained policy follow the order about 96 % of the time at
+    128 lines; PPO then learns where to depart from it."""
 
     def __post_init__(self) -> None:
         channels = self.channels
@@ -58,6 +69,10 @@ class PolicyNetConfig:
         object.__setattr__(self, "channels", tuple(channels))
         check_sizes(self, ("hidden", "pool_size"))
         check_scale_quantile(self.scale_quantile)
+        weight = self.prior_weight
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < math.inf:
+            raise ValueError(f"prior_weight must be a finite number >= 0, got {weight!r}")
+        object.__setattr__(self, "prior_weight", float(weight))
 
 
 def masked_logits(logits: torch.Tensor, acquired: torch.Tensor) -> torch.Tensor:
@@ -117,6 +132,8 @@ class PolicyNet(nn.Module):
         cfg: architecture; default :class:`PolicyNetConfig`.
         generator: torch.Generator for the weight init, so that building a network neither
             reads nor advances the global RNG; None draws from the global RNG like any module.
+        prior_lines: length of the prior order (0 = no prior); the order itself is a buffer
+            (zeros until :meth:`set_prior`), saved with the weights.
     """
 
     def __init__(
@@ -126,6 +143,7 @@ class PolicyNet(nn.Module):
         width: int,
         cfg: PolicyNetConfig | None = None,
         generator: torch.Generator | None = None,
+        prior_lines: int = 0,
     ) -> None:
         super().__init__()
         cfg = PolicyNetConfig() if cfg is None else cfg
@@ -152,6 +170,12 @@ class PolicyNet(nn.Module):
             self.trunk = nn.Sequential(nn.Linear(n_features, cfg.hidden), nn.ReLU())
             self.actor = nn.Linear(cfg.hidden, n_pe)
             self.critic = nn.Linear(cfg.hidden, 1)
+        if isinstance(prior_lines, bool) or not isinstance(prior_lines, int) or not 0 <= prior_lines <= n_pe:
+            raise ValueError(f"prior_lines must be an integer in [0, n_pe={n_pe}], got {prior_lines!r}")
+        self.prior_lines = prior_lines
+        # buffer and parameter exist only with a prior, so checkpoints without one keep their keys
+        self.register_buffer("prior_order", torch.arange(prior_lines, dtype=torch.int64) if prior_lines else None)
+        self.prior_scale = nn.Parameter(torch.tensor(cfg.prior_weight)) if prior_lines else None
         self.reset_parameters(generator)
         # channels-last convolutions: 1.5x faster forward + backward on CPU (oneDNN) with the
         # encoder's few channels; the layout changes no value a caller sees.
@@ -164,6 +188,35 @@ class PolicyNet(nn.Module):
                 _layer_init(module, math.sqrt(2.0), generator)
         _layer_init(self.actor, 0.01, generator)
         _layer_init(self.critic, 1.0, generator)
+        if self.prior_scale is not None:
+            with torch.no_grad():
+                self.prior_scale.fill_(self.config.prior_weight)
+
+    def set_prior(self, order: torch.Tensor | list[int]) -> None:
+        """The fixed order the prior follows: ``prior_lines`` distinct lines in [0, n_pe)."""
+        if self.prior_order is None:
+            raise ValueError("this network was built without a prior (prior_lines=0)")
+        order = torch.as_tensor(order, dtype=torch.int64).flatten().cpu()
+        if order.numel() != self.prior_lines:
+            raise ValueError(f"the prior order must have {self.prior_lines} lines, got {order.numel()}")
+        if order.numel() and (int(order.min()) < 0 or int(order.max()) >= self.n_pe):
+            raise ValueError(f"prior order lines must be in [0, {self.n_pe}), got {order.tolist()}")
+        if len(set(order.tolist())) != order.numel():
+            raise ValueError(f"prior order lines must be distinct, got {order.tolist()}")
+        with torch.no_grad():
+            self.prior_order.copy_(order)
+
+    def prior_bonus(self, mask: torch.Tensor) -> torch.Tensor:
+        """(B, n_pe): 1 on the first line of the prior order that ``mask`` (B, n_pe) has not
+        acquired, 0 elsewhere (all 0 once the whole order is acquired, or without a prior)."""
+        bonus = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        if self.prior_order is None:
+            return bonus
+        free = ~mask.bool()[:, self.prior_order]  # (B, L)
+        first = free.to(torch.uint8).argmax(dim=1)  # the first free position (0 when none is)
+        rows = torch.arange(mask.shape[0], device=mask.device)
+        bonus[rows, self.prior_order[first]] = free.any(dim=1).float()
+        return bonus
 
     def features(
         self, image: torch.Tensor, mask: torch.Tensor, steps_left_frac: torch.Tensor
@@ -195,7 +248,11 @@ class PolicyNet(nn.Module):
         :func:`masked_logits` / :func:`masked_distribution` with the same mask.
         """
         h = self.features(image, mask, steps_left_frac)
-        return self.actor(h), self.critic(h).squeeze(1)
+        logits = self.actor(h)
+        if self.prior_scale is not None:
+            logits = logits + self.prior_scale * self.prior_bonus(mask).to(logits.dtype)
+        return logits, self.critic(h).squeeze(1)
 
     def extra_repr(self) -> str:
-        return f"n_pe={self.n_pe}, height={self.height}, width={self.width}"
+        prior = f", prior_lines={self.prior_lines}" if self.prior_lines else ""
+        return f"n_pe={self.n_pe}, height={self.height}, width={self.width}{prior}"

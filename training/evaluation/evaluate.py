@@ -26,8 +26,8 @@ from masc_gadget.acquisition.policies import FixedOrder, SamplingPolicy, make_po
 from training.data import SliceSet, load_split, spread_subset
 from training.oracle import NAME as ORACLE
 from training.oracle import GreedyOracle
-from training.evaluation.population import NAME as POPULATION
-from training.evaluation.population import population_order
+from training.population import NAME as POPULATION
+from training.population import population_order
 from training.evaluation.figures import plot_curves, plot_examples
 from training.evaluation.stats import mean_std
 from training.evaluation.tables import add_tests, render_table

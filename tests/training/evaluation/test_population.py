@@ -14,7 +14,7 @@ from masc_gadget.models.checkpoint import load_mar
 from tests.conftest import CONFIGS
 from training.data import load_split, spread_subset
 from training.oracle import GreedyOracle
-from training.evaluation.population import population_order
+from training.population import population_order
 from training.evaluation.tables import oracle_gain
 
 CPU = torch.device("cpu")

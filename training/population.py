@@ -6,7 +6,8 @@ use) over a set of training slices that all share the same mask. The result is o
 per (initial, budget) setting, which a :class:`~masc_gadget.acquisition.policies.FixedOrder`
 then plays on every slice. It is computed from the training split only: it is what a
 non-adaptive schedule can learn from the same data as MASC, and the bar an adaptive policy must
-clear to show that it adapts.
+clear to show that it adapts. ``masc train masc`` can also start its policy from it
+(``policy_net.prior_weight``).
 """
 
 from __future__ import annotations
