@@ -30,7 +30,7 @@ and discs, symphysis and sacro-iliac cartilage; femoral head, neck, trochanters 
 (cortex of drawn thickness, red marrow proximally, yellow marrow in the diaphyseal canal),
 articular cartilage on head and socket with a synovial fluid film, acetabular fossa fat,
 labrum, joint capsule. Above the pelvis the trunk and below the hips the thighs simply continue.
-Not modelled: prostate / uterus, nerves, bowel gas, flow voids.
+Not modelled: prostate / uterus, nerves, flow voids. Bowel gas is optional (``bowel_gas_fraction``).
 
 Soft tissue (outline, fat, muscles, organs, vessels) is evaluated at smoothly warped coordinates
 ``p + u(p)``, ``u`` a sum of a few random low-frequency plane waves defined in mm (so it does

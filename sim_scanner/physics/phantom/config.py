@@ -65,6 +65,11 @@ class PhantomConfig:
     """Height of the iliac crest above the femoral head centres (before pelvic scaling), mm."""
     bladder_radius_mm: tuple[float, float] = (20.0, 45.0)
     """Mean semi-axis of the (filled) urinary bladder, mm."""
+    bowel_gas_fraction: tuple[float, float] = (0.0, 0.0)
+    """Share of the small-bowel loops that hold a gas pocket, drawn per subject (0 = no gas, the
+    default). A pocket is a signal void, concentric with its loop, of 40-80 % of its radius; its
+    susceptibility (air, +0.36 ppm against about -9 ppm for tissue) bends the field around it: a
+    second, weaker off-resonance source beside the implant that moves from subject to subject."""
     thigh_gap_mm: tuple[float, float] = (10.0, 40.0)
     """Gap between the thighs 100 mm below the hips when the fat allows it, mm."""
     muscle_bulk: tuple[float, float] = (0.85, 1.15)
@@ -104,6 +109,7 @@ class PhantomConfig:
             "pelvic_tilt_deg": (-30.0, 30.0),
             "crest_height_mm": (80.0, 160.0),
             "bladder_radius_mm": (5.0, 80.0),
+            "bowel_gas_fraction": (0.0, 1.0),
             "thigh_gap_mm": (0.0, 150.0),
             "muscle_bulk": (0.3, 3.0),
             "deform_amplitude_mm": (0.0, 30.0),

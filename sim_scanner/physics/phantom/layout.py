@@ -50,7 +50,7 @@ class _Layout:
         self._body_profile()
         self._thigh_profiles()
         self._cavity_profile()
-        self._organs(anatomy.seed)
+        self._organs(anatomy.seed, cfg.bowel_gas_fraction)
         self._vessels()
         self.groups = muscle_groups(self)
 
@@ -172,7 +172,7 @@ class _Layout:
         return a, ym, ym - f, b - ym
 
     # -- organs ---------------------------------------------------------------------------------
-    def _organs(self, seed: int) -> None:
+    def _organs(self, seed: int, gas_fraction: tuple[float, float] = (0.0, 0.0)) -> None:
         pel, s, yh = self.pel, self.scale, self.yh
         xh = self.xh
         # bladder
@@ -221,6 +221,12 @@ class _Layout:
             c = _v(zc, yc, xc)
             loops.append((c - half * d, c + half * d, r))
         self.bowel = loops
+        # gas pockets in some loops: a stream of their own, so the loops stay as without gas
+        gas_rng = np.random.default_rng([seed, 4])
+        lo, hi = gas_fraction
+        share = gas_rng.uniform(lo, hi) if hi > 0 else 0.0
+        self.bowel_gas = [(pa, pb, r * gas_rng.uniform(0.4, 0.8))
+                          for pa, pb, r in loops if share > 0 and gas_rng.random() < share]
 
     # -- vessels --------------------------------------------------------------------------------
     def _vessels(self) -> None:

@@ -167,6 +167,12 @@ def _paint_pelvic_organs(ch: _Chunk, lay: _Layout, cav: np.ndarray) -> None:
         q = ch.coords(sl, warped=True)
         inside = (_capsule(q, pa, pb, r, r) < 0) & cav[sl]
         ch.paint(sl, inside, Tissue.BOWEL)
+    for pa, pb, r in lay.bowel_gas:  # gas pockets inside their loops (a void of air's susceptibility)
+        sl = ch.slices(_points_box([pa, pb], r), warped=True)
+        if sl is None:
+            continue
+        q = ch.coords(sl, warped=True)
+        ch.paint(sl, (_capsule(q, pa, pb, r, r) < 0) & cav[sl], Tissue.AIR)
     _paint_chain(ch, lay.sigmoid, Tissue.BOWEL, wall=(Tissue.MUSCLE, 2.0), within=cav)
     # rectum and anal canal: muscular wall, lumen
     outer = [(q, ro) for q, ro, _ in lay.rectum]

@@ -238,6 +238,18 @@ def test_deformation_changes_soft_tissue_not_bones(cfg):
     assert a[head] == b[head] == Tissue.RED_MARROW
 
 
+def test_bowel_gas_is_air_inside_bowel_loops_only(anatomy, labels, cfg):
+    gassy = dataclasses.replace(cfg, bowel_gas_fraction=(1.0, 1.0))
+    lab = rasterize_anatomy(anatomy, COARSE, gassy)
+    changed = lab != labels
+    assert changed.sum() > 20  # a few loops' worth of coarse voxels
+    assert (lab[changed] == Tissue.AIR).all() and (labels[changed] == Tissue.BOWEL).all()
+    chi = tissue_maps(lab, anatomy, COARSE, 3.0, gassy).chi_ppm
+    assert np.allclose(chi[changed], tissue_properties(3.0)[Tissue.AIR].chi_ppm)
+    half = rasterize_anatomy(anatomy, COARSE, dataclasses.replace(cfg, bowel_gas_fraction=(0.3, 0.3)))
+    assert 0 < (half != labels).sum() < changed.sum()
+
+
 # -- tissue properties and maps ----------------------------------------------------------------
 
 
