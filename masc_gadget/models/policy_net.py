@@ -133,7 +133,7 @@ class PolicyNet(nn.Module):
         generator: torch.Generator for the weight init, so that building a network neither
             reads nor advances the global RNG; None draws from the global RNG like any module.
         prior_lines: length of the prior order (0 = no prior); the order itself is a buffer
-            (zeros until :meth:`set_prior`), saved with the weights.
+            (lines 0, 1, ... until :meth:`set_prior`), saved with the weights.
     """
 
     def __init__(
