@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from training.bench.common import environment
 
 STEPS = ("tests", "unet", "data", "env", "serve", "serve-cpu", "paper-sim")
 CUDA_ONLY = {"serve-cpu", "paper-sim"}
@@ -288,16 +289,6 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def environment_summary(device: str) -> dict[str, Any]:
-    import torch
-
-    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-           "cpu_count": os.cpu_count(), "device_name": None}
-    if device == "cuda":
-        env["device_name"] = torch.cuda.get_device_name(0)
-    return env
-
-
 def gpu_check(out: str | Path, device: str = "auto", quick: bool = False,
               steps: Sequence[str] = STEPS, config_small: str = "configs/small.yaml",
               config_paper: str = "configs/paper.yaml", budget_s: float = 480.0,
@@ -314,7 +305,7 @@ def gpu_check(out: str | Path, device: str = "auto", quick: bool = False,
     if plan.device != "cuda":
         log("[gpu-check] no CUDA device: running the CPU-safe parts; the CUDA-only ones are skipped")
     t0 = time.monotonic()
-    report = {"device": plan.device, "quick": quick, "environment": environment_summary(plan.device),
+    report = {"device": plan.device, "quick": quick, "environment": environment(plan.device),
               "budget_s": budget_s, "wall_s": 0.0, "steps": []}
     for step in (s for s in STEPS if s in steps):
         left = budget_s - (time.monotonic() - t0)

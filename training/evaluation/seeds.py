@@ -44,11 +44,6 @@ def _check_compatible(results: Sequence[dict[str, Any]], labels: Sequence[str]) 
                              f"{labels[0]} has {sorted(first['accelerations'])}")
 
 
-def _display(key: str) -> tuple[str, bool]:
-    name, _, tail = key.partition("+")
-    return DISPLAY_NAMES.get(name, name), tail != "nomar"
-
-
 def combine_seeds(results: Sequence[dict[str, Any]], labels: Sequence[str] | None = None,
                   method: str = "masc", alpha: float = 0.01) -> dict[str, Any]:
     """One combined report from the results of several seeds (see the module docstring).
@@ -74,9 +69,9 @@ def combine_seeds(results: Sequence[dict[str, Any]], labels: Sequence[str] | Non
         by_key = [{row["key"]: row for row in b["rows"]} for b in blocks]
         gains = {over: [oracle_gain(b, over) for b in blocks] for over in ("random", "best")}
         rows = []
+        first = by_key[0]
         for key in keys:
-            name, mar = _display(key)
-            row: dict[str, Any] = {"key": key, "method": name, "mar": mar}
+            row: dict[str, Any] = {"key": key, "method": first[key]["method"], "mar": first[key]["mar"]}
             for metric in METRICS_SHOWN:
                 per_seed = [float(np.mean(bk[key]["per_slice"][metric])) for bk in by_key]
                 row[metric] = {"per_seed": per_seed, **mean_std(np.asarray(per_seed))}
@@ -86,12 +81,12 @@ def combine_seeds(results: Sequence[dict[str, Any]], labels: Sequence[str] | Non
                                               else {"per_seed": vals, **mean_std(np.asarray(vals))})
             rows.append(row)
         comparisons = []
-        for key in (k for k in keys if k.partition("+")[0] == method):
-            suffix = key[len(method):]
+        for key in (k for k in keys if first[k]["method"] == method):
             for other in keys:
-                if other == key or other[len(other.partition("+")[0]):] != suffix:
+                if other == key or first[other]["mar"] != first[key]["mar"]:
                     continue
-                comp: dict[str, Any] = {"row": key, "against": other}
+                comp: dict[str, Any] = {"row": key, "against": other,
+                                        "method": first[other]["method"], "mar": first[other]["mar"]}
                 for metric in METRICS_SHOWN:
                     per_seed = []
                     for bk in by_key:
@@ -129,6 +124,10 @@ def _p(p: float) -> str:
     return f"{p:.0e}" if p < 0.001 else f"{p:.3f}"
 
 
+def _name(method: str) -> str:
+    return DISPLAY_NAMES.get(method, method)
+
+
 def _diffs(per_seed: list[dict[str, Any]], digits: int) -> str:
     return " / ".join(f"{x['diff']:+.{digits}f}" for x in per_seed)
 
@@ -149,19 +148,18 @@ def render_combined(report: dict[str, Any]) -> str:
                   "| over the best baseline |", "|---|---|---:|---:|---|---:|---:|"]
         for row in block["rows"]:
             per = " / ".join(f"{v:.4f}" for v in row["ssim"]["per_seed"])
-            lines.append(f"| {row['method']} | {'✓' if row['mar'] else '✗'} | {_ms(row['ssim'], 4)} "
+            lines.append(f"| {_name(row['method'])} | {'✓' if row['mar'] else '✗'} | {_ms(row['ssim'], 4)} "
                          f"| {_ms(row['psnr'], 2)} | {per} | {_ms(row['oracle_gain_random'], 0, True)} "
                          f"| {_ms(row['oracle_gain_best'], 0, True)} |")
         if block["comparisons"]:
-            method = DISPLAY_NAMES.get(report["method"], report["method"])
+            method = _name(report["method"])
             lines += ["", f"**{method} against each row**, paired over the slices within each seed "
                           f"(wins: mean better and both the t-test and the Wilcoxon test p < {report['alpha']:g}):",
                       "", "| against | MAR | ΔSSIM per seed | p (t / Wilcoxon) per seed | ΔPSNR dB per seed "
                       "| p (t / Wilcoxon) per seed | seeds won: SSIM, PSNR |", "|---|---|---|---|---|---|---|"]
             for comp in block["comparisons"]:
-                name, mar = _display(comp["against"])
                 s, p = comp["ssim"]["per_seed"], comp["psnr"]["per_seed"]
-                lines.append(f"| {name} | {'✓' if mar else '✗'} | {_diffs(s, 4)} | {_ps(s)} "
+                lines.append(f"| {_name(comp['method'])} | {'✓' if comp['mar'] else '✗'} | {_diffs(s, 4)} | {_ps(s)} "
                              f"| {_diffs(p, 2)} | {_ps(p)} "
                              f"| {comp['ssim']['wins']} / {n}, {comp['psnr']['wins']} / {n} |")
         for label, keys in block["missing_rows"].items():
