@@ -10,8 +10,9 @@ log = logging.getLogger("masc.train")
 
 
 def register_train(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    train = subparsers.add_parser("train", help="train networks (mar, ...)",
-                                  description="Training: MAR pre-training (stage 1), ...")
+    train = subparsers.add_parser("train", help="train networks (mar, masc, dqn, ss-ddqn, loupe)",
+                                  description="Training: MAR pre-training (stage 1), MASC (stage 2) and the "
+                                  "learned baselines.")
     actions = train.add_subparsers(dest="action", metavar="WHAT", required=True)
     mar = actions.add_parser("mar", parents=[common], help="pre-train the MAR U-Net (stage 1)",
                              description="Pre-train the MAR U-Net on paired metal / clean images "
@@ -32,6 +33,28 @@ def register_train(subparsers: argparse._SubParsersAction, common: argparse.Argu
     masc.add_argument("--demos", metavar="FILE", help="where the greedy oracle's demonstrations for the "
                       "imitation warm start (imitation.slices > 0) are kept: read when they match, else written")
     masc.set_defaults(func=cmd_train_masc)
+    for variant, title in (("dqn", "DQN (Mnih et al. 2015)"),
+                           ("ss-ddqn", "SS-DDQN (Pineda et al. 2020): Double DQN on the reconstruction and its k-space")):
+        q = actions.add_parser(variant, parents=[common], help=f"value-based baseline: {title}",
+                               description=f"Train the {title} line-selection baseline on the acquisition "
+                               "environment (sections dqn, q_net, env); replay of masks, not images.")
+        q.add_argument("--data", required=True, metavar="DIR", help="dataset folder")
+        q.add_argument("--mar", metavar="CKPT", help="frozen MAR checkpoint the agent observes and is rewarded "
+                       "through (without it: zero-filled images)")
+        q.add_argument("--out", required=True, metavar="CKPT", help="best checkpoint (.pt); "
+                       "<CKPT stem>.last.pt and .csv are written beside it")
+        q.add_argument("--resume", metavar="CKPT", help="continue from a .last.pt checkpoint")
+        q.set_defaults(func=cmd_train_dqn, variant=variant)
+    loupe = actions.add_parser("loupe", parents=[common], help="learned fixed mask (LOUPE-style) + its MAR network",
+                               description="Learn one line mask for every slice at the exact budget, jointly with "
+                               "the MAR network (section loupe); played as a fixed order by masc eval and the gadget.")
+    loupe.add_argument("--data", required=True, metavar="DIR", help="dataset folder")
+    loupe.add_argument("--mar", metavar="CKPT", help="pre-trained MAR checkpoint to start the MAR network from "
+                       "(without it: trained from scratch)")
+    loupe.add_argument("--out", required=True, metavar="CKPT", help="best checkpoint (.pt); "
+                       "<CKPT stem>.last.pt and .csv are written beside it")
+    loupe.add_argument("--resume", metavar="CKPT", help="continue from a .last.pt checkpoint")
+    loupe.set_defaults(func=cmd_train_loupe)
 
 
 def register_eval(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -89,6 +112,30 @@ def cmd_train_masc(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     best = train_masc(config, args.data, args.mar, args.out, resume=args.resume, demos=args.demos)
     print(f"best MASC checkpoint: {args.out} (rollout {best.get('rollout', '?')}, val SSIM "
+          f"{best.get('ssim', float('nan')):.4f}, PSNR {best.get('psnr', float('nan')):.2f} dB, "
+          f"{best.get('seconds', 0):.0f} s); log: {Path(args.out).with_suffix('.csv')}")
+    return 0
+
+
+def cmd_train_dqn(args: argparse.Namespace) -> int:
+    from masc_gadget.cli import config_from_args
+    from training.rl.dqn import train_dqn
+
+    config = config_from_args(args)
+    best = train_dqn(config, args.data, args.mar, args.out, variant=args.variant, resume=args.resume)
+    print(f"best {args.variant} checkpoint: {args.out} (transitions {best.get('transitions', '?')}, val SSIM "
+          f"{best.get('ssim', float('nan')):.4f}, PSNR {best.get('psnr', float('nan')):.2f} dB, "
+          f"{best.get('seconds', 0):.0f} s); log: {Path(args.out).with_suffix('.csv')}")
+    return 0
+
+
+def cmd_train_loupe(args: argparse.Namespace) -> int:
+    from masc_gadget.cli import config_from_args
+    from training.loupe import train_loupe
+
+    config = config_from_args(args)
+    best = train_loupe(config, args.data, args.mar, args.out, resume=args.resume)
+    print(f"best learned-mask checkpoint: {args.out} (epoch {best.get('epoch', '?')}, val SSIM "
           f"{best.get('ssim', float('nan')):.4f}, PSNR {best.get('psnr', float('nan')):.2f} dB, "
           f"{best.get('seconds', 0):.0f} s); log: {Path(args.out).with_suffix('.csv')}")
     return 0

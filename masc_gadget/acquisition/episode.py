@@ -35,7 +35,8 @@ class AcquisitionConfig:
     """Lines chosen by the policy, one at a time, after the initial ones; paper 10x: 18, 5x: 32."""
     policy: str = "center-out"
     """Sampling policy name (``masc_gadget.acquisition.policies.POLICIES``): center-out, random,
-    random-lowbias, equispaced, or a learned policy registered by another package."""
+    random-lowbias, equispaced, or a learned policy whose checkpoint is ``gadget.policy_checkpoint``:
+    masc, dqn, ss-ddqn, loupe."""
     seed: int = 0
     """Seed of the per-slice random streams of random policies (``slice_rng(seed, slice, ...)``)."""
 

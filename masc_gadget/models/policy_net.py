@@ -93,7 +93,7 @@ def masked_distribution(logits: torch.Tensor, acquired: torch.Tensor) -> Categor
     return Categorical(logits=masked_logits(logits, acquired))
 
 
-def _layer_init(layer: nn.Module, std: float, generator: torch.Generator | None) -> nn.Module:
+def layer_init(layer: nn.Module, std: float, generator: torch.Generator | None) -> nn.Module:
     """CleanRL's init: orthogonal weights with gain ``std``, zero bias. Drawn into a contiguous
     tensor and copied, so it works whatever the weight's memory format (channels-last too)."""
     weight = torch.empty(layer.weight.shape, dtype=layer.weight.dtype, device=layer.weight.device)
@@ -104,7 +104,7 @@ def _layer_init(layer: nn.Module, std: float, generator: torch.Generator | None)
     return layer
 
 
-class _PoolTo(nn.Module):
+class PoolTo(nn.Module):
     """Average-pools (B, C, h, w) maps to (B, C, size, size); a map of that size already is
     passed through untouched (the pooling would be the identity, and costs as much as a
     convolution layer)."""
@@ -165,7 +165,7 @@ class PolicyNet(nn.Module):
             for out_channels in cfg.channels:
                 convs += [nn.Conv2d(in_channels, out_channels, 3, stride=2, padding=1), nn.ReLU()]
                 in_channels = out_channels
-            self.encoder = nn.Sequential(*convs, _PoolTo(cfg.pool_size), nn.Flatten())
+            self.encoder = nn.Sequential(*convs, PoolTo(cfg.pool_size), nn.Flatten())
             n_features = in_channels * cfg.pool_size**2 + 1  # + steps_left fraction
             self.trunk = nn.Sequential(nn.Linear(n_features, cfg.hidden), nn.ReLU())
             self.actor = nn.Linear(cfg.hidden, n_pe)
@@ -185,9 +185,9 @@ class PolicyNet(nn.Module):
         """CleanRL init: orthogonal gain sqrt(2) (hidden), 0.01 (actor head), 1 (critic head)."""
         for module in (*self.encoder, *self.trunk):
             if isinstance(module, (nn.Conv2d, nn.Linear)):
-                _layer_init(module, math.sqrt(2.0), generator)
-        _layer_init(self.actor, 0.01, generator)
-        _layer_init(self.critic, 1.0, generator)
+                layer_init(module, math.sqrt(2.0), generator)
+        layer_init(self.actor, 0.01, generator)
+        layer_init(self.critic, 1.0, generator)
         if self.prior_scale is not None:
             with torch.no_grad():
                 self.prior_scale.fill_(self.config.prior_weight)
@@ -252,6 +252,10 @@ class PolicyNet(nn.Module):
         if self.prior_scale is not None:
             logits = logits + self.prior_scale * self.prior_bonus(mask).to(logits.dtype)
         return logits, self.critic(h).squeeze(1)
+
+    def scores(self, image: torch.Tensor, mask: torch.Tensor, steps_left_frac: torch.Tensor) -> torch.Tensor:
+        """(B, n_pe) masked logits: what a greedy policy takes the argmax of."""
+        return masked_logits(self(image, mask, steps_left_frac)[0], mask)
 
     def extra_repr(self) -> str:
         prior = f", prior_lines={self.prior_lines}" if self.prior_lines else ""

@@ -1,8 +1,9 @@
 """The one place the gadget turns its settings into models and an engine.
 
-The policy is ``masc`` (a trained checkpoint, loaded through the :class:`ModelCache`) or a
-registry policy (``make_policy(name)``); the MAR network comes from ``mar_checkpoint`` when one
-is set, else from the MASC checkpoint when it carries its own, else MAR is off. Both
+The policy is a learned one (``masc``, ``dqn``, ``ss-ddqn`` or ``loupe``: a trained checkpoint of
+that kind in ``policy_checkpoint``, loaded through the :class:`ModelCache`) or a registry policy
+(``make_policy(name)``); the MAR network comes from ``mar_checkpoint`` when one is set, else from
+the policy's checkpoint when it carries its own (MASC, the learned mask), else MAR is off. Both
 :func:`masc_gadget.serving.gadget.process` (one engine per connection) and the servers'
 warm-ups build their engines here.
 
@@ -27,6 +28,7 @@ holds up another's.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -42,6 +44,8 @@ import torch
 
 from masc_gadget.acquisition.batcher import DecisionBatcher
 from masc_gadget.acquisition.engine import AcquisitionEngine, EngineSettings
+from masc_gadget.acquisition import learned
+from masc_gadget.acquisition.learned import KINDS as LEARNED_KINDS
 from masc_gadget.acquisition.policies import SamplingPolicy, make_policy
 from masc_gadget.config import ConfigError
 from masc_gadget.device import resolve_device
@@ -222,19 +226,17 @@ class ModelCache:
             log.info("model cache: dropped %s (%s) to stay within %d models", key[0], Path(key[2]).name,
                      self.max_loaded)
 
-    def masc(self, checkpoint: str, device: str, name: str | None = None):
-        """(LearnedPolicy, its MAR network or None) of a MASC checkpoint; ``name``: how
-        messages name it (default: ``checkpoint`` as written)."""
+    def masc(self, checkpoint: str, device: str, name: str | None = None, kind: str = "masc"):
+        """(policy, its MAR network or None) of a learned-policy checkpoint of ``kind`` (masc,
+        dqn, ss-ddqn, loupe); ``name``: how messages name it (default: ``checkpoint`` as written)."""
         if not checkpoint:
-            raise ConfigError("the masc policy needs a trained checkpoint: set policy_checkpoint")
-        from masc_gadget.acquisition.learned import load_masc
-
+            raise ConfigError(f"the {kind} policy needs a trained checkpoint: set policy_checkpoint")
         label = name or checkpoint
-        key = self._key("masc", checkpoint, device, label)
+        key = self._key(kind, checkpoint, device, label)
 
         def load():
-            policy, mar, _ = load_masc(key[2], device, name=label)
-            log.info("loaded MASC policy %s on %s", label, device)
+            policy, mar, _ = learned.load_learned(key[2], device, name=label, kind=kind)
+            log.info("loaded %s policy %s on %s", kind, label, device)
             return policy, mar
 
         return self._get(key, load)
@@ -263,7 +265,7 @@ class Models(NamedTuple):
     """The trained models of a connection's settings (:func:`load_models`)."""
 
     policy: SamplingPolicy | None
-    """The learned policy for ``policy: masc``; None for a registry policy, which
+    """The learned policy (``policy: masc``, ``dqn``, ``ss-ddqn``, ``loupe``); None for a registry policy, which
     :func:`build_engine` makes (it has nothing to load)."""
     mar: torch.nn.Module | None
     """The MAR network, or None (MAR off)."""
@@ -307,7 +309,8 @@ def _load(kind: Callable[..., Any], spec: str, label: str, operator: bool, key: 
 
 def load_models(settings: GadgetSettings, cache: ModelCache = DEFAULT_CACHE,
                 trusted: GadgetSettings | None = None) -> Models:
-    """The learned policy (``masc``) and the MAR network of ``settings``, through ``cache``.
+    """The learned policy (``masc``, ``dqn``, ``ss-ddqn``, ``loupe``) and the MAR network of
+    ``settings``, through ``cache``.
 
     ``trusted``: the operator's settings. None trusts every value of ``settings`` (the
     operator's own calls: warm-up, command line); otherwise a checkpoint value that differs
@@ -315,9 +318,10 @@ def load_models(settings: GadgetSettings, cache: ModelCache = DEFAULT_CACHE,
     mar_spec, mar_label, mar_op = _choice(settings, "mar_checkpoint", cache, trusted)
     mar = _load(cache.mar, mar_spec, mar_label, mar_op, "mar_checkpoint", settings.device)
     policy = None
-    if settings.policy == "masc":
+    if settings.policy in LEARNED_KINDS:
         spec, label, op = _choice(settings, "policy_checkpoint", cache, trusted)
-        policy, masc_mar = _load(cache.masc, spec, label, op, "policy_checkpoint", settings.device)
+        load = functools.partial(cache.masc, kind=settings.policy)
+        policy, masc_mar = _load(load, spec, label, op, "policy_checkpoint", settings.device)
         if mar is None:
             mar = masc_mar
     if mar_spec:

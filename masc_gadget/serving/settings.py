@@ -46,7 +46,8 @@ class GadgetConfig:
     """MAR checkpoint (.pt) applied to each reconstruction; "" = MAR off (zero-filled images),
     unless the learned policy's checkpoint carries its own (jointly trained) MAR network."""
     policy_checkpoint: str = ""
-    """Trained MASC checkpoint (``masc train masc``) used when the policy is ``masc``."""
+    """Trained checkpoint of the learned policy: ``masc train masc`` for ``masc``, ``masc train
+    dqn`` / ``ss-ddqn`` / ``loupe`` for those baselines (its kind must match the policy)."""
     device: str = "auto"
     """cpu, cuda, cuda:N or auto (CUDA when present)."""
     feedback: Literal["none", "inband", "fire"] = "none"

@@ -156,10 +156,31 @@ def _row_key(method: str, mar: bool) -> str:
     return method if mar else f"{method}+nomar"
 
 
-def load_policies(methods: list[str], checkpoint: str | Path | None, device: torch.device
+def load_policies(methods: list[str], checkpoint: str | Path | list[str | Path] | None, device: torch.device
                   ) -> tuple[dict[str, SamplingPolicy | GreedyOracle], dict[str, torch.nn.Module]]:
     """The policy of each method, and the MAR networks that learned methods bring with them
-    (a MASC checkpoint fine-tuned end to end), by method name."""
+    (MASC fine-tuned end to end, the learned mask trained jointly), by method name.
+
+    ``checkpoint``: the trained checkpoints of the learned methods (``masc``, ``dqn``,
+    ``ss-ddqn``, ``loupe``), a list or one comma-separated string; each file's kind says which
+    method it is."""
+    from masc_gadget.acquisition.learned import KINDS, load_learned
+
+    if isinstance(checkpoint, (str, Path)):
+        paths = [p.strip() for p in str(checkpoint).split(",") if p.strip()]
+    else:
+        paths = [str(p) for p in (checkpoint or [])]
+    learned: dict[str, tuple[SamplingPolicy, torch.nn.Module | None, str]] = {}
+    for path in paths:
+        policy, mar, meta = load_learned(path, device)
+        kind = meta["kind"]
+        if kind in learned:
+            raise ValueError(f"two {kind} checkpoints given ({learned[kind][2]} and {path}); evaluate one per run")
+        learned[kind] = (policy, mar, path)
+    unused = sorted(set(learned) - set(methods))
+    if unused:
+        log.warning("--checkpoint gives a %s checkpoint that no method uses (add %s to --methods)",
+                    ", ".join(unused), ",".join(unused))
     own_mar: dict[str, torch.nn.Module] = {}
     policies: dict[str, SamplingPolicy | GreedyOracle] = {}
     for name in methods:
@@ -168,14 +189,13 @@ def load_policies(methods: list[str], checkpoint: str | Path | None, device: tor
             continue
         if name == POPULATION:  # one order per acceleration, learned in evaluate()
             continue
-        if name != "masc":
+        if name not in KINDS:
             policies[name] = make_policy(name)
             continue
-        if not checkpoint:
-            raise ValueError("method 'masc' needs a trained checkpoint: pass --checkpoint CKPT")
-        from masc_gadget.acquisition.learned import load_masc
-
-        policies[name], masc_mar, _ = load_masc(checkpoint, device)
+        if name not in learned:
+            raise ValueError(f"method {name!r} needs a trained checkpoint: pass --checkpoint CKPT[,CKPT...] "
+                             f"(masc train {name})")
+        policies[name], masc_mar, _ = learned[name]
         if masc_mar is not None:
             own_mar[name] = masc_mar.eval()
     return policies, own_mar

@@ -20,6 +20,9 @@ DISPLAY_NAMES = {
     "masc": "MASC",
     "oracle": "Oracle (greedy, uses the ground truth)",
     "population": "Population order (fixed, learned on train)",
+    "dqn": "DQN",
+    "ss-ddqn": "SS-DDQN",
+    "loupe": "Learned mask (LOUPE-style, fixed)",
 }
 
 BASELINES = ("random", "random-lowbias", "center-out", "equispaced", "population")

@@ -393,6 +393,20 @@ class BatchedAcquisitionEnv:
         return Observation(image, mask, steps_left), rewards, done, info
 
     @torch.no_grad()
+    def observe(self, slices: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+        """(n, H, W): what the policy sees of slices ``slices`` ((n,) long) with lines ``masks``
+        ((n, PE) bool) acquired, recomputed from the k-space (``g(I)`` with ``observe_mar`` and
+        a MAR network, else ``I``). A replay memory stores (slice, mask) pairs and calls this
+        for its minibatches instead of storing images."""
+        slices = self._as_indices(slices, None, "slices")
+        masks = masks.to(self.device)
+        if masks.dtype != torch.bool or tuple(masks.shape) != (slices.numel(), self._n_pe):
+            raise ValueError(f"masks must be bool ({slices.numel()}, {self._n_pe}), got {masks.dtype} "
+                             f"{tuple(masks.shape)}")
+        zf = zero_filled_hybrid(self._kspace_all[slices], masks).to(torch.float32)
+        return self._correct(zf) if (self.mar is not None and self.cfg.observe_mar) else zf
+
+    @torch.no_grad()
     def set_mar(self, mar: nn.Module | None) -> None:
         """Use ``mar`` from now on (a new network, or the same one after its weights changed).
 
