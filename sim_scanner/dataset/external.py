@@ -1,0 +1,276 @@
+"""Paired datasets from real images: ``masc simulate external`` (the paper's cross-dataset set).
+
+Readers turn a file into magnitude slices (:class:`Volume`):
+
+* **fastMRI single-coil HDF5** (``kspace`` [slice, kx, ky] complex, ``reconstruction_esc``
+  [slice, 320, 320], ``ismrmrd_header``): the ``reconstruction_esc`` images, else the magnitude
+  of the inverse FFT of ``kspace``;
+* **ISMRMRD HDF5** (a ``dataset`` group of acquisitions): each slice's lines placed at their
+  ``kspace_encode_step_1``, inverse FFT, root-sum-of-squares over the coils;
+* **DICOM**: one file (2D or multi-frame) or a folder of files (sorted by InstanceNumber);
+* ``builtin``: real MR images that ship inside installed packages, never downloaded: pydicom's
+  ``MR_small.dcm`` (a 64 x 64 MR slice) and, when it is already on disk, scikit-image's
+  ``brain()`` (10 MR slices; scikit-image 0.26 no longer bundles it, so it is used only from a
+  local copy).
+
+Each slice is centre-cropped to a square, resampled to ``sequence.matrix`` and scaled to a
+99th-percentile of 1; :func:`~sim_scanner.physics.artifact2d.add_implant` then draws an implant
+and gives the paired clean / metal images, and their centred orthonormal 2D FFTs are the two
+k-spaces. Every volume becomes one subject of the *test* split (a held-out set: the methods are
+trained on the hip simulation), written through :mod:`sim_scanner.dataset.layout`, so
+``masc eval`` and ``masc scan`` read it like any dataset.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from masc_gadget.config import Config, to_dict
+from sim_scanner.dataset.layout import (SubjectData, prepare_folder, subject_file, subject_id, write_manifest,
+                                        write_subject)
+from sim_scanner.physics.artifact2d import Artifact2DConfig, add_implant
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Volume", "builtin_volumes", "read_volumes", "simulate_external"]
+
+
+@dataclass
+class Volume:
+    """Magnitude slices of one source (a file, a DICOM series, a builtin image set)."""
+
+    name: str
+    images: np.ndarray  # (S, H, W) float
+    source: str  # "fastmri", "ismrmrd", "dicom" or "builtin:..."
+
+
+def _fastmri(path: Path, f: h5py.File) -> Volume:
+    if "reconstruction_esc" in f:
+        images = np.asarray(f["reconstruction_esc"], dtype=np.float64)
+    else:
+        k = np.asarray(f["kspace"])
+        if k.ndim != 3 or not np.iscomplexobj(k):
+            raise ValueError(f"{path}: fastMRI 'kspace' must be complex [slice, kx, ky], got {k.dtype} {k.shape}")
+        images = np.abs(np.fft.fftshift(np.fft.ifft2(np.fft.ifftshift(k, axes=(-2, -1)), norm="ortho"),
+                                        axes=(-2, -1)))
+    if images.ndim != 3:
+        raise ValueError(f"{path}: fastMRI images must be [slice, y, x], got shape {images.shape}")
+    return Volume(path.stem, images, "fastmri")
+
+
+def _ismrmrd(path: Path) -> Volume:
+    import ismrmrd
+
+    dset = ismrmrd.Dataset(str(path), "dataset", create_if_needed=False)
+    try:
+        header = ismrmrd.xsd.CreateFromDocument(dset.read_xml_header())
+        enc = header.encoding[0].encodedSpace.matrixSize
+        n_ro, n_pe = int(enc.x), int(enc.y)
+        acqs = [dset.read_acquisition(i) for i in range(dset.number_of_acquisitions())]
+    finally:
+        dset.close()
+    lines = [a for a in acqs if not a.is_flag_set(ismrmrd.ACQ_IS_NOISE_MEASUREMENT)]
+    if not lines:
+        raise ValueError(f"{path}: the ISMRMRD dataset holds no imaging acquisitions")
+    n_slices = 1 + max(a.idx.slice for a in lines)
+    n_coils = lines[0].active_channels
+    kspace = np.zeros((n_slices, n_coils, n_pe, lines[0].number_of_samples), dtype=np.complex64)
+    for a in lines:
+        pe = a.idx.kspace_encode_step_1
+        if not 0 <= pe < n_pe or a.active_channels != n_coils:
+            raise ValueError(f"{path}: acquisition with line {pe} / {a.active_channels} coils does not fit the "
+                             f"header's {n_pe} lines and {n_coils} coils")
+        kspace[a.idx.slice, :, pe, :] = a.data
+    coils = np.fft.fftshift(np.fft.ifft2(np.fft.ifftshift(kspace, axes=(-2, -1)), norm="ortho"), axes=(-2, -1))
+    images = np.sqrt((np.abs(coils) ** 2).sum(axis=1))
+    if images.shape[-1] > n_ro:  # readout oversampling: keep the encoded field of view
+        start = (images.shape[-1] - n_ro) // 2
+        images = images[..., start:start + n_ro]
+    return Volume(path.stem, images, "ismrmrd")
+
+
+def _dicom_files(files: list[Path], name: str) -> Volume:
+    import pydicom
+
+    datasets = [pydicom.dcmread(str(p)) for p in files]
+    datasets.sort(key=lambda d: int(getattr(d, "InstanceNumber", 0) or 0))
+    slices = []
+    for d in datasets:
+        pixels = np.asarray(d.pixel_array, dtype=np.float64)
+        pixels = pixels * float(getattr(d, "RescaleSlope", 1) or 1) + float(getattr(d, "RescaleIntercept", 0) or 0)
+        slices.extend(pixels if pixels.ndim == 3 else [pixels])
+    shapes = {s.shape for s in slices}
+    if len(shapes) != 1:
+        raise ValueError(f"{name}: DICOM slices of different sizes {sorted(shapes)}; import them one series at a time")
+    return Volume(name, np.stack(slices), "dicom")
+
+
+def read_volumes(source: str | Path) -> list[Volume]:
+    """The volumes of a file or folder: fastMRI / ISMRMRD HDF5 (``.h5``), DICOM (``.dcm`` or a
+    folder of DICOM files), or a folder of such files (one volume per file, DICOM files of a
+    folder together)."""
+    path = Path(source)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.is_file())
+        h5 = [p for p in files if p.suffix in (".h5", ".hdf5", ".mrd")]
+        dcm = [p for p in files if p not in h5 and _is_dicom(p)]
+        volumes = [v for p in h5 for v in read_volumes(p)]
+        if dcm:
+            volumes.append(_dicom_files(dcm, path.name))
+        if not volumes:
+            raise ValueError(f"{path}: no fastMRI / ISMRMRD HDF5 or DICOM files in this folder")
+        return volumes
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file or folder")
+    if path.suffix in (".h5", ".hdf5", ".mrd"):
+        with h5py.File(path, "r") as f:
+            if "kspace" in f or "reconstruction_esc" in f:
+                return [_fastmri(path, f)]
+            is_mrd = "dataset" in f
+        if is_mrd:
+            return [_ismrmrd(path)]
+        raise ValueError(f"{path}: an HDF5 file that is neither fastMRI (kspace / reconstruction_esc) nor "
+                         "ISMRMRD (a 'dataset' group)")
+    if _is_dicom(path):
+        return [_dicom_files([path], path.stem)]
+    raise ValueError(f"{path}: not a fastMRI / ISMRMRD HDF5 or DICOM file")
+
+
+def _is_dicom(path: Path) -> bool:
+    if path.suffix.lower() == ".dcm":
+        return True
+    with path.open("rb") as fh:
+        head = fh.read(132)
+    return len(head) == 132 and head[128:] == b"DICM"
+
+
+def builtin_volumes() -> list[Volume]:
+    """Real MR images shipped inside installed packages (module docstring); nothing is
+    downloaded. Raises when none is available."""
+    volumes = []
+    try:
+        import pydicom.data
+
+        path = Path(pydicom.data.get_testdata_file("MR_small.dcm", download=False) or "")
+        if path.is_file():
+            volumes.append(Volume("pydicom-MR_small", _dicom_files([path], "MR_small").images, "builtin:pydicom"))
+    except ImportError:
+        log.warning("pydicom is not installed: its MR example is not used")
+    brain = _local_skimage_brain()
+    if brain is not None:
+        volumes.append(Volume("skimage-brain", brain, "builtin:scikit-image"))
+    else:
+        log.info("scikit-image's brain() is not on this machine (scikit-image >= 0.19 fetches it on first use; "
+                 "this importer never downloads): not used")
+    if not volumes:
+        raise ValueError("no builtin real MR image is available: install pydicom, or pass --source FILE|DIR")
+    return volumes
+
+
+def _local_skimage_brain() -> np.ndarray | None:
+    """scikit-image's ``brain()`` slices when a copy is on disk (bundled or in its data cache), else None."""
+    try:
+        import skimage
+        import skimage.data
+        import skimage.io
+    except ImportError:
+        return None
+    candidates = [Path(skimage.data.data_dir) / "brain.tiff"]
+    try:
+        import pooch
+
+        candidates.append(Path(pooch.os_cache("scikit-image")) / skimage.__version__ / "data" / "brain.tiff")
+    except ImportError:
+        pass
+    for path in candidates:
+        if path.is_file():
+            return np.asarray(skimage.io.imread(str(path)), dtype=np.float64)
+    return None
+
+
+def prepare_slice(image: np.ndarray, matrix: tuple[int, int]) -> np.ndarray:
+    """Centre-crop to a square, resample (area-averaging bilinear) to ``matrix``, scale so that
+    the 99th percentile is 1."""
+    import torch
+
+    image = np.abs(np.asarray(image, dtype=np.float64))
+    h, w = image.shape
+    side = min(h, w)
+    top, left = (h - side) // 2, (w - side) // 2
+    square = torch.from_numpy(image[top:top + side, left:left + side].copy())[None, None]
+    resized = torch.nn.functional.interpolate(square, size=tuple(matrix), mode="bilinear", antialias=True,
+                                              align_corners=False)[0, 0].clamp_min(0).numpy()
+    scale = np.percentile(resized, 99)
+    if not scale > 0:
+        raise ValueError("an image with no signal (99th percentile 0) cannot be imported")
+    return resized / scale
+
+
+def _fft2c(image: np.ndarray) -> np.ndarray:
+    return np.fft.fftshift(np.fft.fft2(np.fft.ifftshift(image, axes=(-2, -1)), norm="ortho"), axes=(-2, -1))
+
+
+def simulate_external(config: Config, volumes: list[Volume], out: str | Path, draws: int = 1,
+                      progress: bool = True) -> dict:
+    """Write the paired dataset of ``volumes`` to ``out`` (all in the test split): each volume's
+    slices (``draws`` implant draws per slice) through the 2D artifact model of section
+    ``artifact2d``, at ``sequence.matrix``. Returns the manifest."""
+    from tqdm.auto import tqdm
+
+    if draws < 1:
+        raise ValueError(f"draws must be >= 1, got {draws}")
+    acfg: Artifact2DConfig = config["artifact2d"]
+    seq = config["sequence"]
+    matrix = tuple(seq.matrix)
+    if matrix[0] != matrix[1]:
+        raise ValueError(f"sequence.matrix must be square for imported images, got {matrix}")
+    out = Path(out)
+    prepare_folder(out)
+    ids = [subject_id(i) for i in range(len(volumes))]
+    manifest = write_manifest(out, config, {"train": [], "val": [], "test": ids})
+    manifest_extra = {"external": [{"subject": sid, "name": v.name, "source": v.source, "slices": len(v.images)}
+                                   for sid, v in zip(ids, volumes)]}
+    rng = np.random.default_rng(config["dataset"].seed)
+    for sid, volume in tqdm(list(zip(ids, volumes)), desc="external", unit="volume", disable=not progress):
+        clean, metal, implant, field, draws_meta = [], [], [], [], []
+        for image in volume.images:
+            base = prepare_slice(image, matrix)
+            for _ in range(draws):
+                result = add_implant(base, acfg, rng)
+                clean.append(result.clean)
+                metal.append(result.metal)
+                implant.append(result.implant)
+                field.append(result.field_hz)
+                draws_meta.append(result.params)
+        k_clean, k_metal = _fft2c(np.stack(clean)), _fft2c(np.stack(metal))
+        if acfg.snr > 0:
+            sd = float(np.mean(np.stack(clean))) / acfg.snr
+            for k in (k_clean, k_metal):
+                k += sd / math.sqrt(2) * (rng.standard_normal(k.shape) + 1j * rng.standard_normal(k.shape))
+        n = len(clean)
+        data = SubjectData(
+            subject_id=sid, kspace_metal=k_metal.astype(np.complex64), kspace_clean=k_clean.astype(np.complex64),
+            images_metal=np.abs(np.fft.fftshift(np.fft.ifft2(np.fft.ifftshift(k_metal, axes=(-2, -1)), norm="ortho"),
+                                                axes=(-2, -1))).astype(np.float32),
+            images_clean=np.abs(np.fft.fftshift(np.fft.ifft2(np.fft.ifftshift(k_clean, axes=(-2, -1)), norm="ortho"),
+                                                axes=(-2, -1))).astype(np.float32),
+            implant_mask=np.stack(implant).astype(np.uint8), field_map_hz=np.stack(field).astype(np.float32),
+            slice_centres_mm=[float(i * seq.slice_thickness_mm) for i in range(n)], fov_centre_mm=(0.0, 0.0),
+            anatomy={"external": {"name": volume.name, "source": volume.source}},
+            implant={"model": "artifact2d", "draws": draws_meta, "config": to_dict(acfg)},
+            scanner={"sequence": {"n_slices": n, "b0_t": acfg.b0_t, "readout_bw_hz_per_px": acfg.readout_bw_hz_per_px}},
+        )
+        write_subject(data, subject_file(out, "test", sid), config, "test")
+    manifest.update(manifest_extra)
+    import json
+
+    (out / "external.json").write_text(json.dumps(manifest_extra, indent=1) + "\n")
+    log.info("external dataset %s: %d volumes, %d slices", out, len(volumes),
+             sum(len(v.images) for v in volumes) * draws)
+    return manifest

@@ -1,0 +1,148 @@
+"""The cross-dataset importer: fastMRI, ISMRMRD and DICOM files round-trip; the 2D artifact model
+conserves signal away from the implant and moves it near it; the written set loads for eval."""
+
+import numpy as np
+import pytest
+
+from masc_gadget.config import load_config
+from sim_scanner.dataset.external import Volume, prepare_slice, read_volumes, simulate_external
+from sim_scanner.physics.artifact2d import Artifact2DConfig, add_implant, displace_readout, field_ppm
+from training.data import load_split
+
+from tests.conftest import CONFIGS
+
+
+def _phantom(n=48, seed=0):
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[:n, :n]
+    image = ((y - n / 2) ** 2 / (0.4 * n) ** 2 + (x - n / 2) ** 2 / (0.35 * n) ** 2 < 1).astype(float)
+    return image * (1.0 + 0.2 * rng.random((n, n)))
+
+
+def _ifft2c(k):
+    return np.fft.fftshift(np.fft.ifft2(np.fft.ifftshift(k, axes=(-2, -1)), norm="ortho"), axes=(-2, -1))
+
+
+def _fft2c(x):
+    return np.fft.fftshift(np.fft.fft2(np.fft.ifftshift(x, axes=(-2, -1)), norm="ortho"), axes=(-2, -1))
+
+
+def test_fastmri_file_round_trips(tmp_path):
+    import h5py
+
+    images = np.stack([_phantom(seed=s) for s in range(3)])
+    path = tmp_path / "file1000.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("kspace", data=_fft2c(images).astype(np.complex64))
+        f.create_dataset("reconstruction_esc", data=images.astype(np.float32))
+        f.create_dataset("ismrmrd_header", data=b"<ismrmrdHeader/>")
+    (volume,) = read_volumes(path)
+    assert volume.source == "fastmri" and np.allclose(volume.images, images, atol=1e-6)
+    with h5py.File(path, "a") as f:  # without the reconstruction: the magnitude of the k-space's IFFT
+        del f["reconstruction_esc"]
+    (volume,) = read_volumes(path)
+    assert np.allclose(volume.images, images, atol=1e-5)
+
+
+def test_ismrmrd_file_round_trips_with_coil_combination(tmp_path):
+    import ismrmrd
+
+    n, coils = 32, 2
+    image = _phantom(n)
+    sens = np.stack([np.full((n, n), 0.6), np.full((n, n), 0.8)])  # RSS of these is 1
+    k = _fft2c(sens * image)
+    xml = (f"<?xml version='1.0'?><ismrmrdHeader xmlns='http://www.ismrm.org/ISMRMRD'>"
+           f"<experimentalConditions><H1resonanceFrequency_Hz>127000000</H1resonanceFrequency_Hz>"
+           f"</experimentalConditions><encoding><encodedSpace><matrixSize><x>{n}</x><y>{n}</y><z>1</z></matrixSize>"
+           f"<fieldOfView_mm><x>300</x><y>300</y><z>3</z></fieldOfView_mm></encodedSpace><reconSpace><matrixSize>"
+           f"<x>{n}</x><y>{n}</y><z>1</z></matrixSize><fieldOfView_mm><x>300</x><y>300</y><z>3</z></fieldOfView_mm>"
+           f"</reconSpace><encodingLimits/><trajectory>cartesian</trajectory></encoding></ismrmrdHeader>")
+    path = tmp_path / "scan.h5"
+    dset = ismrmrd.Dataset(str(path), "dataset", create_if_needed=True)
+    dset.write_xml_header(xml)
+    for pe in range(n):
+        acq = ismrmrd.Acquisition.from_array(k[:, pe, :].astype(np.complex64))
+        acq.idx.kspace_encode_step_1 = pe
+        dset.append_acquisition(acq)
+    dset.close()
+    (volume,) = read_volumes(path)
+    assert volume.source == "ismrmrd" and volume.images.shape == (1, n, n)
+    assert np.allclose(volume.images[0], image, atol=1e-4)
+
+
+def test_dicom_file_and_series_round_trip(tmp_path):
+    from pydicom.dataset import FileDataset, FileMetaDataset
+    from pydicom.uid import ExplicitVRLittleEndian, MRImageStorage, generate_uid
+
+    def write(path, pixels, number):
+        meta = FileMetaDataset()
+        meta.MediaStorageSOPClassUID = MRImageStorage
+        meta.MediaStorageSOPInstanceUID = generate_uid()
+        meta.TransferSyntaxUID = ExplicitVRLittleEndian
+        ds = FileDataset(str(path), {}, file_meta=meta, preamble=b"\0" * 128)
+        ds.Modality, ds.InstanceNumber = "MR", number
+        ds.Rows, ds.Columns = pixels.shape
+        ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, "MONOCHROME2"
+        ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 16, 15, 0
+        ds.RescaleSlope, ds.RescaleIntercept = 2, 0
+        ds.PixelData = pixels.astype(np.uint16).tobytes()
+        ds.save_as(str(path), enforce_file_format=True)
+
+    slices = [(1000 * _phantom(seed=s)).astype(np.uint16) for s in range(3)]
+    series = tmp_path / "series"
+    series.mkdir()
+    for i in (2, 0, 1):  # written out of order: read back by InstanceNumber
+        write(series / f"IM{i:04d}", slices[i], i + 1)
+    (volume,) = read_volumes(series)
+    assert volume.source == "dicom" and np.array_equal(volume.images, 2.0 * np.stack(slices))
+    (single,) = read_volumes(series / "IM0001")
+    assert np.array_equal(single.images[0], 2.0 * slices[1])
+
+
+def test_unknown_files_get_a_clear_error(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="not a fastMRI / ISMRMRD HDF5 or DICOM file"):
+        read_volumes(tmp_path / "notes.txt")
+    with pytest.raises(FileNotFoundError):
+        read_volumes(tmp_path / "missing.h5")
+
+
+def test_model_conserves_signal_away_from_the_implant_and_moves_it_near_it():
+    image = np.zeros((96, 96))
+    image[4:-4, 4:-4] = 1.0  # an object inside the field of view: no signal leaves it
+    cfg = Artifact2DConfig(chi_ppm=200.0, semi_axes_fraction=(0.04, 0.03), shift_fraction=0.0, rotation_deg=0.0)
+    result = add_implant(image, cfg, np.random.default_rng(0))
+    assert result.implant.sum() > 0 and (result.clean[result.implant] == 0).all()
+    y, x = np.mgrid[:96, :96]
+    r = np.hypot(y - 48, x - 48)
+    inner = np.zeros_like(image, dtype=bool)
+    inner[10:-10, 10:-10] = True  # away from the object's edges too (a sub-pixel shift moves an edge)
+    far = (r > 36) & inner
+    assert np.abs(result.metal - result.clean)[far].max() < 0.02  # the field falls off as 1 / r^2
+    near = (r > 5) & (r < 14)
+    moved = np.abs(result.metal - result.clean)[near]
+    assert moved.max() > 0.5 and (result.metal[near] > 1.2).any() and (result.metal[near] < 0.5).any()
+    # displacement moves signal and loses none that stays in the image
+    shifts = np.random.default_rng(1).uniform(-3, 3, (96, 96)) * (r < 30)
+    shifted = displace_readout(image, shifts)
+    assert shifted.sum() == pytest.approx(image.sum(), rel=1e-12)
+    # the 2D dipole field of a cylinder perpendicular to B0 (along y): dB/B0 = chi/2 a^2 / r^2 cos 2 phi outside
+    disc = (r <= 6).astype(float)
+    field = field_ppm(disc * 100.0, pad=4)
+    area_radius2 = disc.sum() / np.pi  # the pixelated disc's effective a^2
+    assert field[48 + 12, 48] == pytest.approx(50.0 * area_radius2 / 144, rel=0.1)  # along B0: phi = 0
+    assert field[48, 48 + 12] == pytest.approx(-50.0 * area_radius2 / 144, rel=0.1)  # across B0: phi = 90 deg
+
+
+def test_external_dataset_loads_as_a_test_split(tmp_path):
+    config = load_config(CONFIGS / "tiny.yaml")
+    volumes = [Volume("a", np.stack([_phantom(40, s) for s in range(2)]), "test"),
+               Volume("b", _phantom(56, 5)[None], "test")]
+    simulate_external(config, volumes, tmp_path / "ext", draws=2, progress=False)
+    data = load_split(tmp_path / "ext", "test")
+    assert len(data) == 6 and data.n_pe == 32
+    assert data.implant_mask.sum() > 0
+    # the clean k-space is the FFT of the clean target: zero-filled with every line equals it
+    image = np.abs(_ifft2c(data.kspace_clean[0].numpy()))
+    assert np.allclose(image, data.target[0].numpy(), atol=1e-4)
+    assert prepare_slice(_phantom(40), (32, 32)).shape == (32, 32)
