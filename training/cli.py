@@ -94,6 +94,36 @@ def register_diversity(subparsers: argparse._SubParsersAction, common: argparse.
     div.set_defaults(func=cmd_diversity)
 
 
+def register_study(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    study = subparsers.add_parser("study", help="measured studies of the simulation's parameters",
+                                  description="Studies that simulate and measure several datasets.")
+    actions = study.add_subparsers(dest="action", metavar="WHAT", required=True)
+    sp = actions.add_parser("sim-params", parents=[common], help="field strength, bandwidth, implant material",
+                            description="For each setting (0.55 / 1.5 / 3 / 7 T; 0.5x / 1x / 2x readout bandwidth; "
+                            "CoCr / titanium), simulate a test set of the same subjects and report the artifact "
+                            "severity (metal vs clean NMSE, SSIM) and, with --checkpoint, MASC against the best "
+                            "baseline. Writes study.json and study.md; reruns keep finished datasets.")
+    sp.add_argument("--out", required=True, metavar="DIR")
+    sp.add_argument("--subjects", type=int, default=4, metavar="N", help="test subjects per setting (default 4)")
+    sp.add_argument("--studies", metavar="LIST", help="comma-separated subset of: field strength, readout bandwidth, "
+                    "implant material (default all)")
+    sp.add_argument("--checkpoint", metavar="CKPT", help="a MASC checkpoint, evaluated on every set with its MAR")
+    sp.add_argument("--population-data", metavar="DIR", help="with --checkpoint: also the population order, learned "
+                    "on this dataset's training split")
+    sp.set_defaults(func=cmd_study_sim_params)
+
+
+def cmd_study_sim_params(args: argparse.Namespace) -> int:
+    from training.evaluation.simstudy import render_study, run_study
+
+    studies = [s.strip() for s in args.studies.split(",") if s.strip()] if args.studies else None
+    report = run_study(args.config, list(args.overrides), args.out, args.subjects, studies, args.checkpoint,
+                       args.population_data)
+    print(render_study(report))
+    print(f"written: {Path(args.out) / 'study.json'}, {Path(args.out) / 'study.md'}")
+    return 0
+
+
 def cmd_train_mar(args: argparse.Namespace) -> int:
     from masc_gadget.cli import config_from_args
     from training.mar import train_mar

@@ -146,3 +146,17 @@ def test_external_dataset_loads_as_a_test_split(tmp_path):
     image = np.abs(_ifft2c(data.kspace_clean[0].numpy()))
     assert np.allclose(image, data.target[0].numpy(), atol=1e-4)
     assert prepare_slice(_phantom(40), (32, 32)).shape == (32, 32)
+
+
+def test_a_held_out_set_is_evaluated_with_the_population_order_of_the_training_set(tmp_path, tiny_dataset):
+    from training.evaluation.evaluate import evaluate
+
+    config = load_config(CONFIGS / "tiny.yaml", ["eval.accelerations={10x: [1, 2]}"])
+    simulate_external(config, [Volume("a", np.stack([_phantom(40, s) for s in range(3)]), "test")],
+                      tmp_path / "ext", progress=False)
+    with pytest.raises(ValueError, match="train"):  # the held-out set has no training split of its own
+        evaluate(config, tmp_path / "ext", "test", ["population"], None, progress=False)
+    trained_on = load_config(CONFIGS / "tiny.yaml", ["eval.accelerations={10x: [1, 2]}",
+                                                     f"eval.population_data={tiny_dataset}"])
+    results, _ = evaluate(trained_on, tmp_path / "ext", "test", ["population", "random"], None, progress=False)
+    assert results["population"]["data"] == str(tiny_dataset) and results["n_slices"] == 3

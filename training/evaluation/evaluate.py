@@ -63,6 +63,10 @@ class EvalConfig:
     population_slices: int = 64
     """Training slices the ``population`` order is computed on, evenly spread over the training
     split (0 = all; its cost grows as slices x lines x budget)."""
+    population_data: str = ""
+    """Dataset whose training split the ``population`` order is learned on; "" = the evaluated
+    dataset. A held-out set without a training split (``masc simulate external``) names the
+    dataset the methods were trained on."""
 
     def __post_init__(self) -> None:
         if not self.methods:
@@ -215,7 +219,7 @@ def population_policies(ecfg: EvalConfig, data_dir: str | Path, n_pe: int,
         orders[acc] = FixedOrder(population_order(train, initial, budget, mar, device, ecfg.batch_size,
                                                   progress=progress),
                                  name=POPULATION)
-    record = {"split": "train", "n_slices": len(train), "slices": [train.label(i) for i in range(len(train))],
+    record = {"data": str(data_dir), "split": "train", "n_slices": len(train), "slices": [train.label(i) for i in range(len(train))],
               "orders": {acc: p.order.tolist() for acc, p in orders.items()}}
     return orders, record
 
@@ -267,7 +271,8 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
     examples = pick_examples(data, ecfg.examples)
     population, population_record = {}, None
     if POPULATION in methods:
-        population, population_record = population_policies(ecfg, data_dir, data.n_pe, mar, device, progress)
+        population, population_record = population_policies(ecfg, ecfg.population_data or data_dir, data.n_pe,
+                                                             mar, device, progress)
     results: dict[str, Any] = {
         "split": split,
         "data": str(data_dir),
