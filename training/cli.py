@@ -73,6 +73,13 @@ def register_eval(subparsers: argparse._SubParsersAction, common: argparse.Argum
                     help="instead of evaluating: combine the outputs of earlier masc eval runs, one per "
                     "training seed, into combined.json / combined.md (mean and spread over seeds, "
                     "paired tests within each seed)")
+    ev.add_argument("--suite", choices=["paper"], help="instead of one evaluation: the paper's tables (Table 1 at "
+                    "every acceleration, Table 2's ablations, Table 3 on --external, over --seeds) from the models "
+                    "in --runs, named mar_sS.pt, masc_sS.pt, dqn_sS.pt, ss-ddqn_sS.pt, loupe_sS.pt, ablation-*_sS.pt")
+    ev.add_argument("--runs", metavar="DIR", help="with --suite: the folder of trained models")
+    ev.add_argument("--seeds", default="0", metavar="LIST", help="with --suite: training seeds, e.g. 0,1,2 (default 0)")
+    ev.add_argument("--external", metavar="DIR", help="with --suite: a held-out set (masc simulate external) for Table 3")
+    ev.add_argument("--oracle", action="store_true", help="with --suite: add the greedy oracle to Table 1 (slow)")
     ev.add_argument("--compare", default="masc", metavar="NAME",
                     help="with --combine: the method compared with every other row (default masc)")
     ev.add_argument("--alpha", type=float, default=0.01,
@@ -190,11 +197,32 @@ def cmd_eval_combine(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_suite(args: argparse.Namespace) -> int:
+    from masc_gadget.cli import CommandError, config_from_args
+    from training.evaluation.suite import render_suite, run_suite
+
+    if not args.data or not args.runs:
+        raise CommandError("masc eval --suite needs --data DIR and --runs DIR")
+    given = [f"--{n}" for n in ("mar", "checkpoint", "methods") if getattr(args, n)]
+    if given:
+        raise CommandError(f"--suite reads its models from --runs; drop {', '.join(given)}")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        raise CommandError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
+    report = run_suite(config_from_args(args), args.data, args.runs, args.out, seeds, args.external, args.oracle)
+    print(render_suite(report))
+    print(f"written: {Path(args.out) / 'suite.md'}")
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from masc_gadget.cli import CommandError, config_from_args
 
     if args.combine:
         return cmd_eval_combine(args)
+    if args.suite:
+        return cmd_eval_suite(args)
     if not args.data:
         raise CommandError("masc eval needs --data DIR (or --combine DIR,DIR,... to combine seeds)")
     from training.evaluation.evaluate import evaluate, write_outputs
