@@ -131,15 +131,20 @@ def cmd_study_sim_params(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report_best(what: str, out: str, best: dict, step: str, seconds: bool = True) -> None:
+    """The line a training command ends with: the best checkpoint, when and how good, the log."""
+    took = f", {best.get('seconds', 0):.0f} s" if seconds else ""
+    print(f"best {what} checkpoint: {out} ({step} {best.get(step, '?')}, val SSIM {best.get('ssim', float('nan')):.4f}, "
+          f"PSNR {best.get('psnr', float('nan')):.2f} dB{took}); log: {Path(out).with_suffix('.csv')}")
+
+
 def cmd_train_mar(args: argparse.Namespace) -> int:
     from masc_gadget.cli import config_from_args
     from training.mar import train_mar
 
     config = config_from_args(args)
     best = train_mar(config, args.data, args.out, resume=args.resume)
-    print(f"best MAR checkpoint: {args.out} (epoch {best.get('epoch', '?')}, val SSIM "
-          f"{best.get('ssim', float('nan')):.4f}, PSNR {best.get('psnr', float('nan')):.2f} dB); "
-          f"log: {Path(args.out).with_suffix('.csv')}")
+    _report_best("MAR", args.out, best, "epoch", seconds=False)
     return 0
 
 
@@ -149,9 +154,7 @@ def cmd_train_masc(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     best = train_masc(config, args.data, args.mar, args.out, resume=args.resume, demos=args.demos)
-    print(f"best MASC checkpoint: {args.out} (rollout {best.get('rollout', '?')}, val SSIM "
-          f"{best.get('ssim', float('nan')):.4f}, PSNR {best.get('psnr', float('nan')):.2f} dB, "
-          f"{best.get('seconds', 0):.0f} s); log: {Path(args.out).with_suffix('.csv')}")
+    _report_best("MASC", args.out, best, "rollout")
     return 0
 
 
@@ -161,9 +164,7 @@ def cmd_train_dqn(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     best = train_dqn(config, args.data, args.mar, args.out, variant=args.variant, resume=args.resume)
-    print(f"best {args.variant} checkpoint: {args.out} (transitions {best.get('transitions', '?')}, val SSIM "
-          f"{best.get('ssim', float('nan')):.4f}, PSNR {best.get('psnr', float('nan')):.2f} dB, "
-          f"{best.get('seconds', 0):.0f} s); log: {Path(args.out).with_suffix('.csv')}")
+    _report_best(args.variant, args.out, best, "transitions")
     return 0
 
 
@@ -173,9 +174,7 @@ def cmd_train_loupe(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     best = train_loupe(config, args.data, args.mar, args.out, resume=args.resume)
-    print(f"best learned-mask checkpoint: {args.out} (epoch {best.get('epoch', '?')}, val SSIM "
-          f"{best.get('ssim', float('nan')):.4f}, PSNR {best.get('psnr', float('nan')):.2f} dB, "
-          f"{best.get('seconds', 0):.0f} s); log: {Path(args.out).with_suffix('.csv')}")
+    _report_best("learned-mask", args.out, best, "epoch")
     return 0
 
 

@@ -104,6 +104,23 @@ def layer_init(layer: nn.Module, std: float, generator: torch.Generator | None) 
     return layer
 
 
+def input_planes(net: nn.Module, image: torch.Tensor, mask: torch.Tensor, steps_left_frac: torch.Tensor
+                 ) -> list[torch.Tensor]:
+    """The checked inputs of an acquisition network (``net.n_pe``, ``net.height``,
+    ``net.width``, ``net.config.scale_quantile``) as (B, 1, H, W) planes: the image divided by
+    its own quantile, and the mask rows as an (H, W) map. ValueError names a wrong shape."""
+    if image.dim() != 3 or tuple(image.shape[1:]) != (net.height, net.width):
+        raise ValueError(f"image must be (B, {net.height}, {net.width}), got {tuple(image.shape)}")
+    b = image.shape[0]
+    if tuple(mask.shape) != (b, net.n_pe):
+        raise ValueError(f"mask must be (B, n_pe) = ({b}, {net.n_pe}), got {tuple(mask.shape)}")
+    if tuple(steps_left_frac.shape) != (b,):
+        raise ValueError(f"steps_left_frac must be (B,) = ({b},), got {tuple(steps_left_frac.shape)}")
+    x = image.unsqueeze(1).float()
+    x = x / image_scale(x, net.config.scale_quantile)
+    return [x, mask.to(x.dtype)[:, None, :, None].expand(b, 1, net.height, net.width)]
+
+
 class PoolTo(nn.Module):
     """Average-pools (B, C, h, w) maps to (B, C, size, size); a map of that size already is
     passed through untouched (the pooling would be the identity, and costs as much as a
@@ -222,19 +239,8 @@ class PolicyNet(nn.Module):
         self, image: torch.Tensor, mask: torch.Tensor, steps_left_frac: torch.Tensor
     ) -> torch.Tensor:
         """The shared trunk's output: (B, hidden). Arguments as in :meth:`forward`."""
-        if image.dim() != 3 or tuple(image.shape[1:]) != (self.height, self.width):
-            raise ValueError(
-                f"image must be (B, {self.height}, {self.width}), got {tuple(image.shape)}"
-            )
-        b = image.shape[0]
-        if tuple(mask.shape) != (b, self.n_pe):
-            raise ValueError(f"mask must be (B, n_pe) = ({b}, {self.n_pe}), got {tuple(mask.shape)}")
-        if tuple(steps_left_frac.shape) != (b,):
-            raise ValueError(f"steps_left_frac must be (B,) = ({b},), got {tuple(steps_left_frac.shape)}")
-        x = image.unsqueeze(1).float()
-        x = x / image_scale(x, self.config.scale_quantile)
-        rows = mask.to(x.dtype)[:, None, :, None].expand(b, 1, self.height, self.width)
-        h = self.encoder(torch.cat([x, rows], dim=1).contiguous(memory_format=torch.channels_last))
+        x = torch.cat(input_planes(self, image, mask, steps_left_frac), dim=1)
+        h = self.encoder(x.contiguous(memory_format=torch.channels_last))
         h = torch.cat([h, steps_left_frac.to(h.dtype).unsqueeze(1)], dim=1)
         return self.trunk(h)
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from masc_gadget.models.policy_net import PoolTo, layer_init
-from masc_gadget.models.unet import check_scale_quantile, check_sizes, image_scale
+from masc_gadget.models.policy_net import PoolTo, input_planes, layer_init
+from masc_gadget.models.unet import check_scale_quantile, check_sizes
 
 __all__ = ["QNet", "QNetConfig", "masked_q"]
 
@@ -108,18 +108,9 @@ class QNet(nn.Module):
     def forward(self, image: torch.Tensor, mask: torch.Tensor, steps_left_frac: torch.Tensor) -> torch.Tensor:
         """image: (B, H, W) magnitude images; mask: (B, n_pe) bool, True = acquired;
         steps_left_frac: (B,) in [0, 1]. Returns the *unmasked* Q (B, n_pe)."""
-        if image.dim() != 3 or tuple(image.shape[1:]) != (self.height, self.width):
-            raise ValueError(f"image must be (B, {self.height}, {self.width}), got {tuple(image.shape)}")
-        b = image.shape[0]
-        if tuple(mask.shape) != (b, self.n_pe):
-            raise ValueError(f"mask must be (B, n_pe) = ({b}, {self.n_pe}), got {tuple(mask.shape)}")
-        if tuple(steps_left_frac.shape) != (b,):
-            raise ValueError(f"steps_left_frac must be (B,) = ({b},), got {tuple(steps_left_frac.shape)}")
-        x = image.unsqueeze(1).float()
-        x = x / image_scale(x, self.config.scale_quantile)
-        planes = [x, mask.to(x.dtype)[:, None, :, None].expand(b, 1, self.height, self.width)]
+        planes = input_planes(self, image, mask, steps_left_frac)
         if self.spectral:
-            spectrum = torch.fft.fftshift(torch.fft.fft2(x, norm="ortho"), dim=(-2, -1)).abs()
+            spectrum = torch.fft.fftshift(torch.fft.fft2(planes[0], norm="ortho"), dim=(-2, -1)).abs()
             planes.append(torch.log1p(spectrum))
         h = self.encoder(torch.cat(planes, dim=1))
         h = torch.cat([h, steps_left_frac.to(h.dtype).unsqueeze(1)], dim=1)
