@@ -11,9 +11,12 @@ lines it asks the policy for the next line after every new line until ``initial 
 lines are in. All slices that want a decision at the same moment are decided in one batched
 pass: zero-filled reconstruction -> one MAR forward -> :meth:`SamplingPolicy.select_batch`.
 
-Shapes: a slice's k-space is ``(n_pe, n_readout)`` complex64 (row k = PE line k of centred
-k-space, as :mod:`masc_gadget.core.kspace`), its mask ``(n_pe,)`` bool, its image ``(n_pe, n_readout)``
-float32 magnitude; a batch of B slices stacks them to ``(B, n_pe, n_readout)`` / ``(B, n_pe)``.
+Shapes: a slice's k-space is ``(n_coils, n_pe, n_readout)`` complex64 (row k = PE line k of
+centred k-space, as :mod:`masc_gadget.core.kspace`; one plane per receive coil), its mask ``(n_pe,)``
+bool, its image ``(n_pe, n_readout)`` float32 magnitude, the coils combined
+(:func:`masc_gadget.core.coils.coil_combine`, ``coil_combine`` of the settings) before MAR; a batch
+of B slices stacks them to ``(B, n_coils, n_pe, n_readout)`` / ``(B, n_pe)``. With one coil the
+image is the zero-filled magnitude, as it always was.
 
 Non-finite values never reach a decision or an image: :meth:`AcquisitionEngine.add_line`
 rejects samples that are NaN or inf or whose real or imaginary part exceeds
@@ -46,7 +49,7 @@ from masc_gadget.acquisition.decision import Decision
 from masc_gadget.acquisition.batcher import DecisionBatcher, DecisionRequest, split_rows
 from masc_gadget.acquisition.episode import AcquisitionState, EpisodeBatch, check_episode, select_lines
 from masc_gadget.acquisition.policies import SamplingPolicy, slice_rng
-from masc_gadget.core.kspace import zero_filled
+from masc_gadget.core.coils import COMBINES, coil_combine
 from masc_gadget.device import resolve_device
 
 __all__ = ["AcquisitionEngine", "Decision", "EngineSettings", "SliceResult"]
@@ -94,14 +97,22 @@ class EngineSettings:
     """Seed of the per-slice random streams ``slice_rng(seed, slice)`` of random policies."""
     device: str
     """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda``, ``cuda:N``."""
+    n_coils: int = 1
+    """Receive coils (channels) per line; a single-coil scan needs no setting."""
+    coil_combine: str = "rss"
+    """How the coils' images become one: ``rss`` or ``sensitivity`` (gadget section)."""
 
     def __post_init__(self) -> None:
-        for name in ("n_pe", "n_readout", "initial", "budget", "seed"):
+        for name in ("n_pe", "n_readout", "initial", "budget", "seed", "n_coils"):
             value = getattr(self, name)
             if not _is_int(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.n_readout < 1:
             raise ValueError(f"n_readout must be >= 1, got {self.n_readout}")
+        if self.n_coils < 1:
+            raise ValueError(f"n_coils must be >= 1, got {self.n_coils}")
+        if self.coil_combine not in COMBINES:
+            raise ValueError(f"coil_combine must be one of {', '.join(COMBINES)}, got {self.coil_combine!r}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         check_episode(self.n_pe, self.initial, self.budget)
@@ -123,7 +134,7 @@ class SliceResult:
     """(n_pe, n_readout) float32: MAR-corrected magnitude of the acquired lines (the zero-filled
     image when MAR is off)."""
     zero_filled: np.ndarray
-    """(n_pe, n_readout) float32: zero-filled magnitude of the acquired lines."""
+    """(n_pe, n_readout) float32: zero-filled magnitude of the acquired lines (coils combined)."""
     lines: list[int]
     """Acquired lines in arrival order (a repeated line listed once, where it first came)."""
     decided: list[int]
@@ -138,7 +149,7 @@ class SliceResult:
 class _Slice:
     """One slice's buffers (released by :meth:`AcquisitionEngine.finish_slices`)."""
 
-    kspace: np.ndarray  # (n_pe, n_readout) complex64, zero where not acquired
+    kspace: np.ndarray  # (n_coils, n_pe, n_readout) complex64, zero where not acquired
     episode: EpisodeBatch  # a batch of one: its mask, arrival order and slice_rng(seed, slice)
     decided: list[int] = field(default_factory=list)
     issued: set[int] = field(default_factory=set)  # every line the engine asked for
@@ -191,13 +202,14 @@ class AcquisitionEngine:
         self._slices: dict[int, _Slice] = {}
         self.batcher = batcher
         self._batch_key = (id(policy), id(self.mar), self.sees_mar, str(self.device),
-                           settings.n_pe, settings.n_readout)
+                           settings.n_pe, settings.n_readout, settings.n_coils, settings.coil_combine)
         self.warmup_us = self._warm_up()
         self.warmed_up = True
         log.info(
-            "acquisition engine: policy %s, MAR %s, device %s, %d PE x %d readout, "
+            "acquisition engine: policy %s, MAR %s, device %s, %d PE x %d readout x %d coil(s)%s, "
             "%d initial + %d budget lines, warm-up %.1f ms",
-            self.policy_name, self.mar_name, self.device, settings.n_pe, settings.n_readout,
+            self.policy_name, self.mar_name, self.device, settings.n_pe, settings.n_readout, settings.n_coils,
+            f" ({settings.coil_combine})" if settings.n_coils > 1 else "",
             settings.initial, settings.budget, self.warmup_us / 1e3,
         )
 
@@ -209,8 +221,8 @@ class AcquisitionEngine:
         """One dummy pass through every stage; returns its wall time in microseconds."""
         s = self.settings
         start = time.perf_counter_ns()
-        kspace = np.zeros((1, s.n_pe, s.n_readout), dtype=np.complex64)
-        kspace[0, s.n_pe // 2, s.n_readout // 2] = 1.0
+        kspace = np.zeros((1, s.n_coils, s.n_pe, s.n_readout), dtype=np.complex64)
+        kspace[0, :, s.n_pe // 2, s.n_readout // 2] = 1.0
         # a private stream: the slices' own streams are not advanced by the warm-up
         episode = self._episode(np.random.default_rng(0), start=True)
         zf, mar = self._reconstruct(kspace, episode.masks, with_mar=self.mar is not None)
@@ -226,14 +238,14 @@ class AcquisitionEngine:
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """Zero-filled (and MAR) images of a batch, one MAR forward for all.
 
-        kspace: (B, n_pe, n_readout) complex64; mask: (B, n_pe) bool.
+        kspace: (B, n_coils, n_pe, n_readout) complex64; mask: (B, n_pe) bool.
         Returns (zero_filled, mar): (B, n_pe, n_readout) float32 numpy arrays on the CPU; mar is
         None unless ``with_mar``.
         """
         with torch.no_grad():
             k = torch.from_numpy(kspace).to(self.device)
             m = torch.from_numpy(mask).to(self.device)
-            zf = zero_filled(k, m)  # (B, n_pe, n_readout) float32
+            zf = coil_combine(k, m, self.settings.coil_combine)  # (B, n_pe, n_readout) float32
             corrected = self.mar(zf) if with_mar else None  # (B, n_pe, n_readout)
             zf_np = zf.cpu().numpy()
             mar_np = None if corrected is None else corrected.float().cpu().numpy()
@@ -247,21 +259,22 @@ class AcquisitionEngine:
         return int(slice)
 
     def _samples(self, slice: int, line: int, data: np.ndarray) -> np.ndarray:
-        """``data`` as one (n_readout,) complex64 row; ValueError naming the problem."""
+        """``data`` as (n_coils, n_readout) complex64 rows; ValueError naming the problem."""
         s = self.settings
         samples = np.asarray(data)
         if samples.dtype.kind not in "iufc":
             raise ValueError(
                 f"slice {slice} line {line}: samples must be numbers, got dtype {samples.dtype}"
             )
-        if samples.shape not in ((s.n_readout,), (1, s.n_readout)):
+        shapes = ((s.n_readout,), (1, s.n_readout)) if s.n_coils == 1 else ((s.n_coils, s.n_readout),)
+        if samples.shape not in shapes:
+            expected = " or ".join(str(shape) for shape in shapes)
             raise ValueError(
-                f"slice {slice} line {line}: expected one channel of {s.n_readout} readout "
-                f"samples, shape ({s.n_readout},) or (1, {s.n_readout}), got shape "
-                f"{samples.shape}"
+                f"slice {slice} line {line}: expected {'one channel' if s.n_coils == 1 else f'{s.n_coils} channels'} of {s.n_readout} readout "
+                f"samples, shape {expected}, got shape {samples.shape}"
             )
         with np.errstate(over="ignore", invalid="ignore"):
-            row = samples.reshape(s.n_readout).astype(np.complex64)
+            row = samples.reshape(s.n_coils, s.n_readout).astype(np.complex64)
         if not (np.isfinite(samples).all() and np.isfinite(row).all()):
             raise ValueError(f"slice {slice} line {line} contains NaN/inf samples")
         if row.size and max(np.abs(row.real).max(), np.abs(row.imag).max()) > MAX_SAMPLE_MAGNITUDE:
@@ -272,8 +285,8 @@ class AcquisitionEngine:
         return row
 
     def add_line(self, slice: int, line: int, data: np.ndarray) -> None:
-        """Store PE line ``line`` of slice ``slice``: ``data`` (n_readout,) or (1, n_readout)
-        samples of one channel (complex or real numbers).
+        """Store PE line ``line`` of slice ``slice``: ``data`` (n_coils, n_readout) samples, one
+        row per coil ((n_readout,) is accepted for one coil; complex or real numbers).
 
         Stored whether or not the engine asked for it (the scanner is the authority); a line
         that arrives again overwrites the first one and is not a new line. A new line clears
@@ -301,14 +314,14 @@ class AcquisitionEngine:
         previous = None
         if buf is None:
             buf = _Slice(
-                kspace=np.zeros((s.n_pe, s.n_readout), dtype=np.complex64),
+                kspace=np.zeros((s.n_coils, s.n_pe, s.n_readout), dtype=np.complex64),
                 episode=self._episode(slice_rng(s.seed, slice)),
             )
             self._slices[slice] = buf
         else:
-            previous = buf.kspace[line].copy()
+            previous = buf.kspace[:, line].copy()
         undo = _Undo(slice, line, previous, False, buf.awaiting, len(buf.decided))
-        buf.kspace[line] = row
+        buf.kspace[:, line] = row
         if not buf.episode.record(0, line):
             return undo  # a repeat: new samples, same line
         if line in buf.issued:
@@ -322,7 +335,7 @@ class AcquisitionEngine:
             del self._slices[undo.slice]
             return
         buf = self._slices[undo.slice]
-        buf.kspace[undo.line] = undo.row
+        buf.kspace[:, undo.line] = undo.row
         if undo.new_line:
             lines = buf.episode.lines(0)[:-1]  # the line taken back came last
             episode = self._episode(buf.episode.rngs[0])
@@ -388,7 +401,7 @@ class AcquisitionEngine:
         rngs = [b.episode.rngs[0] for b in bufs]
         kspace = mask = None
         if self.policy.needs_image:
-            kspace = np.stack([b.kspace for b in bufs])  # (B, n_pe, n_readout)
+            kspace = np.stack([b.kspace for b in bufs])  # (B, n_coils, n_pe, n_readout)
             mask = np.concatenate([b.episode.masks for b in bufs])  # (B, n_pe)
         if self.batcher is not None and self.policy.needs_image:
             request = DecisionRequest(self._batch_key, (self, kspace, mask, states, rngs), len(bufs))
@@ -411,7 +424,7 @@ class AcquisitionEngine:
     def decision_pass(self, kspace: np.ndarray | None, mask: np.ndarray | None,
                       states: Sequence[AcquisitionState], rngs: Sequence[np.random.Generator | None]
                       ) -> tuple[np.ndarray, np.ndarray]:
-        """One decision pass over B slices: zero-filled recon of ``kspace`` (B, n_pe, n_readout)
+        """One decision pass over B slices: zero-filled recon of ``kspace`` (B, n_coils, n_pe, n_readout)
         under ``mask`` (B, n_pe) -> MAR (when the policy observes it) -> one
         ``policy.select_batch``. Policies that read no image take ``kspace = mask = None``.
 
@@ -506,7 +519,7 @@ class AcquisitionEngine:
 
     def finish_slices(self, slices: Sequence[int]) -> list[SliceResult]:
         """:meth:`finish_slice` for several slices with one batched reconstruction and MAR
-        forward: (B, n_pe, n_readout) in, one :class:`SliceResult` per slice, in order.
+        forward: (B, n_coils, n_pe, n_readout) in, one :class:`SliceResult` per slice, in order.
 
         Images are finite: a slice whose MAR image is not gets its zero-filled image instead
         (``mar`` = :data:`NON_FINITE_MAR`), logged as an error."""

@@ -258,6 +258,18 @@ class EncodingGeometry(NamedTuple):
     """The k-space centre line (``kspace_encoding_step_1`` centre; n_pe // 2 without a limit)."""
 
 
+def receiver_channels(header: ismrmrd.xsd.ismrmrdHeader) -> int | None:
+    """The header's coil count (``acquisitionSystemInformation.receiverChannels``); None when it
+    does not say."""
+    system = getattr(header, "acquisitionSystemInformation", None)
+    count = None if system is None else system.receiverChannels
+    if count is None:
+        return None
+    if int(count) < 1:
+        raise ValueError(f"ISMRMRD header receiverChannels must be >= 1, got {count}")
+    return int(count)
+
+
 def encoding_geometry(header: ismrmrd.xsd.ismrmrdHeader | str | bytes) -> EncodingGeometry:
     """Matrix, slices, FOV and centre line of ``header`` (a parsed header or its XML)."""
     if not isinstance(header, ismrmrd.xsd.ismrmrdHeader):

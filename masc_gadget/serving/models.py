@@ -334,11 +334,12 @@ def load_models(settings: GadgetSettings, cache: ModelCache = DEFAULT_CACHE,
 def build_engine(settings: GadgetSettings, n_pe: int, n_readout: int, cache: ModelCache = DEFAULT_CACHE,
                  *, initial: int | None = None, budget: int | None = None,
                  trusted: GadgetSettings | None = None,
-                 batcher: DecisionBatcher | None = None) -> AcquisitionEngine:
+                 batcher: DecisionBatcher | None = None, n_coils: int = 1) -> AcquisitionEngine:
     """The engine of one scan (``n_pe`` x ``n_readout`` encoded matrix) with the models of
     ``settings``; ``initial`` / ``budget`` replace the settings' ones (the server's warm-up);
     ``trusted`` as in :func:`load_models`; ``batcher``: the server's shared decision batcher
-    (None: the engine runs its own decision passes).
+    (None: the engine runs its own decision passes); ``n_coils``: receive coils per line (combined
+    by the settings' ``coil_combine``).
 
     Raises ConfigError / ValueError for settings the scan cannot run with (episode larger than
     the matrix, unknown policy or device, missing checkpoint, a model not offered).
@@ -347,6 +348,7 @@ def build_engine(settings: GadgetSettings, n_pe: int, n_readout: int, cache: Mod
     scan = EngineSettings(
         n_pe=n_pe, n_readout=n_readout, initial=settings.initial if initial is None else initial,
         budget=settings.budget if budget is None else budget, seed=settings.seed, device=settings.device,
+        n_coils=n_coils, coil_combine=settings.coil_combine,
     )
     policy = models.policy
     if policy is None:

@@ -58,6 +58,9 @@ class GadgetConfig:
     """ZeroMQ PUSH address of the side channel (the scanner binds it); "" = off."""
     return_zero_filled: bool = False
     """Also return the zero-filled image of each slice, as image series 2."""
+    coil_combine: Literal["rss", "sensitivity"] = "rss"
+    """How a multi-coil scan's channels become one image before MAR: ``rss`` (root-sum-of-squares)
+    or ``sensitivity`` (adaptive combine with sensitivities from the acquired centre lines)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):

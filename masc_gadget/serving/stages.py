@@ -25,13 +25,13 @@ from masc_gadget import __version__
 from masc_gadget.acquisition.batcher import DecisionBatcher
 from masc_gadget.acquisition.engine import AcquisitionEngine, SliceResult
 from masc_gadget.mrd.feedback import fire_feedback, ZmqFeedback, allowed_endpoints, feedback_acquisition, is_feedback
-from masc_gadget.mrd.header import EncodingGeometry, encoding_geometry, slice_limit
+from masc_gadget.mrd.header import EncodingGeometry, encoding_geometry, receiver_channels, slice_limit
 from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache, build_engine
 from masc_gadget.serving.settings import GadgetSettings, settings_from_json
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Context", "STAGES", "decide", "imaging_lines", "images", "make_image", "parameters",
+__all__ = ["Context", "STAGES", "active_channels", "decide", "imaging_lines", "images", "make_image", "parameters",
            "pipeline", "send", "start_engine", "well_formed"]
 
 # acquisitions that carry no imaging data for this reconstruction
@@ -76,6 +76,9 @@ class Context:
     closed_loop: bool = False
     """In-band feedback was asked for: the client acquires what the gadget decides, so a slice
     is also finished once its budget is spent (:meth:`finishes`)."""
+    coils: tuple[int, ...] = ()
+    """The receive channels of the scan: those of its first imaging acquisition
+    (:func:`active_channels`); every later line must carry them."""
     templates: dict[int, ismrmrd.AcquisitionHeader] = field(default_factory=dict)
     """Per slice, the header of its first stored line (position, orientation of its image)."""
     stats: dict[str, int] = field(default_factory=_new_stats)
@@ -95,16 +98,24 @@ class Context:
         self.stats["rejected"] += 1
         self.report(message)
 
-    def start(self) -> None:
-        """The side channel and the engine (models loaded through the cache) of the settings;
-        ValueError / ConfigError for an endpoint not allowed or a model not offered."""
+    def start(self, first: ismrmrd.Acquisition | None = None) -> None:
+        """The side channel and the engine (models loaded through the cache) of the settings,
+        for the channels of the ``first`` imaging acquisition (without it: the header's
+        ``receiverChannels``, or one); ValueError /
+        ConfigError for an endpoint not allowed, a model not offered, or channels beyond the
+        header's ``receiverChannels``."""
         s = self.settings
+        limit = receiver_channels(self.header)
+        self.coils = tuple(range(limit or 1)) if first is None else active_channels(first)
+        if limit is not None and max(self.coils) >= limit:
+            raise ValueError(f"the first acquisition uses channel {max(self.coils)}, but the header has "
+                             f"{limit} receiver channel(s)")
         if s.zmq_address:
             operator = s.zmq_address == self.trusted.zmq_address
             allowed = (*allowed_endpoints(), s.zmq_address) if operator else None
             self.zmq_out = ZmqFeedback(s.zmq_address, allowed=allowed)
         self.engine = build_engine(s, self.geometry.n_pe, self.geometry.n_readout, self.cache,
-                                   trusted=self.trusted, batcher=self.batcher)
+                                   trusted=self.trusted, batcher=self.batcher, n_coils=len(self.coils))
         self.closed_loop = s.feedback in ("inband", "fire")
 
     def finishes(self, slice_index: int) -> bool:
@@ -147,17 +158,34 @@ def imaging_lines(items: Iterable[Any], ctx: Context) -> Iterator[ismrmrd.Acquis
             yield item
 
 
+def active_channels(acq: ismrmrd.Acquisition) -> tuple[int, ...]:
+    """The receive channels whose samples ``acq`` carries, in the order of its data rows: the
+    bits set in its ``channel_mask`` (16 words of 64 channels), or channels 0 to
+    ``active_channels - 1`` when no bit is set. ValueError when the mask and the row count differ."""
+    words = np.asarray(acq.getHead().channel_mask, dtype=np.uint64)
+    bits = [64 * w + b for w, word in enumerate(words.tolist()) for b in range(64) if (int(word) >> b) & 1]
+    rows = int(acq.data.shape[0]) if acq.data.ndim == 2 else 1
+    if not bits:
+        return tuple(range(rows))
+    if len(bits) != rows:
+        raise ValueError(f"channel_mask names {len(bits)} channel(s) but the acquisition carries {rows}")
+    return tuple(bits)
+
+
 def start_engine(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[ismrmrd.Acquisition]:
-    """Build the connection's engine at the first imaging acquisition, before it is checked."""
+    """Build the connection's engine at the first imaging acquisition, before it is checked,
+    for that acquisition's receive channels."""
     for acq in acqs:
         if ctx.engine is None:
-            ctx.start()
+            ctx.start(acq)
         yield acq
 
 
-def well_formed(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[ismrmrd.Acquisition]:
-    """Reject (``ctx.reject``) acquisitions that are not one channel of the header's readout,
-    or whose slice is beyond the header's slice limit (a stream cannot grow without bound)."""
+def well_formed(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[tuple[ismrmrd.Acquisition, np.ndarray]]:
+    """Reject (``ctx.reject``) acquisitions that do not carry the scan's channels
+    (``ctx.coils``; a line with more channels gives the scan's), whose readout is not the
+    header's, or whose slice is beyond the header's slice limit (a stream cannot grow without
+    bound). Yields (acquisition, its (coils, readout) samples in the scan's channel order)."""
     n_readout = ctx.geometry.n_readout
     n_slices = slice_limit(ctx.header)
     for acq in acqs:
@@ -166,26 +194,36 @@ def well_formed(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[i
         if n_slices is not None and slice_index >= n_slices:
             ctx.reject(f"slice {slice_index} line {line}: beyond the header's slice limit "
                        f"({n_slices} slices)")
-        elif data.ndim != 2 or data.shape[0] != 1:
-            ctx.reject(f"slice {slice_index} line {line}: acquisition has {data.shape[0]} channels; "
-                       "MASC expects coil-combined single-channel data")
-        elif data.shape[1] != n_readout:
-            ctx.reject(f"slice {slice_index} line {line}: {data.shape[1]} samples, but the header's "
+            continue
+        if data.ndim != 2 or data.shape[1] != n_readout:
+            ctx.reject(f"slice {slice_index} line {line}: {data.shape[-1]} samples, but the header's "
                        f"encoded matrix has {n_readout} readout samples")
-        else:
-            yield acq
+            continue
+        try:
+            channels = active_channels(acq)
+        except ValueError as err:
+            ctx.reject(f"slice {slice_index} line {line}: {err}")
+            continue
+        where = {c: i for i, c in enumerate(channels)}
+        missing = [c for c in ctx.coils if c not in where]
+        if missing:
+            ctx.reject(f"slice {slice_index} line {line}: the acquisition carries channels {list(channels)[:16]}, "
+                       f"without {missing[:16]} that the scan's first line had ({len(ctx.coils)} coils)")
+            continue
+        rows = [where[c] for c in ctx.coils]
+        yield acq, (data if rows == list(range(data.shape[0])) else data[rows])
 
 
-def decide(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[SliceResult]:
+def decide(acqs: Iterable[tuple[ismrmrd.Acquisition, np.ndarray]], ctx: Context) -> Iterator[SliceResult]:
     """Feed each line to the engine, send its decisions (in-band and / or ZeroMQ) and yield the
     slices that are finished: by the scanner (``ACQ_LAST_IN_SLICE``), in closed loop once their
     budget is spent (:meth:`Context.finishes`), and every slice still held when the stream
     ends."""
-    for acq in acqs:
+    for acq, samples in acqs:
         engine = ctx.engine
         slice_index, line = int(acq.idx.slice), int(acq.idx.kspace_encode_step_1)
         try:
-            decisions = engine.on_line(slice_index, line, acq.data[0])
+            decisions = engine.on_line(slice_index, line, samples)
         except ValueError as err:
             ctx.reject(str(err))
             continue

@@ -1,0 +1,111 @@
+"""Multi-coil scans through the gadget: 2- and 8-coil data, channel masks, the header's coil count."""
+
+import math
+
+import ismrmrd
+import numpy as np
+import pytest
+import torch
+
+from masc_gadget.acquisition.engine import AcquisitionEngine, EngineSettings
+from masc_gadget.acquisition.policies import make_policy
+from masc_gadget.mrd.header import parse_header
+from masc_gadget.serving.gadget import GadgetSettings, process
+
+N = 32
+
+
+def _header(coils=None):
+    system = (f"<acquisitionSystemInformation><receiverChannels>{coils}</receiverChannels>"
+              f"</acquisitionSystemInformation>" if coils else "")
+    return (f"<?xml version='1.0'?><ismrmrdHeader xmlns='http://www.ismrm.org/ISMRMRD'>{system}"
+            f"<experimentalConditions><H1resonanceFrequency_Hz>127000000</H1resonanceFrequency_Hz>"
+            f"</experimentalConditions><encoding><encodedSpace><matrixSize><x>{N}</x><y>{N}</y><z>1</z></matrixSize>"
+            f"<fieldOfView_mm><x>300</x><y>300</y><z>3</z></fieldOfView_mm></encodedSpace><reconSpace><matrixSize>"
+            f"<x>{N}</x><y>{N}</y><z>1</z></matrixSize><fieldOfView_mm><x>300</x><y>300</y><z>3</z></fieldOfView_mm>"
+            f"</reconSpace><encodingLimits><slice><minimum>0</minimum><maximum>1</maximum><center>0</center></slice>"
+            f"</encodingLimits><trajectory>cartesian</trajectory></encoding></ismrmrdHeader>")
+
+
+def _kspace(seed=0):
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[:N, :N]
+    obj = (((y - N / 2) ** 2 + (x - N / 2) ** 2) < (0.35 * N) ** 2) * (1 + 0.3 * rng.random((N, N)))
+    return np.fft.fftshift(np.fft.fft2(np.fft.ifftshift(obj), norm="ortho")).astype(np.complex64)
+
+
+def _acq(samples, slice_index, line, mask_bits=None):
+    acq = ismrmrd.Acquisition.from_array(np.ascontiguousarray(samples, dtype=np.complex64))
+    acq.idx.slice, acq.idx.kspace_encode_step_1 = slice_index, line
+    if mask_bits:
+        head = acq.getHead()
+        words = [0] * 16
+        for b in mask_bits:
+            words[b // 64] |= 1 << (b % 64)
+        head.channel_mask[:] = words
+        acq.setHead(head)
+    return acq
+
+
+def _run(items, header, **settings):
+    sent, errors = [], []
+    stats = process(iter(items), parse_header(header), GadgetSettings(policy="center-out", initial=2, budget=3, device="cpu",
+                                                        **settings), sent.append, on_error=errors.append)
+    images = {im.slice: im.data[0, 0] for im in sent if isinstance(im, ismrmrd.Image)}
+    return stats, images, errors
+
+
+def _scan(k_by_slice, weights, lines=(15, 16, 17, 14, 18), mask_bits=None):
+    return [_acq(w[:, None] * k[line][None] if w is not None else k[line][None], s, line, mask_bits)
+            for s, k in enumerate(k_by_slice) for line in lines for w in [weights]]
+
+
+@pytest.mark.parametrize("coils", [2, 8])
+@pytest.mark.parametrize("combine", ["rss", "sensitivity"])
+def test_uniform_coils_give_the_single_coil_image(coils, combine):
+    ks = [_kspace(0), _kspace(1)]
+    weights = (np.exp(1j * np.linspace(0, 2, coils)) / math.sqrt(coils)).astype(np.complex64)
+    single_stats, single, errors = _run(_scan(ks, None), _header())
+    assert not errors and single_stats["images"] == 2
+    stats, multi, errors = _run(_scan(ks, weights), _header(coils), coil_combine=combine)
+    assert not errors and stats["images"] == 2 and stats["rejected"] == 0
+    for s in (0, 1):
+        np.testing.assert_allclose(multi[s], single[s], rtol=1e-4, atol=1e-5 * single[s].max())
+
+
+def test_channel_mask_and_the_header_are_honoured():
+    ks = [_kspace(0), _kspace(1)]
+    weights = np.array([0.6, 0.8], dtype=np.complex64)
+    _, single, _ = _run(_scan(ks, None), _header())
+    # the scan's coils are channels 3 and 5 of 8 (channel_mask), rows in that order
+    stats, images, errors = _run(_scan(ks, weights, mask_bits=[3, 5]), _header(8))
+    assert not errors and stats["images"] == 2
+    np.testing.assert_allclose(images[0], single[0], rtol=1e-4, atol=1e-5 * single[0].max())
+    # a line without one of the scan's channels is rejected, with a message that names them; the
+    # slice still finishes from its other lines
+    acqs = _scan(ks, weights, mask_bits=[3, 5])
+    acqs[2] = _acq(0.6 * ks[0][17][None], 0, 17, mask_bits=[3])
+    stats, images, errors = _run(acqs, _header(8))
+    assert stats["rejected"] == 1 and "without [5]" in errors[0] and stats["images"] == 2
+    # channels beyond the header's receiverChannels: the scan cannot start (the server reports it to the client)
+    with pytest.raises(ValueError, match="uses channel 5, but the header has 4 receiver channel"):
+        _run(_scan(ks, weights, mask_bits=[3, 5]), _header(4))
+
+
+def test_engine_takes_one_row_per_coil_and_combines_them():
+    k = _kspace(2)
+    weights = (np.ones(4) / 2).astype(np.complex64)  # sum |a|^2 = 1
+    results = {}
+    for coils, data in ((1, k), (4, weights[:, None, None] * k[None])):
+        settings = EngineSettings(n_pe=N, n_readout=N, initial=2, budget=2, seed=0, device="cpu", n_coils=coils)
+        engine = AcquisitionEngine(settings, make_policy("random"))
+        decisions = [d.line for line in (15, 16) for d in engine.on_line(0, line, data[line] if coils == 1
+                                                                            else data[:, line])]
+        with pytest.raises(ValueError, match="expected 4 channels" if coils == 4 else "expected one channel"):
+            engine.on_line(0, 3, np.zeros((3, N), np.complex64))
+        results[coils] = (decisions, engine.finish_slice(0).image)
+    assert results[1][0] == results[4][0]  # the same random stream, the same decision
+    torch.testing.assert_close(torch.from_numpy(results[4][1]), torch.from_numpy(results[1][1]), rtol=1e-4,
+                               atol=1e-5 * float(results[1][1].max()))
+    with pytest.raises(ValueError, match="coil_combine"):
+        EngineSettings(n_pe=N, n_readout=N, initial=2, budget=2, seed=0, device="cpu", n_coils=2, coil_combine="x")
