@@ -294,6 +294,9 @@ class SubjectData:
     scanner: dict[str, Any] = field(default_factory=dict)
     """How the subject was scanned (JSON-able: pose, field strength...); under the keys of
     SUBJECT_SECTIONS, the fields of those config sections as this subject's scan set them."""
+    kspace_metal_coils: np.ndarray | None = None
+    """(slice, coil, pe, ro) complex64: the metal scan as a multi-coil array sends it
+    (``physics.coils`` > 1), written as the ``metal`` ISMRMRD group; None: single-coil."""
 
 
 def subject_section(config: Config, scanner: Mapping[str, Any], name: str) -> Any:
@@ -329,7 +332,8 @@ def _write_mrd_groups(path: Path, data: SubjectData, config: Config) -> None:
     """The ISMRMRD groups ``metal`` and ``clean``: header + every line of every slice, with the
     subject's own sequence (field strength, bandwidths)."""
     seq = subject_section(config, data.scanner, "sequence")
-    for group, kspace in ((MRD_METAL, data.kspace_metal), (MRD_CLEAN, data.kspace_clean)):
+    metal = data.kspace_metal if data.kspace_metal_coils is None else data.kspace_metal_coils
+    for group, kspace in ((MRD_METAL, metal), (MRD_CLEAN, data.kspace_clean)):
         header = mrd.build_header(
             seq,
             subject_id=data.subject_id,
@@ -337,6 +341,7 @@ def _write_mrd_groups(path: Path, data: SubjectData, config: Config) -> None:
             fov_centre_mm=data.fov_centre_mm,
             measurement_id=f"{config['dataset'].name}/{data.subject_id}/{group}",
             extra_user_parameters={"masc_partner": group},
+            receiver_channels=kspace.shape[1] if kspace.ndim == 4 else 1,
         )
         acqs = mrd.acquisitions_from_kspace(kspace, seq, data.slice_centres_mm, data.fov_centre_mm)
         mrd.write_mrd_group(path, group, header, acqs)
@@ -459,7 +464,8 @@ class ScanInput(NamedTuple):
     header_xml: str
     """ISMRMRD header of the ``metal`` group."""
     kspace: np.ndarray
-    """(n_slices, n_pe, n_readout) complex64, the fully sampled metal k-space."""
+    """(n_slices, n_coils, n_pe, n_readout) complex64, the fully sampled metal k-space as the
+    scanner's receive channels record it (one coil for a single-coil dataset)."""
     clean: np.ndarray
     """(n_slices, y, x) float32, the clean fully sampled images (ground truth)."""
     seq: SequenceConfig
@@ -478,7 +484,8 @@ def read_scan_input(path: str | os.PathLike) -> ScanInput:
     clean = np.asarray(sub.images_clean, dtype=np.float32)
     centres, fov = sub.slice_centres_mm, sub.fov_centre_mm
     seq = sub.sequence
-    n_slices, n_pe, n_ro = group.kspace.shape
+    kspace = group.kspace if group.kspace.ndim == 4 else group.kspace[:, None]
+    n_slices, _, n_pe, n_ro = kspace.shape
     if (seq.n_slices, seq.n_pe, seq.n_readout) != (n_slices, n_pe, n_ro):
         raise ValueError(
             f"{path}: metal k-space {group.kspace.shape} does not match the sequence "
@@ -490,4 +497,4 @@ def read_scan_input(path: str | os.PathLike) -> ScanInput:
         )
     if len(centres) != n_slices or len(fov) != 2:
         raise ValueError(f"{path}: slice_centres_mm / fov_centre_mm do not match {n_slices} slices")
-    return ScanInput(group.header_xml, group.kspace, clean, seq, centres, (fov[0], fov[1]))
+    return ScanInput(group.header_xml, kspace, clean, seq, centres, (fov[0], fov[1]))

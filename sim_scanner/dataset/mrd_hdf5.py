@@ -37,6 +37,7 @@ from masc_gadget.mrd.header import (
     encoding_geometry,
     flag_mask,
     parse_header,
+    receiver_channels,
     serialize_header,
 )
 from sim_scanner.physics.sequence import SequenceConfig
@@ -150,8 +151,10 @@ def build_header(
     fov_centre_mm: tuple[float, float],
     measurement_id: str = "",
     extra_user_parameters: dict[str, object] | None = None,
+    receiver_channels: int = 1,
 ) -> str:
-    """The ISMRMRD XML header of a simulated 2D multi-slice Cartesian TSE scan.
+    """The ISMRMRD XML header of a simulated 2D multi-slice Cartesian TSE scan
+    (``receiver_channels`` receive coils).
 
     slice_centres_mm: z of each slice centre (``seq.n_slices`` values, inferior to superior);
     fov_centre_mm: (y, x) of the in-plane FOV centre (grid order). Both are also stored as user parameters
@@ -161,6 +164,8 @@ def build_header(
     """
     if not isinstance(subject_id, str) or not subject_id:
         raise ValueError(f"subject_id must be a non-empty string, got {subject_id!r}")
+    if isinstance(receiver_channels, bool) or not isinstance(receiver_channels, int) or receiver_channels < 1:
+        raise ValueError(f"receiver_channels must be an integer >= 1, got {receiver_channels!r}")
     centres = [float(z) for z in slice_centres_mm]
     if len(centres) != seq.n_slices:
         raise ValueError(
@@ -201,7 +206,7 @@ def build_header(
             systemVendor=SYSTEM_VENDOR,
             systemModel="sim_scanner",
             systemFieldStrength_T=float(seq.b0_t),
-            receiverChannels=1,
+            receiverChannels=receiver_channels,
         ),
         experimentalConditions=xsd.experimentalConditionsType(
             H1resonanceFrequency_Hz=int(round(seq.larmor_hz))
@@ -262,7 +267,13 @@ def _line_acquisition(
     head.acquisition_time_stamp = timestamp
     head.idx.kspace_encode_step_1 = line
     head.idx.slice = slice_index
-    data = np.array(line_data, dtype=np.complex64, copy=True).reshape(1, -1)
+    data = np.array(line_data, dtype=np.complex64, copy=True)
+    data = data.reshape(1, -1) if data.ndim == 1 else data
+    head.active_channels = head.available_channels = data.shape[0]
+    words = [0] * len(head.channel_mask)
+    for channel in range(data.shape[0]):  # channels 0 .. coils - 1 are active
+        words[channel // 64] |= 1 << (channel % 64)
+    head.channel_mask[:] = words
     return ismrmrd.Acquisition(head, data=data)
 
 
@@ -279,9 +290,10 @@ def make_acquisition(
     flags: int = 0,
     n_slices: int | None = None,
 ) -> ismrmrd.Acquisition:
-    """One single-channel readout line as an ``ismrmrd.Acquisition``.
+    """One readout line as an ``ismrmrd.Acquisition``.
 
-    line_data: (n_readout,) complex samples (stored as complex64); data shape (1, n_readout).
+    line_data: (n_readout,) complex samples of one channel, or (coils, n_readout) of several
+    (stored as complex64); data shape (coils, n_readout), ``active_channels`` = coils.
     line: PE line (``idx.kspace_encode_step_1``) in [0, n_pe); slice_index (``idx.slice``) in
     [0, n_slices) (``n_slices`` defaults to ``seq.n_slices``); timestamp: 2.5 ms ticks;
     flags: bit mask (see ``masc_gadget.mrd.header.flag_mask``). ``position`` is
@@ -289,9 +301,10 @@ def make_acquisition(
     """
     n_slices = seq.n_slices if n_slices is None else int(n_slices)
     line_data = np.asarray(line_data)
-    if line_data.shape != (seq.n_readout,):
+    if line_data.shape[-1:] != (seq.n_readout,) or line_data.ndim not in (1, 2) or 0 in line_data.shape:
         raise ValueError(
-            f"line_data must have shape ({seq.n_readout},) (n_readout), got {line_data.shape}"
+            f"line_data must have shape ({seq.n_readout},) (n_readout) or (coils, {seq.n_readout}), "
+            f"got {line_data.shape}"
         )
     if not (
         np.issubdtype(line_data.dtype, np.complexfloating)
@@ -401,7 +414,8 @@ def acquisitions_from_kspace(
 ) -> Iterator[ismrmrd.Acquisition]:
     """Yield the lines of ``kspace`` as a scanner delivers them.
 
-    kspace: (n_slices, n_pe, n_readout) complex, matching ``seq``; slice_centres_mm: z per
+    kspace: (n_slices, n_pe, n_readout) complex, or (n_slices, coils, n_pe, n_readout) for a
+    multi-coil scan, matching ``seq``; slice_centres_mm: z per
     slice; fov_centre_mm: (y, x), as in :func:`build_header`. lines: per slice, the line
     order to deliver (a subset is allowed; ``None`` = 0..n_pe-1). order / block: see
     :func:`delivery_order`. Flags: ACQ_FIRST_IN_SLICE / ACQ_LAST_IN_SLICE on the first / last
@@ -412,8 +426,10 @@ def acquisitions_from_kspace(
     """
     kspace = np.asarray(kspace)
     expected = (seq.n_slices, seq.n_pe, seq.n_readout)
-    if kspace.shape != expected:
-        raise ValueError(f"kspace must have shape {expected} (slice, pe, ro), got {kspace.shape}")
+    coils = kspace.ndim == 4
+    if (kspace.shape[:1] + kspace.shape[2:] if coils else kspace.shape) != expected or (coils and kspace.shape[1] < 1):
+        raise ValueError(f"kspace must have shape {expected} (slice, pe, ro) or (slice, coil, pe, ro), "
+                         f"got {kspace.shape}")
     if not np.iscomplexobj(kspace):
         raise ValueError(f"kspace must be complex, got {kspace.dtype}")
     if not np.all(np.isfinite(kspace)):
@@ -454,7 +470,7 @@ def acquisitions_from_kspace(
             flags |= f_last_meas
         yield _line_acquisition(
             bases[s],
-            kspace[s, line],
+            kspace[s, :, line] if coils else kspace[s, line],
             line=line,
             slice_index=s,
             scan_counter=counter,
@@ -472,7 +488,8 @@ class MrdGroup(NamedTuple):
     header_xml: str
     """The XML header as stored (NULs and surrounding whitespace stripped)."""
     kspace: np.ndarray
-    """(n_slices, n_pe, n_readout) complex64, zero where nothing was acquired."""
+    """(n_slices, n_pe, n_readout) complex64, zero where nothing was acquired; (n_slices, coils,
+    n_pe, n_readout) when the header has ``receiverChannels`` > 1."""
     acquired: np.ndarray
     """(n_slices, n_pe) bool: the lines present in the group."""
 
@@ -585,16 +602,19 @@ def _read_group(
 
 
 def read_mrd_group(path: str | os.PathLike, group: str) -> MrdGroup:
-    """Read an ISMRMRD group into a (slice, pe, ro) k-space, by ``idx.slice`` and line.
+    """Read an ISMRMRD group into a (slice, pe, ro) k-space, by ``idx.slice`` and line; a
+    (slice, coil, pe, ro) one when the header has ``receiverChannels`` > 1 (every line must then
+    carry all of them).
 
-    Single-channel Cartesian data only; non-imaging acquisitions (noise, navigators, phase
+    Cartesian data only; non-imaging acquisitions (noise, navigators, phase
     correction, dummy scans, in-band feedback ``ACQ_USER1``) are skipped; a line delivered twice
     keeps its last copy. Raises ValueError naming the group and file when missing or malformed.
     """
     where = f"MRD group {group!r} in {path}"
     header_xml, geometry, records = _read_group(path, group, where)
+    n_coils = receiver_channels(parse_header(header_xml)) or 1
     shape = (geometry.n_slices, geometry.n_pe, geometry.n_readout)
-    kspace = np.zeros(shape, dtype=np.complex64)
+    kspace = np.zeros(shape if n_coils == 1 else (shape[0], n_coils, *shape[1:]), dtype=np.complex64)
     acquired = np.zeros(shape[:2], dtype=bool)
     if len(records) == 0:
         return MrdGroup(header_xml, kspace, acquired)
@@ -606,9 +626,9 @@ def read_mrd_group(path: str | os.PathLike, group: str) -> MrdGroup:
     if len(heads) == 0:
         return MrdGroup(header_xml, kspace, acquired)
     channels = heads["active_channels"]
-    if np.any(channels != 1):
+    if np.any(channels != n_coils):
         raise ValueError(
-            f"{where}: only single-channel data is supported, "
+            f"{where}: every acquisition must carry the header's {n_coils} receiver channel(s), "
             f"found {sorted(set(channels.tolist()))} channels"
         )
     samples = heads["number_of_samples"]
@@ -629,12 +649,17 @@ def read_mrd_group(path: str | os.PathLike, group: str) -> MrdGroup:
             f"{geometry.n_pe} lines"
         )
     lengths = np.fromiter((len(d) for d in payload), dtype=np.int64, count=len(payload))
-    if np.any(lengths != 2 * geometry.n_readout):
+    if np.any(lengths != 2 * n_coils * geometry.n_readout):
         raise ValueError(f"{where}: acquisition data lengths do not match number_of_samples")
     data = np.stack(payload).astype(np.float32, copy=False).view(np.complex64)
+    if n_coils > 1:
+        data = data.reshape(len(data), n_coils, geometry.n_readout)
     key = slices * geometry.n_pe + lines
     _, first_in_reversed = np.unique(key[::-1], return_index=True)
     last = len(key) - 1 - first_in_reversed
-    kspace[slices[last], lines[last]] = data[last]
+    if n_coils == 1:
+        kspace[slices[last], lines[last]] = data[last]
+    else:
+        kspace[slices[last], :, lines[last]] = data[last]
     acquired[slices[last], lines[last]] = True
     return MrdGroup(header_xml, kspace, acquired)

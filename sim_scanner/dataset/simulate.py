@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from masc_gadget.config import Config, build_config
-from masc_gadget.core.kspace import magnitude
+from masc_gadget.core.kspace import fft2c, ifft2c, magnitude
 from sim_scanner.dataset.layout import (
     SIM_SECTIONS,
     SPLITS,
@@ -36,6 +36,7 @@ from sim_scanner.dataset.layout import (
     write_manifest,
     write_subject,
 )
+from sim_scanner.physics.coils import body_array, correlated_noise, noise_covariance
 from sim_scanner.physics.grid import Grid
 from sim_scanner.physics.implant import (
     ImplantParams,
@@ -187,6 +188,10 @@ def simulate_subject(index: int, config: Config, progress=None) -> SubjectData:
 
     k_metal = synthesize_kspace(signal_metal, field_metal, grid, seq, phys, slice_centres, progress)
     k_clean = synthesize_kspace(signal_clean, field_clean, grid, seq, phys, slice_centres, progress)
+    k_coils = None
+    if phys.coils > 1:  # the array's k-space, from its own random stream: the single-coil data are unchanged
+        k_coils = _coil_kspace(k_metal, k_clean, seq, phys,
+                               np.random.default_rng(np.random.SeedSequence([dcfg.seed, index, 2])))
     k_metal, k_clean = _add_noise(k_metal, k_clean, phys, rng)
     fmap, implant_mask = _image_grid_maps(fmap_metal, components, grid, seq, phys, slice_centres)
     return SubjectData(
@@ -202,6 +207,7 @@ def simulate_subject(index: int, config: Config, progress=None) -> SubjectData:
         anatomy=dict(anatomy.params),
         implant=implant.to_dict(),
         scanner=var.to_dict(),
+        kspace_metal_coils=k_coils,
     )
 
 
@@ -224,13 +230,32 @@ def _rasterise(anatomy: Anatomy, implant: ImplantParams, grid: Grid, pcfg: Phant
     return labels_post, labels_clean, components, maps_post, maps_clean
 
 
+def _noise_sigma(k_clean: np.ndarray, phys: Any) -> float:
+    """The k-space noise std of ``phys.snr``: the mean clean tissue signal over the SNR."""
+    ref = image_of(k_clean)
+    return float(ref[ref > 0.1 * ref.max()].mean()) / phys.snr
+
+
+def _coil_kspace(k_metal: np.ndarray, k_clean: np.ndarray, seq: Any, phys: Any,
+                 rng: np.random.Generator) -> np.ndarray:
+    """(slices, coils, PE, RO) complex64: the noiseless metal k-space seen by the body array of
+    ``phys.coils`` elements (:mod:`sim_scanner.physics.coils`), with noise of ``phys.snr``
+    correlated by ``phys.coil_correlation``."""
+    sens = body_array(phys.coils, k_metal.shape[1:], tuple(seq.fov_mm))
+    image = ifft2c(torch.from_numpy(np.ascontiguousarray(k_metal)))  # (S, PE, RO) complex
+    coils = fft2c(torch.from_numpy(sens)[None] * image[:, None]).numpy()
+    if phys.snr > 0:
+        coils = coils + correlated_noise(coils.shape, noise_covariance(phys.coils, phys.coil_correlation),
+                                         _noise_sigma(k_clean, phys), rng)
+    return coils.astype(np.complex64)
+
+
 def _add_noise(k_metal: np.ndarray, k_clean: np.ndarray, phys: Any,
                rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Complex Gaussian noise at ``phys.snr`` (vs the mean clean tissue signal) on the metal
     partner, and the same noise on the clean one when ``phys.noise_in_clean``."""
     if phys.snr > 0:
-        ref = image_of(k_clean)
-        sigma = float(ref[ref > 0.1 * ref.max()].mean()) / phys.snr
+        sigma = _noise_sigma(k_clean, phys)
         noise = (rng.standard_normal(k_metal.shape) + 1j * rng.standard_normal(k_metal.shape)) * (
             sigma / math.sqrt(2)
         )

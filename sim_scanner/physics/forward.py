@@ -71,8 +71,19 @@ class PhysicsConfig:
     """Also add (the same) noise to the clean partner; by default the ground truth is noiseless."""
     device: str = "cpu"
     """Torch device for field maps and k-space synthesis: "cpu", "cuda", "cuda:N" or "auto"."""
+    coils: int = 1
+    """Receive coils of the metal scan as the scanner sends it (its ISMRMRD group): 1, or a body
+    array of this many elements around the pelvis (:mod:`sim_scanner.physics.coils`). Training
+    reads the single-coil k-space either way."""
+    coil_correlation: float = 0.0
+    """Noise correlation of neighbouring coils of the array (0 = independent; falls off as
+    ``correlation ** ring distance``)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.coils, bool) or not isinstance(self.coils, int) or not 1 <= self.coils <= 128:
+            raise ValueError(f"coils must be an integer in [1, 128], got {self.coils!r}")
+        if not 0 <= self.coil_correlation < 1:
+            raise ValueError(f"coil_correlation must be in [0, 1), got {self.coil_correlation}")
         if self.inplane_oversampling < 1:
             raise ValueError(f"inplane_oversampling must be >= 1, got {self.inplane_oversampling}")
         if self.z_samples_per_slice < 1:

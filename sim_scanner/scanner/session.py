@@ -56,7 +56,7 @@ import torch
 from masc_gadget.acquisition.episode import AcquisitionConfig, EpisodeBatch
 from masc_gadget.acquisition.policies import SamplingPolicy, make_policy
 from masc_gadget.config import Config, to_dict
-from masc_gadget.core.kspace import zero_filled
+from masc_gadget.core.coils import coil_combine
 from masc_gadget.core.metrics import slice_metrics
 from masc_gadget.mrd.header import flag_mask
 from sim_scanner.dataset import mrd_hdf5 as mrd
@@ -191,7 +191,7 @@ class _Subject:
     board: _DecisionBoard
     fallback: SamplingPolicy
     acquired: np.ndarray
-    """(n_slices, n_pe, n_readout) the k-space the scanner acquired (zero elsewhere)."""
+    """(n_slices, n_coils, n_pe, n_readout) the k-space the scanner acquired (zero elsewhere)."""
     link: _GadgetLink | None = None
     start_ticks: int = 0
     timestamp: int = -1
@@ -229,7 +229,7 @@ class _Subject:
             flags |= _F_LAST_IN_MEASUREMENT
         self.timestamp = max(self.start_ticks + round(counter * period_ticks), self.timestamp + 1)
         acquisition = mrd.make_acquisition(
-            data.kspace[s, line],
+            data.kspace[s, :, line],
             line=line,
             slice_index=s,
             seq=data.seq,
@@ -244,7 +244,7 @@ class _Subject:
         st.last_sent = time.perf_counter()
         if self.link is not None:
             self.link.send_acquisition(acquisition)
-        self.acquired[s, line] = data.kspace[s, line]
+        self.acquired[s, :, line] = data.kspace[s, :, line]
         self.episodes.record(s, line)
         st.report.lines.append(int(line))
         st.report.sources.append(source)
@@ -280,7 +280,7 @@ def scan_subject(
     started = time.perf_counter()
     config_xml = read_config_xml(scfg)
     data = read_scan_input(path)
-    n_total_slices, n_pe, _ = data.kspace.shape
+    n_total_slices, _, n_pe, _ = data.kspace.shape
     acq.check(n_pe)
     n_slices = min(n_total_slices, scfg.max_slices or n_total_slices)
     report = SubjectReport(str(subject_id), str(path), n_slices, int(n_pe))
@@ -426,7 +426,7 @@ def _score_slices(
     """Score every slice (the gadget's image, else the scanner's zero-filled one) and its
     zero-filled reconstruction against ``targets``; fill the slice reports into ``report`` and
     sum them. Returns the zero-filled images that stand in for missing ones, by slice."""
-    zf = zero_filled(torch.from_numpy(acquired), masks)
+    zf = coil_combine(torch.from_numpy(acquired), masks, "rss")
     zf_images = zf.numpy().astype(np.float32)
     shape = tuple(targets.shape[1:])
     preds, zero_filled_written = _pick_images(states, by_slice, zf_images, shape, report.gadget_errors)

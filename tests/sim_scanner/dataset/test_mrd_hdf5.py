@@ -273,7 +273,7 @@ def test_make_acquisition_fields(seq, centres, kspace):
         ({"slice_index": 3}, "slice_index"),
         ({"line_data": np.full(16, np.nan, np.complex64)}, "NaN"),
         ({"line_data": np.zeros(15, np.complex64)}, "shape"),
-        ({"line_data": np.zeros((1, 16), np.complex64)}, "shape"),
+        ({"line_data": np.zeros((1, 1, 16), np.complex64)}, "shape"),
         ({"timestamp": -1}, "timestamp"),
     ],
 )
