@@ -47,7 +47,7 @@ import torch
 
 from masc_gadget.acquisition.decision import Decision
 from masc_gadget.acquisition.batcher import DecisionBatcher, DecisionRequest, split_rows
-from masc_gadget.acquisition.episode import AcquisitionState, EpisodeBatch, check_episode, select_lines
+from masc_gadget.acquisition.episode import AcquisitionState, EpisodeBatch, check_episode, select_trains
 from masc_gadget.acquisition.policies import SamplingPolicy, slice_rng
 from masc_gadget.core.coils import COMBINES, coil_combine
 from masc_gadget.device import resolve_device
@@ -72,6 +72,7 @@ class _Undo(NamedTuple):
     new_line: bool
     awaiting: bool
     n_decided: int
+    pending: frozenset
 
 
 def _is_int(value: Any) -> bool:
@@ -99,11 +100,14 @@ class EngineSettings:
     """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda``, ``cuda:N``."""
     n_coils: int = 1
     """Receive coils (channels) per line; a single-coil scan needs no setting."""
+    lines_per_decision: int = 1
+    """Lines per decision (an echo train, ``acquisition.lines_per_decision``): the slice gets a
+    new decision once every line of its train has arrived (or a line nobody asked for)."""
     coil_combine: str = "rss"
     """How the coils' images become one: ``rss`` or ``sensitivity`` (gadget section)."""
 
     def __post_init__(self) -> None:
-        for name in ("n_pe", "n_readout", "initial", "budget", "seed", "n_coils"):
+        for name in ("n_pe", "n_readout", "initial", "budget", "seed", "n_coils", "lines_per_decision"):
             value = getattr(self, name)
             if not _is_int(value):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -111,6 +115,8 @@ class EngineSettings:
             raise ValueError(f"n_readout must be >= 1, got {self.n_readout}")
         if self.n_coils < 1:
             raise ValueError(f"n_coils must be >= 1, got {self.n_coils}")
+        if self.lines_per_decision < 1:
+            raise ValueError(f"lines_per_decision must be >= 1, got {self.lines_per_decision}")
         if self.coil_combine not in COMBINES:
             raise ValueError(f"coil_combine must be one of {', '.join(COMBINES)}, got {self.coil_combine!r}")
         if self.seed < 0:
@@ -153,7 +159,8 @@ class _Slice:
     episode: EpisodeBatch  # a batch of one: its mask, arrival order and slice_rng(seed, slice)
     decided: list[int] = field(default_factory=list)
     issued: set[int] = field(default_factory=set)  # every line the engine asked for
-    awaiting: bool = False  # a decision was issued since the last new line
+    pending: set[int] = field(default_factory=set)  # lines of the last train not arrived yet
+    awaiting: bool = False  # a train was issued and lines of it are still to come
 
 
 class AcquisitionEngine:
@@ -202,7 +209,8 @@ class AcquisitionEngine:
         self._slices: dict[int, _Slice] = {}
         self.batcher = batcher
         self._batch_key = (id(policy), id(self.mar), self.sees_mar, str(self.device),
-                           settings.n_pe, settings.n_readout, settings.n_coils, settings.coil_combine)
+                           settings.n_pe, settings.n_readout, settings.n_coils, settings.coil_combine,
+                           settings.lines_per_decision)
         self.warmup_us = self._warm_up()
         self.warmed_up = True
         log.info(
@@ -320,13 +328,18 @@ class AcquisitionEngine:
             self._slices[slice] = buf
         else:
             previous = buf.kspace[:, line].copy()
-        undo = _Undo(slice, line, previous, False, buf.awaiting, len(buf.decided))
+        undo = _Undo(slice, line, previous, False, buf.awaiting, len(buf.decided), frozenset(buf.pending))
         buf.kspace[:, line] = row
         if not buf.episode.record(0, line):
             return undo  # a repeat: new samples, same line
         if line in buf.issued:
             buf.decided.append(line)
-        buf.awaiting = False
+        if line in buf.pending:  # a line of the train: the slice waits for the rest of it
+            buf.pending.discard(line)
+            buf.awaiting = bool(buf.pending)
+        else:  # a line nobody asked for: decide again from what is there
+            buf.pending.clear()
+            buf.awaiting = False
         return undo._replace(new_line=True)
 
     def _undo(self, undo: _Undo) -> None:
@@ -344,6 +357,7 @@ class AcquisitionEngine:
             buf.episode = episode
             del buf.decided[undo.n_decided:]
         buf.awaiting = undo.awaiting
+        buf.pending = set(undo.pending)
 
     def _decidable(self, buf: _Slice) -> bool:
         return bool(buf.episode.is_deciding(0))
@@ -414,10 +428,13 @@ class AcquisitionEngine:
         states, lines = [states[i] for i in keep], lines[keep]
         latency_us = (time.perf_counter_ns() - start) // 1000
         decisions = []
-        for k, b, state, line in zip(chosen, bufs, states, lines):
-            b.issued.add(int(line))
+        for k, b, state, row in zip(chosen, bufs, states, lines):
+            train = [int(line) for line in row if line >= 0]
+            b.issued.update(train)
+            b.pending = set(train)
             b.awaiting = True
-            decisions.append(Decision(slice=k, line=int(line), step=state.step, latency_us=int(latency_us)))
+            decisions += [Decision(slice=k, line=line, step=state.step + j, latency_us=int(latency_us))
+                          for j, line in enumerate(train)]
         log.debug("decided %d slice(s) in %d us: %s", len(decisions), latency_us, decisions)
         return decisions, bad
 
@@ -428,18 +445,19 @@ class AcquisitionEngine:
         under ``mask`` (B, n_pe) -> MAR (when the policy observes it) -> one
         ``policy.select_batch``. Policies that read no image take ``kspace = mask = None``.
 
-        Returns ((B,) int64 lines, -1 where not decided; (B,) bool whether the slice's
-        reconstruction is finite: a slice whose image is NaN / inf is never decided on)."""
+        Returns ((B, lines_per_decision) int64 trains, -1 where not decided; (B,) bool whether
+        the slice's reconstruction is finite: a slice whose image is NaN / inf is never decided on)."""
         finite = np.ones(len(states), dtype=bool)
         if self.policy.needs_image:
             zf, mar = self._reconstruct(kspace, mask, with_mar=self.sees_mar)
             images = zf if mar is None else mar
             finite = _finite(zf) if mar is None else _finite(zf) & _finite(mar)
             states = [dataclasses.replace(s, image=image) for s, image in zip(states, images)]
-        lines = np.full(len(states), -1, dtype=np.int64)
+        k = self.settings.lines_per_decision
+        lines = np.full((len(states), k), -1, dtype=np.int64)
         keep = np.flatnonzero(finite)
         if keep.size:
-            lines[keep] = select_lines(self.policy, [states[i] for i in keep], [rngs[i] for i in keep])
+            lines[keep] = select_trains(self.policy, [states[i] for i in keep], [rngs[i] for i in keep], k)
         return lines, finite
 
     @staticmethod

@@ -32,7 +32,11 @@ class AcquisitionConfig:
     initial: int = 2
     """Centre lines acquired before the policy starts; paper 10x: 2, 5x: 8."""
     budget: int = 18
-    """Lines chosen by the policy, one at a time, after the initial ones; paper 10x: 18, 5x: 32."""
+    """Lines chosen by the policy after the initial ones; paper 10x: 18, 5x: 32."""
+    lines_per_decision: int = 1
+    """Lines chosen per decision (k): a turbo spin echo acquires an echo train of several lines
+    per TR, so the policy chooses k distinct free lines at once (the last train of an episode
+    may be shorter). 1: one line per decision."""
     policy: str = "center-out"
     """Sampling policy name (``masc_gadget.acquisition.policies.POLICIES``): center-out, random,
     random-lowbias, equispaced, or a learned policy whose checkpoint is ``gadget.policy_checkpoint``:
@@ -42,6 +46,9 @@ class AcquisitionConfig:
 
     def __post_init__(self) -> None:
         check_counts(self.initial, self.budget)
+        k = self.lines_per_decision
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"lines_per_decision must be an integer >= 1, got {k!r}")
         if not self.policy:
             raise ValueError("policy must be a non-empty policy name, got ''")
         if self.seed < 0:
@@ -222,6 +229,30 @@ def select_lines(
                 f"policy {name!r} chose line {int(line)}, which is not a free line of {state.n_pe}"
             )
     return lines.astype(np.int64, copy=False)
+
+
+def select_trains(
+    policy: SamplingPolicy,
+    states: Sequence[AcquisitionState],
+    rngs: Sequence[np.random.Generator | None],
+    k: int,
+) -> np.ndarray:
+    """``policy.select_trains(states, rngs, k)`` (k = 1: :func:`select_lines`), checked: (B, k)
+    int64, distinct free lines per state, -1 only beyond its ``steps_left``. RuntimeError for a
+    broken policy."""
+    if k == 1:
+        return select_lines(policy, states, rngs)[:, None]
+    trains = np.asarray(policy.select_trains(states, rngs, k))
+    name = policy.name or type(policy).__name__
+    if trains.shape != (len(states), k):
+        raise RuntimeError(f"policy {name!r} returned trains of shape {trains.shape} for {len(states)} states, k={k}")
+    for state, train in zip(states, trains):
+        n = min(k, state.steps_left, int((~state.mask).sum()))
+        chosen = train[:n]
+        if (train[n:] != -1).any() or len(set(chosen.tolist())) != n or any(
+                not 0 <= line < state.n_pe or state.mask[line] for line in chosen):
+            raise RuntimeError(f"policy {name!r} chose the train {train.tolist()}, not {n} distinct free lines")
+    return trains.astype(np.int64, copy=False)
 
 
 class EpisodeBatch:

@@ -176,6 +176,10 @@ class LearnedPolicy(SamplingPolicy):
 
     def _greedy(self, states: Sequence[AcquisitionState]) -> np.ndarray:
         """(B,) int64 argmax of the masked logits, one forward pass for all ``states``."""
+        return self._scores(states).argmax(axis=1).astype(np.int64)
+
+    def _scores(self, states: Sequence[AcquisitionState]) -> np.ndarray:
+        """(B, n_pe) float masked scores (logits or Q), one forward pass for all ``states``."""
         images = np.stack([
             np.abs(s.image) if np.iscomplexobj(s.image) else np.asarray(s.image) for s in states
         ]).astype(np.float32, copy=False)
@@ -188,12 +192,27 @@ class LearnedPolicy(SamplingPolicy):
             if not bool(torch.isfinite(scores).all()):  # argmax would pick a NaN's line
                 raise ValueError(f"policy {self.name!r}: the network's line scores are not finite "
                                  "(NaN or inf) for this image; no line is chosen")
-            lines = scores.argmax(dim=1)
-        return lines.cpu().numpy().astype(np.int64)
+        return scores.float().cpu().numpy()
 
     def choose(self, state: AcquisitionState, rng: np.random.Generator | None) -> int:
         self._check(state)
         return int(self._greedy([state])[0])
+
+    def select_trains(self, states: Sequence[AcquisitionState],
+                      rngs: Sequence[np.random.Generator | None] | None, k: int) -> np.ndarray:
+        """The top ``k`` free lines of ONE forward pass per state (the greedy echo train, as the
+        policy is trained to choose it), -1 beyond a state's ``steps_left``: (B, k) int64."""
+        states = list(states)
+        if not states:
+            return np.zeros((0, k), dtype=np.int64)
+        for state in states:
+            self._check(state)
+        scores = self._scores(states)
+        out = np.full((len(states), k), -1, dtype=np.int64)
+        for i, state in enumerate(states):
+            n = min(k, state.steps_left, int((~state.mask).sum()))
+            out[i, :n] = np.argsort(-scores[i], kind="stable")[:n]
+        return out
 
     def select_batch(
         self,

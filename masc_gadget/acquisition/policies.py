@@ -157,6 +157,29 @@ class SamplingPolicy(abc.ABC):
             )
         return np.array([self.select(s, r) for s, r in zip(states, rngs)], dtype=np.int64)
 
+    def select_trains(
+        self,
+        states: Sequence[AcquisitionState],
+        rngs: Sequence[np.random.Generator | None] | None,
+        k: int,
+    ) -> np.ndarray:
+        """``k`` distinct lines per state, an echo train: (B, k) int64, -1 beyond a state's
+        ``steps_left``. This default makes ``k`` sequential :meth:`select_batch` choices, each
+        state's mask updated with its earlier picks (its image is not: no data arrive within a
+        train). Learned policies override it with the top ``k`` of one forward pass."""
+        states = list(states)
+        out = np.full((len(states), k), -1, dtype=np.int64)
+        rngs = [None] * len(states) if rngs is None else list(rngs)
+        for j in range(k):
+            active = [i for i, st in enumerate(states) if st.steps_left > 0 and not st.mask.all()]
+            if not active:
+                break
+            lines = self.select_batch([states[i] for i in active], [rngs[i] for i in active])
+            for i, line in zip(active, lines):
+                out[i, j] = line
+                states[i] = states[i].after(int(line), states[i].image)
+        return out
+
     def sees_mar(self, mar_runs: bool) -> bool:
         """Whether this policy is shown the MAR image: it reads images, it observes MAR, and a
         MAR network runs (``mar_runs``). Otherwise it is shown the zero-filled image (or none)."""

@@ -348,7 +348,7 @@ def build_engine(settings: GadgetSettings, n_pe: int, n_readout: int, cache: Mod
     scan = EngineSettings(
         n_pe=n_pe, n_readout=n_readout, initial=settings.initial if initial is None else initial,
         budget=settings.budget if budget is None else budget, seed=settings.seed, device=settings.device,
-        n_coils=n_coils, coil_combine=settings.coil_combine,
+        n_coils=n_coils, coil_combine=settings.coil_combine, lines_per_decision=settings.lines_per_decision,
     )
     policy = models.policy
     if policy is None:

@@ -111,15 +111,17 @@ def _ticks_since_midnight() -> int:
 
 
 def _schedule(
-    n_slices: int, initial: int, budget: int, interleave: bool
+    n_slices: int, initial: int, budget: int, interleave: bool, train: int = 1
 ) -> list[tuple[int, bool]]:
-    """(slice, is_initial) per acquired line, in acquisition order."""
+    """(slice, is_initial) per acquired line, in acquisition order; interleaved, the slices
+    take turns by echo trains of ``train`` lines (the last one may be shorter)."""
     if not interleave:
         return [
             (s, k < initial) for s in range(n_slices) for k in range(initial + budget)
         ]
     order = [(s, True) for s in range(n_slices) for _ in range(initial)]
-    order += [(s, False) for _ in range(budget) for s in range(n_slices)]
+    for start in range(0, budget, train):
+        order += [(s, False) for s in range(n_slices) for _ in range(min(train, budget - start))]
     return order
 
 
@@ -172,6 +174,8 @@ def gadget_parameters(
         "budget": acq.budget,
         "policy": acq.policy,
     }
+    if acq.lines_per_decision != 1:  # an echo train per decision (older gadgets never see the key)
+        params["lines_per_decision"] = acq.lines_per_decision
     if scfg.token:
         params["token"] = scfg.token
     return params
@@ -290,7 +294,7 @@ def scan_subject(
         [_SliceState(SliceReport(s)) for s in range(n_slices)],
         _DecisionBoard(), make_policy(scfg.fallback), np.zeros_like(data.kspace[:n_slices]),
     )
-    schedule = _schedule(n_slices, acq.initial, acq.budget, scfg.interleave)
+    schedule = _schedule(n_slices, acq.initial, acq.budget, scfg.interleave, acq.lines_per_decision)
     period_ticks = (
         mrd.line_period_ms(data.seq, "interleaved" if scfg.interleave else "sequential")
         / mrd.TIMESTAMP_TICK_MS
@@ -355,7 +359,7 @@ def _next_line(
             reason = REASON_MISS
         else:
             decision, received = got
-            latency = (received - st.last_sent) * 1e3
+            latency = max(received - st.last_sent, 0.0) * 1e3  # 0: it came with an earlier line's train
             gadget_latency = float(decision.latency_us) / 1e3
             line = int(decision.line)
             if 0 <= line < episodes.n_pe and not episodes.masks[s, line]:
