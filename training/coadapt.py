@@ -103,6 +103,10 @@ class _Recorder:
     def budget(self) -> int:
         return self.env.budget
 
+    @property
+    def lines_per_decision(self) -> int:
+        return self.env.lines_per_decision
+
     def reset(self):
         return self.env.reset()
 
@@ -207,7 +211,8 @@ class _Run:
         """Greedy episodes on the validation split, through the current MAR network."""
         budget = self.config["acquisition"].budget
         self.val_env.set_mar(self.mar)
-        result = self.val_env.evaluate(lambda obs: greedy_actions(self.net, obs, budget))
+        k = self.val_env.lines_per_decision
+        result = self.val_env.evaluate(lambda obs: greedy_actions(self.net, obs, budget, k))
         metrics = {k: float(v.mean()) for k, v in result["metrics"].items()}
         metrics["return"] = float(result["returns"].mean())
         metrics["final_quality"] = float(result["final_quality"].mean())
@@ -322,6 +327,7 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
         torch.manual_seed(tcfg.seed)
         net = PolicyNet(train.n_pe, *train.target.shape[1:], pncfg,
                         prior_lines=acq.budget if pncfg.prior_weight > 0 else 0).to(device)
+    net.prior_train = acq.lines_per_decision  # the prior marks the order's next echo train
     if net.prior_lines and resume is None:
         # the policy starts from the population-greedy order; PPO learns where to leave it
         order = population_order(spread_subset(train, tcfg.prior_slices), acq.initial, acq.budget, mar,
@@ -339,8 +345,11 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
         for log_file in (out.with_suffix(".csv"), out.with_name(out.stem + ".imitation.csv")):
             log_file.unlink(missing_ok=True)
 
-    env = BatchedAcquisitionEnv(train, ecfg, acq.initial, acq.budget, mar, device, seed=tcfg.seed + start)
-    val_env = BatchedAcquisitionEnv(val, ecfg, acq.initial, acq.budget, mar, device, seed=tcfg.seed)
+    k = acq.lines_per_decision
+    env = BatchedAcquisitionEnv(train, ecfg, acq.initial, acq.budget, mar, device, seed=tcfg.seed + start,
+                                lines_per_decision=k)
+    val_env = BatchedAcquisitionEnv(val, ecfg, acq.initial, acq.budget, mar, device, seed=tcfg.seed,
+                                    lines_per_decision=k)
     kspace = train.kspace_clean if ecfg.kspace == "clean" else train.kspace_metal
     run = _Run(config, ecfg, data_dir, mar_path, out, net, optimizer, gen, mar, mar_meta, mar_opt, lambda_ssim,
                env, val_env, _Recorder(env), kspace.to(device), train.target.to(device), n_steps, best)

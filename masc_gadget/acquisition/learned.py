@@ -87,6 +87,7 @@ def policy_metadata(
         "width": net.width,
         "observes_mar": bool(observes_mar),
         "prior_lines": net.prior_lines,
+        "prior_train": net.prior_train,
     }
     if mar is not None:
         meta["mar_model"] = to_dict(mar.config)
@@ -324,6 +325,10 @@ def _masc_from(ck: Checkpoint, path: str | Path, device: str | torch.device) -> 
             net.set_prior(net.prior_order.clone())  # the stored order must be valid lines
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
+    train = meta.get("prior_train", 1)  # checkpoints before echo trains mark one line
+    if isinstance(train, bool) or not isinstance(train, int) or not 1 <= train <= meta["n_pe"]:
+        raise ValueError(f"{path}: metadata prior_train must be an integer in [1, n_pe], got {train!r}")
+    net.prior_train = train
     return LearnedPolicy(net, observes_mar=meta["observes_mar"], device=device, metadata=meta)
 
 

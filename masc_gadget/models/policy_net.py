@@ -193,6 +193,9 @@ class PolicyNet(nn.Module):
         # buffer and parameter exist only with a prior, so checkpoints without one keep their keys
         self.register_buffer("prior_order", torch.arange(prior_lines, dtype=torch.int64) if prior_lines else None)
         self.prior_scale = nn.Parameter(torch.tensor(cfg.prior_weight)) if prior_lines else None
+        self.prior_train = 1
+        """Lines of the order the prior marks at once: the echo-train length the policy chooses
+        (``acquisition.lines_per_decision``); kept in the checkpoint's metadata."""
         self.reset_parameters(generator)
         # channels-last convolutions: 1.5x faster forward + backward on CPU (oneDNN) with the
         # encoder's few channels; the layout changes no value a caller sees.
@@ -224,16 +227,20 @@ class PolicyNet(nn.Module):
             self.prior_order.copy_(order)
 
     def prior_bonus(self, mask: torch.Tensor) -> torch.Tensor:
-        """(B, n_pe): 1 on the first line of the prior order that ``mask`` (B, n_pe) has not
-        acquired, 0 elsewhere (all 0 once the whole order is acquired, or without a prior)."""
+        """(B, n_pe): 1 on the first ``prior_train`` lines of the prior order that ``mask``
+        (B, n_pe) has not acquired (the next echo train of the order; 1 line by default), 0
+        elsewhere (all 0 once the whole order is acquired, or without a prior)."""
         bonus = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         if self.prior_order is None:
             return bonus
         free = ~mask.bool()[:, self.prior_order]  # (B, L)
-        first = free.to(torch.uint8).argmax(dim=1)  # the first free position (0 when none is)
-        rows = torch.arange(mask.shape[0], device=mask.device)
-        bonus[rows, self.prior_order[first]] = free.any(dim=1).float()
-        return bonus
+        if self.prior_train == 1:
+            first = free.to(torch.uint8).argmax(dim=1)  # the first free position (0 when none is)
+            rows = torch.arange(mask.shape[0], device=mask.device)
+            bonus[rows, self.prior_order[first]] = free.any(dim=1).float()
+            return bonus
+        take = free & (free.long().cumsum(dim=1) <= self.prior_train)
+        return bonus.scatter(1, self.prior_order.expand(mask.shape[0], -1), take.float())
 
     def features(
         self, image: torch.Tensor, mask: torch.Tensor, steps_left_frac: torch.Tensor

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from masc_gadget.acquisition.episode import EpisodeBatch
+from masc_gadget.acquisition.episode import EpisodeBatch, select_trains
 from masc_gadget.models.checkpoint import load_mar
 from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
@@ -93,10 +93,13 @@ class Trajectories:
 
 def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: int, budget: int,
                mar: torch.nn.Module | None, seed: int, batch_size: int, device: torch.device,
-               example_index: list[int] = (), progress: bool = False) -> Trajectories:
+               example_index: list[int] = (), progress: bool = False, lines_per_decision: int = 1) -> Trajectories:
     """Run ``policy`` on every slice (batched), scoring the zero-filled and the MAR image after
-    the initial lines and after each choice. The :class:`GreedyOracle` chooses with the clean
-    target, under ``mar`` when given. ``progress``: a bar over the slices (the oracle is slow)."""
+    the initial lines and after each line. The :class:`GreedyOracle` chooses with the clean
+    target, under ``mar`` when given, one line at a time. ``progress``: a bar over the slices
+    (the oracle is slow). ``lines_per_decision`` k > 1: the policy chooses echo trains of k
+    lines from the image before each train (:func:`select_trains`); the curves still have one
+    point per line."""
     from tqdm.auto import tqdm
 
     n, n_pe = len(data), data.n_pe
@@ -130,9 +133,14 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
                 episodes.acquire(policy.choose(episodes, kspace, target, mar))
                 continue
             seen = None
-            if policy.needs_image:
+            if policy.needs_image and (lines_per_decision == 1 or t % lines_per_decision == 0):
                 seen = images[policy.sees_mar(mar is not None)].cpu().numpy()
-            episodes.acquire(episodes.select(policy, images=seen))
+            if lines_per_decision == 1:
+                episodes.acquire(episodes.select(policy, images=seen))
+                continue
+            if t % lines_per_decision == 0:  # a new train, chosen from the image before it
+                trains = select_trains(policy, episodes.states(images=seen), episodes.rngs, lines_per_decision)
+            episodes.acquire(trains[:, t % lines_per_decision])
         lines[index] = episodes.chosen()
         bar.update(len(index))
     bar.close()
@@ -299,9 +307,11 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
             method_mar = own_mar.get(method, mar) if mar is not None else None
             policy = population[acc] if method == POPULATION else policies[method]
             traj = run_method(policy, data, initial, budget, method_mar, ecfg.seed, ecfg.batch_size,
-                              device, examples, progress=progress and isinstance(policy, GreedyOracle))
+                              device, examples, progress=progress and isinstance(policy, GreedyOracle),
+                              lines_per_decision=config["acquisition"].lines_per_decision)
             block = results["accelerations"].setdefault(acc, {
                 "initial": initial, "budget": budget, "n_pe": data.n_pe,
+                "lines_per_decision": config["acquisition"].lines_per_decision,
                 "factor": data.n_pe / (initial + budget), "rows": [],
             })
             for row in result_rows(method, traj, initial, budget):

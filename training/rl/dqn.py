@@ -295,6 +295,9 @@ def train_dqn(config: Config, data_dir: str | Path, mar_path: str | Path | None,
     train = load_split(data_dir, "train", cfg.max_train_slices)
     val = load_split(data_dir, "val", cfg.max_val_slices)
     acq.check(train.n_pe)
+    if acq.lines_per_decision != 1:
+        raise ValueError(f"{variant} learns one Q-value per line and chooses one line per decision; train it with "
+                         "acquisition.lines_per_decision=1 (served with a larger k, it plays the top k Q-values)")
     mar, mar_meta = (load_mar(mar_path, device) if mar_path else (None, {}))
     if mar is not None:
         mar.eval().requires_grad_(False)

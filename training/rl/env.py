@@ -126,15 +126,21 @@ class BatchedAcquisitionEnv:
             observation is the new episode's first one). With False a finished env keeps its
             final state until :meth:`reset`, and stepping it is an error (the single-episode
             Gymnasium view uses this).
+        lines_per_decision: k, lines acquired per step (an echo train): actions are then
+            (B, k), -1 beyond an episode's lines left; one reconstruction and MAR forward after
+            the whole train, whose reward is the train's improvement. 1: (B,) actions.
     """
 
     def __init__(self, data: SliceSet, cfg: EnvConfig, initial: int, budget: int,
                  mar: nn.Module | None = None, device: str | torch.device = "cpu", seed: int = 0,
-                 autoreset: bool = True) -> None:
+                 autoreset: bool = True, lines_per_decision: int = 1) -> None:
         if len(data) < 1:
             raise ValueError("data must hold at least one slice, got an empty SliceSet")
         n_pe = data.n_pe
         check_episode(n_pe, initial, budget)
+        if isinstance(lines_per_decision, bool) or not isinstance(lines_per_decision, int) or lines_per_decision < 1:
+            raise ValueError(f"lines_per_decision must be an integer >= 1, got {lines_per_decision!r}")
+        self.lines_per_decision = lines_per_decision
         self.cfg = cfg
         self.device = resolve_device(device)
         self.autoreset = bool(autoreset)
@@ -286,6 +292,28 @@ class BatchedAcquisitionEnv:
         return idx.long().to(self.device)
 
     # ------------------------------------------------------------------ API
+    def _acquire(self, episodes: EpisodeBatch, actions: Any, allow_finished: bool = False) -> None:
+        """One step of every episode: a line ((B,) actions) or a train ((B, k), -1 padded)."""
+        if self.lines_per_decision == 1:
+            episodes.acquire(actions, allow_finished=allow_finished)
+            return
+        a = torch.as_tensor(np.asarray(actions) if not isinstance(actions, torch.Tensor) else actions)
+        b, k = len(episodes), self.lines_per_decision
+        if tuple(a.shape) != (b, k):
+            raise ValueError(f"actions must be ({b}, {k}) trains of lines (-1 beyond an episode's lines left), "
+                             f"got shape {tuple(a.shape)}")
+        a = a.cpu().long()
+        expected = np.minimum(episodes.steps_left, k)
+        given = (a >= 0).sum(dim=1).numpy()
+        if (a[:, :1] < 0).any() or ((a >= 0).long().diff(dim=1) > 0).any() or (
+                (given != expected) & ~episodes.done).any():
+            raise ValueError(f"each train must hold min(k, lines left) = {expected.tolist()} lines first, then -1; "
+                             f"got {a.tolist()}")
+        for j in range(k):
+            rows = np.flatnonzero(a[:, j].numpy() >= 0)
+            if rows.size:
+                episodes.acquire(a[rows, j], rows=rows, allow_finished=allow_finished)
+
     @torch.no_grad()
     def reset(self, indices: Sequence[int] | np.ndarray | torch.Tensor | None = None) -> Observation:
         """Start a new episode in every env: the ``initial`` centre lines acquired.
@@ -336,7 +364,7 @@ class BatchedAcquisitionEnv:
         """
         self._require_started()
         episodes = self._episodes
-        episodes.acquire(actions, allow_finished=self.autoreset)
+        self._acquire(episodes, actions, allow_finished=self.autoreset)
         b = self.n_envs
         mask = episodes.mask
         steps_left = episodes.steps_left_tensor()
@@ -462,10 +490,11 @@ class BatchedAcquisitionEnv:
             m = self._measure(kspace, episodes.mask, ref)
             q0 = m.quality
             q, ret = q0, torch.zeros_like(q0)
-            for t in range(self._budget):
-                episodes.acquire(policy_fn(Observation(m.observed, episodes.mask,
-                                                       episodes.steps_left_tensor())))
-                last = t == self._budget - 1
+            n_steps = math.ceil(self._budget / self.lines_per_decision)
+            for t in range(n_steps):
+                self._acquire(episodes, policy_fn(Observation(m.observed, episodes.mask,
+                                                              episodes.steps_left_tensor())))
+                last = t == n_steps - 1
                 m = self._measure(kspace, episodes.mask, ref, force_mar=last)
                 ret = ret + self.cfg.alpha * (m.quality - q)
                 q = m.quality

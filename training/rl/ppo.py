@@ -128,7 +128,7 @@ class Rollout:
     images: torch.Tensor  # (T, B, H, W) float32 observed images
     masks: torch.Tensor  # (T, B, n_pe) bool acquired lines when the action was chosen
     steps_left: torch.Tensor  # (T, B) long
-    actions: torch.Tensor  # (T, B) long chosen lines
+    actions: torch.Tensor  # (T, B) long chosen lines, or (T, B, k) trains (-1 padded) with echo trains
     logprobs: torch.Tensor  # (T, B) log-probability of the action under the sampling policy
     values: torch.Tensor  # (T, B) critic values
     rewards: torch.Tensor  # (T, B) float32
@@ -242,6 +242,39 @@ def _device(net: nn.Module) -> torch.device:
     return next(net.parameters()).device
 
 
+def train_sizes(steps_left: torch.Tensor, k: int) -> torch.Tensor:
+    """(B,) lines in each episode's next train: ``min(k, steps_left)``."""
+    return steps_left.clamp(max=k)
+
+
+def sample_trains(masked: torch.Tensor, sizes: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
+    """(B, k) long: ``sizes[i]`` lines drawn without replacement from the masked logits
+    ``masked`` (B, n_pe) in draw order (Gumbel top-k: a Plackett-Luce sample), -1 beyond; the
+    noise is drawn with ``generator`` on its device."""
+    u = torch.rand(masked.shape, generator=generator, device=generator.device).to(masked.device)
+    gumbel = -torch.log(-torch.log(u.clamp(1e-10, 1 - 1e-7)))
+    order = (masked + gumbel).topk(k, dim=1).indices
+    keep = torch.arange(k, device=masked.device)[None] < sizes[:, None]
+    return torch.where(keep, order, torch.full_like(order, -1))
+
+
+def train_log_prob(logits: torch.Tensor, acquired: torch.Tensor, trains: torch.Tensor) -> torch.Tensor:
+    """(B,) log-probability of drawing the trains (B, k) (-1 padded) in their order without
+    replacement from the policy over the free lines of ``acquired``: the sum over the train of
+    ``log softmax`` of each pick among the lines still free (Plackett-Luce)."""
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    total = torch.zeros(logits.shape[0], dtype=logits.dtype, device=logits.device)
+    taken = acquired.bool()
+    for j in range(trains.shape[1]):
+        line = trains[:, j]
+        valid = line >= 0
+        logp = torch.log_softmax(masked_logits(logits, taken), dim=1)[rows, line.clamp(min=0)]
+        total = total + torch.where(valid, logp, torch.zeros_like(logp))
+        taken = taken.clone()
+        taken[rows[valid], line[valid]] = True
+    return total
+
+
 def _sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """(B, n) probabilities -> (B,) long indices, drawn on the generator's device."""
     on = probs.to(generator.device)
@@ -266,6 +299,7 @@ def collect_rollout(
     if n_steps_per_env < 1:
         raise ValueError(f"n_steps_per_env must be >= 1, got {n_steps_per_env}")
     budget = int(env.budget)
+    k = int(getattr(env, "lines_per_decision", 1))
     device = _device(net)
     if cursor is None:
         cursor = start(env, device)
@@ -276,7 +310,7 @@ def collect_rollout(
     images = torch.zeros((T, b, h, w), dtype=torch.float32, device=device)
     masks = torch.zeros((T, b, n_pe), dtype=torch.bool, device=device)
     steps_left = torch.zeros((T, b), dtype=torch.long, device=device)
-    actions = torch.zeros((T, b), dtype=torch.long, device=device)
+    actions = torch.zeros((T, b) if k == 1 else (T, b, k), dtype=torch.long, device=device)
     logprobs = torch.zeros((T, b), device=device)
     values = torch.zeros((T, b), device=device)
     rewards = torch.zeros((T, b), device=device)
@@ -289,8 +323,13 @@ def collect_rollout(
         steps_left[t] = obs.steps_left.to(device)
         logits, value = net(images[t], masks[t], steps_left[t].float() / budget)
         dist = masked_distribution(logits, masks[t])
-        action = _sample(dist.probs, generator)
-        actions[t], logprobs[t], values[t] = action, dist.log_prob(action), value
+        if k == 1:
+            action = _sample(dist.probs, generator)
+            logprob = dist.log_prob(action)
+        else:  # an echo train: k lines without replacement from one forward pass
+            action = sample_trains(dist.logits, train_sizes(steps_left[t], k), k, generator)
+            logprob = train_log_prob(logits, masks[t], action)
+        actions[t], logprobs[t], values[t] = action, logprob, value
 
         obs, reward, term, _info = env.step(action.to(obs.mask.device))
         rewards[t] = reward.to(device)
@@ -348,7 +387,7 @@ def ppo_update(
     b_images = rollout.images.flatten(0, 1)
     b_masks = rollout.masks.flatten(0, 1)
     b_frac = rollout.steps_left.flatten(0, 1).float() / rollout.budget
-    b_actions = rollout.actions.flatten(0, 1)
+    b_actions = rollout.actions.flatten(0, 1)  # (N,) lines, or (N, k) trains
     b_logprobs = rollout.logprobs.flatten(0, 1)
     b_advantages = advantages.flatten(0, 1)
     b_returns = returns.flatten(0, 1)
@@ -370,8 +409,10 @@ def ppo_update(
             mb_adv = b_advantages[idx]
             if cfg.norm_adv and mb_adv.numel() > 1:
                 mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+            new_logprob = (dist.log_prob(b_actions[idx]) if b_actions.dim() == 1
+                           else train_log_prob(logits, b_masks[idx], b_actions[idx]))
             loss, stats = ppo_loss(
-                dist.log_prob(b_actions[idx]), b_logprobs[idx], mb_adv, new_value,
+                new_logprob, b_logprobs[idx], mb_adv, new_value,
                 b_returns[idx], dist.entropy(), cfg.clip, cfg.vf_coef, cfg.ent_coef,
             )
             optimizer.zero_grad()
@@ -394,13 +435,19 @@ def ppo_update(
 
 
 @torch.no_grad()
-def greedy_actions(net: PolicyNet, obs: ObservationLike, budget: int) -> torch.Tensor:
+def greedy_actions(net: PolicyNet, obs: ObservationLike, budget: int, k: int = 1) -> torch.Tensor:
     """(B,) long: the most probable free line of each observation (argmax of the masked
-    logits, no sampling; ties go to the lowest line)."""
+    logits, no sampling; ties go to the lowest line). ``k`` > 1: (B, k) trains, the top
+    ``min(k, lines left)`` free lines, -1 beyond."""
     device = _device(net)
     mask = obs.mask.to(device)
     logits, _ = net(obs.image.to(device), mask, obs.steps_left.to(device).float() / budget)
-    return masked_logits(logits, mask).argmax(dim=1)
+    masked = masked_logits(logits, mask)
+    if k == 1:
+        return masked.argmax(dim=1)
+    order = masked.topk(k, dim=1).indices
+    keep = torch.arange(k, device=device)[None] < train_sizes(obs.steps_left.to(device), k)[:, None]
+    return torch.where(keep, order, torch.full_like(order, -1))
 
 
 def make_optimizer(net: nn.Module, cfg: PPOConfig) -> torch.optim.Adam:
