@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 log = logging.getLogger("masc.train")
@@ -133,6 +134,8 @@ def cmd_study_sim_params(args: argparse.Namespace) -> int:
 
 def _report_best(what: str, out: str, best: dict, step: str, seconds: bool = True) -> None:
     """The line a training command ends with: the best checkpoint, when and how good, the log."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return  # under torchrun: rank 0 reports
     took = f", {best.get('seconds', 0):.0f} s" if seconds else ""
     print(f"best {what} checkpoint: {out} ({step} {best.get(step, '?')}, val SSIM {best.get('ssim', float('nan')):.4f}, "
           f"PSNR {best.get('psnr', float('nan')):.2f} dB{took}); log: {Path(out).with_suffix('.csv')}")

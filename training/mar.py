@@ -30,6 +30,7 @@ from masc_gadget.core.metrics import scale_by_target, slice_metrics, ssim
 from masc_gadget.models.unet import build_mar
 from masc_gadget.acquisition.policies import make_policy, run_episode
 from training.csvlog import append_row
+from training.distributed import Dist, setup, shard
 from training.data import SliceSet, load_split
 
 log = logging.getLogger(__name__)
@@ -95,15 +96,17 @@ def draw_masks(n: int, n_pe: int, acq: AcquisitionConfig, policies: tuple[str, .
 
 
 def network_inputs(data: SliceSet, index: torch.Tensor, mode: str, masks: torch.Tensor | None,
-                   device: torch.device) -> torch.Tensor:
-    """(B, H, W) input images for slices ``index``: full metal images and / or zero-filled ones."""
+                   device: torch.device, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, H, W) input images for slices ``index``: full metal images and / or zero-filled ones
+    (``mixed``: by the parity of each slice's ``positions`` in its minibatch, default 0, 1, ...)."""
     full = data.metal_image[index].to(device)
     if mode == "full":
         return full
     under = zero_filled(data.kspace_metal[index].to(device), masks[index].to(device))
     if mode == "undersampled":
         return under
-    half = torch.arange(len(index), device=device) % 2 == 1
+    positions = torch.arange(len(index)) if positions is None else positions
+    half = positions.to(device) % 2 == 1
     return torch.where(half[:, None, None], under, full)
 
 
@@ -132,23 +135,29 @@ def validate(model: torch.nn.Module, data: SliceSet, mode: str, masks: torch.Ten
 
 def train_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, train: SliceSet,
                 order: torch.Tensor, masks: torch.Tensor | None, tcfg: MarTrainConfig,
-                device: torch.device) -> float:
+                device: torch.device, dist: Dist = Dist()) -> float:
     """One pass over ``train`` in ``order`` (minibatches of ``tcfg.batch_size``); returns the
-    mean training loss."""
+    mean training loss. Under ``torchrun`` each rank trains on its share of every global
+    minibatch (:func:`~training.distributed.shard`), its loss weighted by that share, so the
+    all-reduced gradient is the global minibatch's; a last minibatch smaller than the number of
+    ranks is skipped."""
     model.train()
-    total, count = 0.0, 0
+    total = torch.zeros(2, dtype=torch.float64)
     for start in range(0, len(train), tcfg.batch_size):
         index = order[start : start + tcfg.batch_size]
-        if len(index) < 2 and len(train) >= 2:
-            continue  # BatchNorm needs two samples
-        inputs = network_inputs(train, index, tcfg.input, masks, device)
-        loss = mar_loss(model(inputs), train.target[index].to(device), tcfg.lambda_ssim)
+        if len(index) < max(2, dist.world) and len(train) >= 2:
+            continue  # BatchNorm needs two samples, and every rank one
+        positions = shard(torch.arange(len(index)), dist)
+        local = index[positions]
+        inputs = network_inputs(train, local, tcfg.input, masks, device, positions)
+        loss = mar_loss(model(inputs), train.target[local].to(device), tcfg.lambda_ssim)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss * (len(local) * dist.world / len(index))).backward()
         optimizer.step()
-        total += float(loss.detach()) * len(index)
-        count += len(index)
-    return total / max(count, 1)
+        total += torch.tensor([float(loss.detach()) * len(local), len(local)], dtype=torch.float64)
+    if dist.active:
+        torch.distributed.all_reduce(total)
+    return float(total[0] / max(float(total[1]), 1.0))
 
 
 def _resume(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -167,15 +176,20 @@ def _resume(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Opt
 def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str | Path | None = None,
               progress: bool = True) -> dict[str, Any]:
     """Pre-train the MAR network; the best checkpoint (lowest validation loss) goes to ``out``,
-    the latest (for ``resume``) to ``<out>.last.pt`` and the per-epoch log to ``<out>.csv``."""
+    the latest (for ``resume``) to ``<out>.last.pt`` and the per-epoch log to ``<out>.csv``.
+
+    Under ``torchrun`` the ranks share every minibatch (DistributedDataParallel, module
+    :mod:`training.distributed`); rank 0 writes the checkpoints and the log, every rank
+    validates (the same model, the same numbers)."""
     from tqdm.auto import tqdm
 
+    dist = setup()
     tcfg: MarTrainConfig = config["mar_train"]
     acq: AcquisitionConfig = config["acquisition"]
     out = Path(out)
     last_path = out.with_name(out.stem + ".last.pt")
     csv_path = out.with_suffix(".csv")
-    device = resolve_device(tcfg.device)
+    device = resolve_device(dist.device(tcfg.device))
     train = load_split(data_dir, "train", tcfg.max_train_slices)
     val = load_split(data_dir, "val", tcfg.max_val_slices)
     undersampled = tcfg.input != "full"
@@ -193,9 +207,10 @@ def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str
         start_epoch, best = _resume(resume, model, optimizer, shuffle, rng)
         if start_epoch >= tcfg.epochs:
             log.info("nothing to do: %d of %d epochs already trained", start_epoch, tcfg.epochs)
+    net = dist.wrap(model)  # the same module on one process
     val_masks = (draw_masks(len(val), val.n_pe, acq, tcfg.policies, np.random.default_rng(tcfg.seed + 1))
                  if undersampled else None)
-    if start_epoch == 0:
+    if start_epoch == 0 and dist.main:
         csv_path.unlink(missing_ok=True)
 
     def metadata(epoch: int, val_metrics: dict[str, float]) -> dict[str, Any]:
@@ -212,30 +227,35 @@ def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str
             "numpy_rng_state": json.dumps(rng.bit_generator.state),
         }
 
-    log.info("MAR pre-training: %d train / %d val slices, input %s, %d epochs on %s",
-             len(train), len(val), tcfg.input, tcfg.epochs, device)
-    bar = tqdm(range(start_epoch, tcfg.epochs), desc="train mar", unit="epoch", disable=not progress,
+    log.info("MAR pre-training: %d train / %d val slices, input %s, %d epochs on %s%s",
+             len(train), len(val), tcfg.input, tcfg.epochs, device,
+             f", rank {dist.rank} of {dist.world}" if dist.active else "")
+    bar = tqdm(range(start_epoch, tcfg.epochs), desc="train mar", unit="epoch", disable=not (progress and dist.main),
                initial=start_epoch, total=tcfg.epochs)
     for epoch in bar:
         t0 = time.perf_counter()
         masks = draw_masks(len(train), train.n_pe, acq, tcfg.policies, rng) if undersampled else None
-        train_loss = train_epoch(model, optimizer, train, torch.randperm(len(train), generator=shuffle),
-                                 masks, tcfg, device)
+        train_loss = train_epoch(net, optimizer, train, torch.randperm(len(train), generator=shuffle),
+                                 masks, tcfg, device, dist)
         val_metrics = validate(model, val, tcfg.input, val_masks, tcfg.lambda_ssim, tcfg.batch_size, device)
         row = {"epoch": epoch + 1, "train_loss": train_loss, **{f"val_{k}": v for k, v in val_metrics.items()},
                "seconds": time.perf_counter() - t0}
         improved = val_metrics["loss"] < best["loss"]
         if improved:
             best = {"epoch": epoch + 1, **val_metrics}
-            save_checkpoint(out, {"mar": model}, metadata(epoch + 1, val_metrics))
-        save_checkpoint(last_path, {"mar": model}, metadata(epoch + 1, val_metrics),
-                        extra_state={"optimizer": optimizer.state_dict(), "shuffle_state": shuffle.get_state()})
-        append_row(csv_path, row)
+        if dist.main:
+            if improved:
+                save_checkpoint(out, {"mar": model}, metadata(epoch + 1, val_metrics))
+            save_checkpoint(last_path, {"mar": model}, metadata(epoch + 1, val_metrics),
+                            extra_state={"optimizer": optimizer.state_dict(), "shuffle_state": shuffle.get_state()})
+            append_row(csv_path, row)
+        dist.barrier()  # the checkpoint is on disk before any rank goes on
         bar.set_postfix(loss=f"{row['train_loss']:.4f}", val_ssim=f"{val_metrics['ssim']:.4f}")
-        log.info("epoch %d: train loss %.4f, val loss %.4f, val SSIM %.4f (input %.4f), PSNR %.2f%s",
-                 epoch + 1, row["train_loss"], val_metrics["loss"], val_metrics["ssim"],
-                 val_metrics["input_ssim"], val_metrics["psnr"], " *best*" if improved else "")
+        if dist.main:
+            log.info("epoch %d: train loss %.4f, val loss %.4f, val SSIM %.4f (input %.4f), PSNR %.2f%s",
+                     epoch + 1, row["train_loss"], val_metrics["loss"], val_metrics["ssim"],
+                     val_metrics["input_ssim"], val_metrics["psnr"], " *best*" if improved else "")
     bar.close()
-    if not out.exists():  # e.g. resumed a finished run into a new path
+    if dist.main and not out.exists():  # e.g. resumed a finished run into a new path
         save_checkpoint(out, {"mar": model}, metadata(tcfg.epochs, best))
     return best

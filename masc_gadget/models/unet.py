@@ -21,8 +21,9 @@ of the concatenation have equal width, which would contradict the paper's 1024.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -42,10 +43,16 @@ class MarModelConfig:
     """Each input image is divided by this quantile of its own magnitude before the U-Net and
     the output multiplied back, so the network sees intensities of order 1 whatever the
     scanner's units (0 < q <= 1; 1 is the image maximum)."""
+    norm: Literal["batch", "group"] = "batch"
+    """Normalisation after each convolution: ``batch`` (the paper's BatchNorm) or ``group``
+    (GroupNorm of up to 8 groups: independent of the batch, so data-parallel training on CPUs,
+    where there is no SyncBatchNorm, equals one process with the global batch)."""
 
     def __post_init__(self) -> None:
         check_sizes(self, ("width", "depth"))
         check_scale_quantile(self.scale_quantile)
+        if self.norm not in ("batch", "group"):
+            raise ValueError(f"norm must be 'batch' or 'group', got {self.norm!r}")
 
 
 def check_sizes(cfg: object, names: tuple[str, ...]) -> None:
@@ -62,16 +69,23 @@ def check_scale_quantile(q: object) -> None:
         raise ValueError(f"scale_quantile must be in (0, 1], got {q!r}")
 
 
-class DoubleConv(nn.Sequential):
-    """(3x3 conv -> BatchNorm -> ReLU) x 2. Convolutions have no bias (BatchNorm has one)."""
+def _norm(kind: str, channels: int) -> nn.Module:
+    if kind == "group":
+        return nn.GroupNorm(math.gcd(8, channels), channels)
+    return nn.BatchNorm2d(channels)
 
-    def __init__(self, in_channels: int, out_channels: int) -> None:
+
+class DoubleConv(nn.Sequential):
+    """(3x3 conv -> norm -> ReLU) x 2, norm BatchNorm (default) or GroupNorm. Convolutions have
+    no bias (the norm has one)."""
+
+    def __init__(self, in_channels: int, out_channels: int, norm: str = "batch") -> None:
         super().__init__(
             nn.Conv2d(in_channels, out_channels, kernel_size=3, padding=1, bias=False),
-            nn.BatchNorm2d(out_channels),
+            _norm(norm, out_channels),
             nn.ReLU(inplace=True),
             nn.Conv2d(out_channels, out_channels, kernel_size=3, padding=1, bias=False),
-            nn.BatchNorm2d(out_channels),
+            _norm(norm, out_channels),
             nn.ReLU(inplace=True),
         )
 
@@ -89,7 +103,7 @@ class UNet(nn.Module):
     """
 
     def __init__(self, in_channels: int = 1, out_channels: int = 1, *, width: int,
-                 depth: int) -> None:
+                 depth: int, norm: str = "batch") -> None:
         super().__init__()
         if width < 1 or depth < 1 or in_channels < 1 or out_channels < 1:
             raise ValueError(
@@ -99,12 +113,12 @@ class UNet(nn.Module):
         self.depth = depth
         chans = [width * 2**i for i in range(depth + 1)]
         self.encoder = nn.ModuleList(
-            DoubleConv(in_channels if i == 0 else chans[i - 1], chans[i]) for i in range(depth)
+            DoubleConv(in_channels if i == 0 else chans[i - 1], chans[i], norm) for i in range(depth)
         )
-        self.bottleneck = DoubleConv(chans[depth - 1], chans[depth])
+        self.bottleneck = DoubleConv(chans[depth - 1], chans[depth], norm)
         # decoder[0] is the deepest stage: up(chans[depth]) ++ skip chans[depth-1] -> chans[depth-1]
         self.decoder = nn.ModuleList(
-            DoubleConv(chans[i + 1] + chans[i], chans[i]) for i in reversed(range(depth))
+            DoubleConv(chans[i + 1] + chans[i], chans[i], norm) for i in reversed(range(depth))
         )
         self.head = nn.Conv2d(chans[0], out_channels, kernel_size=1)
         nn.init.zeros_(self.head.weight)
@@ -202,7 +216,7 @@ class MarNet(nn.Module):
         self.config = dataclasses.replace(config or MarModelConfig(), **overrides)
         self.scale_quantile = float(self.config.scale_quantile)
         self.residual = UNet(in_channels=1, out_channels=1, width=self.config.width,
-                             depth=self.config.depth)
+                             depth=self.config.depth, norm=self.config.norm)
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
         """image: magnitude images (B, H, W) or (B, 1, H, W) -> corrected images, same shape."""

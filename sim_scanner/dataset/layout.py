@@ -143,14 +143,16 @@ def is_dataset(folder: str | Path) -> bool:
     return (Path(folder) / MANIFEST).is_file()
 
 
-def prepare_folder(out: str | Path) -> None:
-    """Create ``out`` and its split folders; remove files left half-written by a killed run."""
+def prepare_folder(out: str | Path, clean: bool = True) -> None:
+    """Create ``out`` and its split folders; with ``clean``, remove files left half-written by a
+    killed run (not while other processes may be writing into the folder)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for split in SPLITS:
         (out / split).mkdir(exist_ok=True)
-        for stale in (out / split).glob(f"*{SUBJECT_SUFFIX}{TMP_SUFFIX}"):
-            stale.unlink()
+        if clean:
+            for stale in (out / split).glob(f"*{SUBJECT_SUFFIX}{TMP_SUFFIX}"):
+                stale.unlink()
 
 
 def split_files(data_dir: str | Path, split: str) -> list[Path]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -289,13 +290,31 @@ def _worker(index: int, config_dict: dict[str, Any], path: str, split: str, thre
     return data.subject_id
 
 
+def launcher_rank() -> tuple[int, int]:
+    """(rank, number of ranks) of a process started by ``torchrun`` (``RANK``, ``WORLD_SIZE``);
+    (0, 1) otherwise."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0")) if world > 1 else 0
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK {rank} is outside WORLD_SIZE {world}")
+    return rank, world
+
+
 def simulate_dataset(config: Config, out: str | Path, progress: bool = True) -> dict[str, Any]:
     """Simulate every subject of ``config`` into ``out``; finished subjects are skipped, so an
-    interrupted run resumes. Returns the manifest."""
+    interrupted run resumes. Returns the manifest.
+
+    Started by ``torchrun`` (``RANK`` / ``WORLD_SIZE``, on one node or several sharing the
+    folder), each rank simulates every ``WORLD_SIZE``-th of the subjects still missing, from its
+    ``RANK``. Ranks need not talk to each other: every subject file is written atomically and
+    belongs to one rank, rank 0 writes the manifest, and a rerun (any number of ranks) skips the
+    finished subjects. torchrun is used as the launcher only, so the same command scales from one
+    process to many nodes without another engine."""
     from tqdm.auto import tqdm
 
     out = Path(out)
     dcfg = config["dataset"]
+    rank, world = launcher_rank()
     splits = assign_splits(dcfg)
     if is_dataset(out):
         old = read_manifest(out)
@@ -304,8 +323,9 @@ def simulate_dataset(config: Config, out: str | Path, progress: bool = True) -> 
                 f"{out} already holds a dataset simulated with other parameters; "
                 "choose another --out or delete it"
             )
-    prepare_folder(out)
-    manifest = write_manifest(out, config, splits)
+    prepare_folder(out, clean=world == 1)
+    if rank == 0:
+        manifest = write_manifest(out, config, splits)
 
     todo = []
     for split, ids in splits.items():
@@ -314,10 +334,12 @@ def simulate_dataset(config: Config, out: str | Path, progress: bool = True) -> 
             if not path.exists():
                 todo.append((subject_index(sid), path, split))
     done = dcfg.subjects - len(todo)
-    if done:
+    if done and rank == 0:
         log.info("%d of %d subjects already simulated in %s; skipping them", done, dcfg.subjects, out)
-    log.info("simulating %d subjects into %s with %d worker(s)", len(todo), out, dcfg.workers)
-    bar = tqdm(total=len(todo), unit="subject", desc="simulate", disable=not progress)
+    todo = todo[rank::world]
+    log.info("simulating %d subjects into %s with %d worker(s)%s", len(todo), out, dcfg.workers,
+             f" (rank {rank} of {world})" if world > 1 else "")
+    bar = tqdm(total=len(todo), unit="subject", desc="simulate", disable=not progress or rank != 0)
     try:
         if dcfg.workers == 1 or len(todo) <= 1:
             for index, path, split in todo:
@@ -334,5 +356,11 @@ def simulate_dataset(config: Config, out: str | Path, progress: bool = True) -> 
                     bar.update()
     finally:
         bar.close()
+    if world > 1:
+        log.info("rank %d of %d: its %d subjects are written", rank, world, len(todo))
+        deadline = time.monotonic() + 60
+        while not is_dataset(out) and time.monotonic() < deadline:  # rank 0 writes it first thing
+            time.sleep(0.1)
+        return read_manifest(out)
     log.info("dataset %s complete: %s", out, ", ".join(f"{k} {len(v)}" for k, v in splits.items()))
     return manifest
