@@ -305,8 +305,9 @@ def simulate_dataset(config: Config, out: str | Path, progress: bool = True) -> 
     interrupted run resumes. Returns the manifest.
 
     Started by ``torchrun`` (``RANK`` / ``WORLD_SIZE``, on one node or several sharing the
-    folder), each rank simulates every ``WORLD_SIZE``-th of the subjects still missing, from its
-    ``RANK``. Ranks need not talk to each other: every subject file is written atomically and
+    folder), each rank simulates the missing ones of every ``WORLD_SIZE``-th subject, from its
+    ``RANK`` (of the whole list, so ranks agree however far the others are). Ranks need not
+    talk to each other: every subject file is written atomically and
     belongs to one rank, rank 0 writes the manifest, and a rerun (any number of ranks) skips the
     finished subjects. torchrun is used as the launcher only, so the same command scales from one
     process to many nodes without another engine."""
@@ -327,16 +328,15 @@ def simulate_dataset(config: Config, out: str | Path, progress: bool = True) -> 
     if rank == 0:
         manifest = write_manifest(out, config, splits)
 
-    todo = []
-    for split, ids in splits.items():
-        for sid in ids:
-            path = subject_file(out, split, sid)
-            if not path.exists():
-                todo.append((subject_index(sid), path, split))
+    # each rank owns every world-th subject of the whole dataset (fixed whatever is already on
+    # disk, so ranks that start at different moments agree), and simulates those still missing
+    subjects = [(subject_index(sid), subject_file(out, split, sid), split)
+                for split, ids in splits.items() for sid in ids]
+    todo = [item for item in subjects if not item[1].exists()]
     done = dcfg.subjects - len(todo)
     if done and rank == 0:
         log.info("%d of %d subjects already simulated in %s; skipping them", done, dcfg.subjects, out)
-    todo = todo[rank::world]
+    todo = [item for item in subjects[rank::world] if not item[1].exists()]
     log.info("simulating %d subjects into %s with %d worker(s)%s", len(todo), out, dcfg.workers,
              f" (rank {rank} of {world})" if world > 1 else "")
     bar = tqdm(total=len(todo), unit="subject", desc="simulate", disable=not progress or rank != 0)
