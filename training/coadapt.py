@@ -34,6 +34,7 @@ from masc_gadget.core.metrics import scale_by_target
 from masc_gadget.models.policy_net import PolicyNet
 from training.csvlog import append_row, plot_training
 from training.data import SliceSet, load_split, spread_subset
+from training.distributed import Dist, setup
 from training.imitation import ImitationConfig, imitate, load_or_make_demonstrations
 from training.population import population_order
 from training.rl.env import BatchedAcquisitionEnv, EnvConfig
@@ -124,7 +125,7 @@ class _Recorder:
 def finetune_mar(mar: torch.nn.Module, optimizer: torch.optim.Optimizer, kspace: torch.Tensor,
                  target: torch.Tensor, slices: torch.Tensor, masks: torch.Tensor, epochs: int,
                  batch_size: int, generator: torch.Generator,
-                 lambda_ssim: float | None = None) -> float:
+                 lambda_ssim: float | None = None, dist: Dist = Dist()) -> float:
     """Fine-tuning of ``mar`` on the zero-filled images of (slice, mask) pairs, both images
     scaled by the target's maximum: MSE (paper), or with ``lambda_ssim`` the pre-training loss
     ``L1 + lambda_ssim (1 - SSIM)``. BatchNorm statistics stay frozen (eval mode): the network
@@ -145,6 +146,7 @@ def finetune_mar(mar: torch.nn.Module, optimizer: torch.optim.Optimizer, kspace:
                 loss = mar_loss(mar(inputs), target[s].to(device), lambda_ssim)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            dist.average_gradients(mar)  # under torchrun: every rank fine-tunes on its own rollout
             optimizer.step()
             total += float(loss.detach()) * len(idx)
             count += len(idx)
@@ -194,6 +196,7 @@ class _Run:
     best: dict[str, Any]
     bar: Any = None
     t0: float = 0.0
+    dist: Dist = Dist()
 
     @property
     def tcfg(self) -> MascTrainConfig:
@@ -236,7 +239,8 @@ class _Run:
         slices, masks = self.recorder.take()
         if self.mar_opt is not None:
             stats["losses/mar"] = finetune_mar(self.mar, self.mar_opt, self.kspace, self.target, slices, masks,
-                                               tcfg.mar_epochs, tcfg.mar_batch_size, self.gen, self.lambda_ssim)
+                                               tcfg.mar_epochs, tcfg.mar_batch_size, self.gen, self.lambda_ssim,
+                                               self.dist)
             self.env.set_mar(self.mar)
             rollout.cursor.obs = self.env.observation
         row: dict[str, Any] = {"rollout": rollout_number,
@@ -252,21 +256,27 @@ class _Run:
         """Validate; save the best checkpoint when SSIM improved and the latest always.
         Returns the ``val/...`` columns."""
         val_metrics = self.validate()
+        self.dist.check_in_sync(self.net)
         nets = {"policy": self.net, **({"mar": self.mar} if self.mar is not None else {})}
         improved = val_metrics["ssim"] > self.best["ssim"]
         if improved:
             self.best = {"rollout": rollout_number, **val_metrics}
-            save_checkpoint(self.out, nets, self.metadata(rollout_number, val_metrics))
+            if self.dist.main:
+                save_checkpoint(self.out, nets, self.metadata(rollout_number, val_metrics))
         log.info("rollout %d: return %.3f, val SSIM %.4f, PSNR %.2f%s", rollout_number,
                  stats["charts/episodic_return"], val_metrics["ssim"], val_metrics["psnr"],
                  " *best*" if improved else "")
         extra = {"optimizer": self.optimizer.state_dict(), "generator": self.gen.get_state()}
         if self.mar_opt is not None:
             extra["mar_optimizer"] = self.mar_opt.state_dict()
-        save_checkpoint(self.last_path, nets, self.metadata(rollout_number, val_metrics), extra_state=extra)
+        if self.dist.main:
+            save_checkpoint(self.last_path, nets, self.metadata(rollout_number, val_metrics), extra_state=extra)
+        self.dist.barrier()  # the checkpoint is on disk before any rank goes on
         return {f"val/{m}": v for m, v in val_metrics.items()}
 
     def _append_csv(self, row: dict[str, Any], stats: dict[str, float]) -> None:
+        if not self.dist.main:
+            return
         fields = ["rollout", "global_step", *sorted(stats), "losses/mar", *VAL_FIELDS, "seconds"]
         append_row(self.csv_path, row, list(dict.fromkeys(fields)))
 
@@ -300,13 +310,14 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
     checkpoints and the log happen in its hook, :meth:`_Run.after_rollout`."""
     from tqdm.auto import tqdm
 
+    dist = setup()
     tcfg: MascTrainConfig = config["masc_train"]
     ecfg: EnvConfig = config["env"]
     pcfg = config["ppo"]
     acq = config["acquisition"]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    device = resolve_device(tcfg.device)
+    device = resolve_device(dist.device(tcfg.device))
     if tcfg.mar_mode != "none" and not mar_path:
         raise ValueError(f"mar_mode {tcfg.mar_mode!r} needs a pre-trained MAR checkpoint (--mar); "
                          "use --set masc_train.mar_mode=none to train without MAR")
@@ -321,7 +332,7 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
         mar, mar_meta = load_mar(mar_path, device)
     n_steps = pcfg.steps_per_env(ecfg.n_envs)
 
-    gen = torch.Generator().manual_seed(tcfg.seed)
+    gen = torch.Generator().manual_seed(tcfg.seed + dist.rank)  # each rank samples its own actions
     pncfg = config["policy_net"]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(tcfg.seed)
@@ -341,22 +352,27 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
     start, best = 0, {"ssim": -math.inf}
     if resume is not None:
         start, best = _resume(resume, net, optimizer, gen, mar, mar_opt, device)
-    else:
+        if dist.rank:  # a resumed rank keeps its own action stream
+            gen.manual_seed(tcfg.seed + dist.rank + 7919 * start)
+    elif dist.main:
         for log_file in (out.with_suffix(".csv"), out.with_name(out.stem + ".imitation.csv")):
             log_file.unlink(missing_ok=True)
 
     k = acq.lines_per_decision
-    env = BatchedAcquisitionEnv(train, ecfg, acq.initial, acq.budget, mar, device, seed=tcfg.seed + start,
-                                lines_per_decision=k)
+    # each rank draws its own slices: seed + rank (rank 0 as one process)
+    env = BatchedAcquisitionEnv(train, ecfg, acq.initial, acq.budget, mar, device,
+                                seed=tcfg.seed + start + 1_000_003 * dist.rank, lines_per_decision=k)
     val_env = BatchedAcquisitionEnv(val, ecfg, acq.initial, acq.budget, mar, device, seed=tcfg.seed,
                                     lines_per_decision=k)
     kspace = train.kspace_clean if ecfg.kspace == "clean" else train.kspace_metal
     run = _Run(config, ecfg, data_dir, mar_path, out, net, optimizer, gen, mar, mar_meta, mar_opt, lambda_ssim,
-               env, val_env, _Recorder(env), kspace.to(device), train.target.to(device), n_steps, best)
+               env, val_env, _Recorder(env), kspace.to(device), train.target.to(device), n_steps, best, dist=dist)
 
     log.info("co-adaptive training: %d train / %d val slices, %d envs x %d steps per rollout, MAR %s, "
-             "k-space %s, %d rollouts on %s", len(train), len(val), ecfg.n_envs, n_steps, tcfg.mar_mode,
-             ecfg.kspace, tcfg.rollouts, device)
+             "k-space %s, %d rollouts on %s%s", len(train), len(val), ecfg.n_envs, n_steps, tcfg.mar_mode,
+             ecfg.kspace, tcfg.rollouts, device, f", rank {dist.rank} of {dist.world}" if dist.active else "")
+    if dist.active and config["imitation"].slices > 0:
+        raise ValueError("the imitation warm start runs on one process; drop imitation.slices under torchrun")
     run.t0 = time.perf_counter()
     if config["imitation"].slices > 0 and start == 0:
         warm_start(run, train, demos, progress)
@@ -364,12 +380,13 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
     elif net.prior_lines and start == 0:
         # the prior alone is rollout 0: selection on val keeps it when PPO does not improve on it
         run._validate_and_save(0, {"charts/episodic_return": math.nan})
-    run.bar = tqdm(desc="train masc", unit="rollout", disable=not progress, initial=start, total=tcfg.rollouts)
+    run.bar = tqdm(desc="train masc", unit="rollout", disable=not (progress and dist.main), initial=start,
+                   total=tcfg.rollouts)
     run_ppo(run.recorder, net, pcfg, optimizer, gen, max(0, tcfg.rollouts - start),
-            on_rollout=run.after_rollout, start_iteration=start + 1)
+            on_rollout=run.after_rollout, start_iteration=start + 1, dist=dist)
     run.bar.close()
     run.best["seconds"] = time.perf_counter() - run.t0
-    if run.csv_path.exists():
+    if dist.main and run.csv_path.exists():
         figure = plot_training(run.csv_path, out.with_suffix(".png"), out.with_name(out.stem + ".imitation.csv"))
         log.info("training curves: %s", figure)
     return run.best

@@ -51,6 +51,35 @@ class Dist:
         if self.active:
             torch.distributed.barrier()
 
+    def average_gradients(self, module: torch.nn.Module) -> None:
+        """All-reduce the gradients of ``module`` to their mean over the ranks (every rank must
+        call it after the same backward passes)."""
+        if not self.active:
+            return
+        for p in module.parameters():
+            if p.grad is not None:
+                torch.distributed.all_reduce(p.grad)
+                p.grad /= self.world
+
+    def mean(self, value: float) -> float:
+        """``value`` averaged over the ranks (the same answer on every rank)."""
+        if not self.active:
+            return float(value)
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        return float(t[0]) / self.world
+
+    def check_in_sync(self, module: torch.nn.Module) -> None:
+        """RuntimeError unless every rank holds the same parameters (compares a checksum)."""
+        if not self.active:
+            return
+        with torch.no_grad():
+            total = torch.stack([p.detach().double().sum().cpu() for p in module.parameters()]).sum()
+        both = torch.stack([total, -total])
+        torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX)
+        if float(both[0] + both[1]) > 1e-6 * max(1.0, abs(float(total))):
+            raise RuntimeError("the ranks' parameters differ: data-parallel training went out of sync")
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` under DistributedDataParallel (BatchNorm made SyncBatchNorm on CUDA; on
         CPUs, where there is none, each rank normalises its own part of the batch: use

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from masc_gadget.models.policy_net import PolicyNet, masked_distribution, masked_logits
+from training.distributed import Dist
 
 log = logging.getLogger(__name__)
 
@@ -322,12 +323,12 @@ def collect_rollout(
         masks[t] = obs.mask.to(device)
         steps_left[t] = obs.steps_left.to(device)
         logits, value = net(images[t], masks[t], steps_left[t].float() / budget)
-        dist = masked_distribution(logits, masks[t])
+        policy = masked_distribution(logits, masks[t])
         if k == 1:
-            action = _sample(dist.probs, generator)
-            logprob = dist.log_prob(action)
+            action = _sample(policy.probs, generator)
+            logprob = policy.log_prob(action)
         else:  # an echo train: k lines without replacement from one forward pass
-            action = sample_trains(dist.logits, train_sizes(steps_left[t], k), k, generator)
+            action = sample_trains(policy.logits, train_sizes(steps_left[t], k), k, generator)
             logprob = train_log_prob(logits, masks[t], action)
         actions[t], logprobs[t], values[t] = action, logprob, value
 
@@ -367,6 +368,7 @@ def ppo_update(
     rollout: Rollout,
     cfg: PPOConfig,
     generator: torch.Generator,
+    dist: Dist = Dist(),
 ) -> dict[str, float]:
     """One PPO update on a rollout: GAE -> flatten -> ``cfg.epochs`` epochs of shuffled
     minibatches (permutations from ``generator``). Each minibatch recomputes the logits of the
@@ -378,6 +380,10 @@ def ppo_update(
     Returns the mean of each loss statistic over the minibatches, plus
     ``charts/explained_variance`` (of the returns by the rollout's values), ``charts/epochs``
     (epochs run) and ``charts/grad_norm`` (mean norm before clipping).
+
+    Under ``torchrun`` (``dist``) every rank updates on its own rollout and the gradients of
+    each minibatch are averaged over the ranks before the step; the early stop on the KL uses
+    its mean over the ranks, so they all run the same epochs.
     """
     advantages, returns = compute_gae(
         rollout.rewards, rollout.values, rollout.terminated, rollout.last_value,
@@ -405,18 +411,19 @@ def ppo_update(
         for start in range(0, batch_size, minibatch_size):
             idx = order[start : start + minibatch_size]
             logits, new_value = net(b_images[idx], b_masks[idx], b_frac[idx])
-            dist = masked_distribution(logits, b_masks[idx])
+            policy = masked_distribution(logits, b_masks[idx])
             mb_adv = b_advantages[idx]
             if cfg.norm_adv and mb_adv.numel() > 1:
                 mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
-            new_logprob = (dist.log_prob(b_actions[idx]) if b_actions.dim() == 1
+            new_logprob = (policy.log_prob(b_actions[idx]) if b_actions.dim() == 1
                            else train_log_prob(logits, b_masks[idx], b_actions[idx]))
             loss, stats = ppo_loss(
                 new_logprob, b_logprobs[idx], mb_adv, new_value,
-                b_returns[idx], dist.entropy(), cfg.clip, cfg.vf_coef, cfg.ent_coef,
+                b_returns[idx], policy.entropy(), cfg.clip, cfg.vf_coef, cfg.ent_coef,
             )
             optimizer.zero_grad()
             loss.backward()
+            dist.average_gradients(net)
             grad_norms.append(nn.utils.clip_grad_norm_(net.parameters(), cfg.max_grad_norm))
             optimizer.step()
             for key, value in stats.items():
@@ -424,7 +431,7 @@ def ppo_update(
             epoch_kl.append(stats["losses/approx_kl"])
             n_minibatches += 1
         epochs_run += 1
-        if cfg.target_kl > 0 and float(torch.stack(epoch_kl).mean()) > cfg.target_kl:
+        if cfg.target_kl > 0 and dist.mean(float(torch.stack(epoch_kl).mean())) > cfg.target_kl:
             break
 
     out = {key: float(value) / n_minibatches for key, value in sums.items()}
@@ -473,6 +480,7 @@ def run_ppo(
     *,
     on_rollout: RolloutHook | None = None,
     start_iteration: int = 1,
+    dist: Dist = Dist(),
 ) -> list[dict[str, float]]:
     """The PPO loop (CleanRL's main loop): ``iterations`` rounds of
 
@@ -502,7 +510,7 @@ def run_ppo(
     for iteration in range(start_iteration, start_iteration + iterations):
         net.eval()
         rollout = collect_rollout(env, net, n_steps, generator, cursor)
-        stats = ppo_update(net, optimizer, rollout, cfg, generator)
+        stats = ppo_update(net, optimizer, rollout, cfg, generator, dist)
         stats["charts/episodic_return"] = _mean_or_nan(rollout.episode_returns)
         if on_rollout is not None:
             on_rollout(iteration, rollout, stats)
