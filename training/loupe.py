@@ -14,6 +14,8 @@ renormalises the probabilities to the sparsity in expectation; a top-k keeps it 
 image is the zero-filled reconstruction of the masked k-space, differentiable in the mask, and
 the loss the MAR pre-training's ``L1 + lambda (1 - SSIM)``. Both the logits (Adam ``lr_mask``) and
 the MAR network (Adam ``lr_mar``, from the pre-trained one when ``--mar`` is given) are trained.
+Under ``torchrun`` the ranks share each global minibatch (the mask draws are the global batch's,
+the same on every rank; gradients averaged), as ``masc train mar`` does.
 
 The deployed mask is deterministic: the ``budget`` free lines of largest ``w``, played as a
 fixed order (largest first) by ``masc eval`` and the gadget (policy ``loupe``), with the MAR
@@ -42,6 +44,7 @@ from masc_gadget.models.checkpoint import load_checkpoint, load_mar, save_checkp
 from masc_gadget.models.unet import build_mar
 from training.csvlog import append_row
 from training.data import SliceSet, load_split
+from training.distributed import setup, shard
 from training.mar import mar_loss, validate
 
 log = logging.getLogger(__name__)
@@ -172,7 +175,8 @@ def train_loupe(config: Config, data_dir: str | Path, mar_path: str | Path | Non
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     last_path, csv_path = out.with_name(out.stem + ".last.pt"), out.with_suffix(".csv")
-    device = resolve_device(cfg.device)
+    dist = setup()
+    device = resolve_device(dist.device(cfg.device))
     train = load_split(data_dir, "train", cfg.max_train_slices)
     val = load_split(data_dir, "val", cfg.max_val_slices)
     acq.check(train.n_pe)
@@ -197,7 +201,7 @@ def train_loupe(config: Config, data_dir: str | Path, mar_path: str | Path | Non
         gen.set_state(ck.extra["generator"])
         start, best = int(ck.metadata["epoch"]), dict(ck.metadata["best_val"])
         log.info("resumed from %s after epoch %d", resume, start)
-    else:
+    elif dist.main:
         csv_path.unlink(missing_ok=True)
     hybrid = to_hybrid(train.kspace_metal.to(device))
     target = train.target.to(device)
@@ -212,39 +216,52 @@ def train_loupe(config: Config, data_dir: str | Path, mar_path: str | Path | Non
              len(train), len(val), acq.initial, acq.budget, train.n_pe, cfg.epochs,
              "from " + str(mar_path) if mar_path else "from scratch", device)
     t0 = time.perf_counter()
-    bar = tqdm(range(start, cfg.epochs), desc="train loupe", unit="epoch", disable=not progress, initial=start,
-               total=cfg.epochs)
+    bar = tqdm(range(start, cfg.epochs), desc="train loupe", unit="epoch", disable=not (progress and dist.main),
+               initial=start, total=cfg.epochs)
     for epoch in bar:
         t_epoch = time.perf_counter()
         mar.train()
         perm = torch.randperm(len(train), generator=gen)
         losses = []
         for i in range(0, len(perm), cfg.batch_size):
-            idx = perm[i:i + cfg.batch_size].to(device)
-            weights = mask.sample(len(idx), gen)
-            loss = mar_loss(mar(soft_zero_filled(hybrid[idx], weights)), target[idx], lambda_ssim)
+            batch = perm[i:i + cfg.batch_size]
+            if len(batch) < dist.world:
+                continue  # every rank needs a slice
+            weights = mask.sample(len(batch), gen)  # the global batch's draws, the same on every rank
+            mine = shard(torch.arange(len(batch)), dist)  # under torchrun: this rank's share
+            idx = batch[mine].to(device)
+            loss = mar_loss(mar(soft_zero_filled(hybrid[idx], weights[mine.to(weights.device)])), target[idx],
+                            lambda_ssim)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            (loss * (len(mine) * dist.world / len(batch))).backward()
+            dist.average_gradients(mask)
+            dist.average_gradients(mar)
             optimizer.step()
-            losses.append(float(loss.detach()))
+            losses.append(dist.mean(float(loss.detach())))
         val_metrics = _validate(mar, mask, val, lambda_ssim, cfg.batch_size, device)
         improved = val_metrics["ssim"] > best["ssim"]
         if improved:
             best = {"epoch": epoch + 1, **val_metrics}
-            save_checkpoint(out, {"mar": mar}, metadata(epoch + 1, val_metrics))
-        save_checkpoint(last_path, {"mar": mar, "mask": mask}, metadata(epoch + 1, val_metrics),
-                        extra_state={"optimizer": optimizer.state_dict(), "generator": gen.get_state()})
+        dist.check_in_sync(mask)
+        if dist.main:
+            if improved:
+                save_checkpoint(out, {"mar": mar}, metadata(epoch + 1, val_metrics))
+            save_checkpoint(last_path, {"mar": mar, "mask": mask}, metadata(epoch + 1, val_metrics),
+                            extra_state={"optimizer": optimizer.state_dict(), "generator": gen.get_state()})
         p = mask.probabilities().detach()[~mask.fixed]
         row = {"epoch": epoch + 1, "train_loss": float(np.mean(losses)),
                "mask/entropy": float(-(p * p.clamp_min(1e-9).log() + (1 - p) * (1 - p).clamp_min(1e-9).log()).mean()),
                **{f"val_{k}": v for k, v in val_metrics.items() if not k.startswith("input_")},
                "seconds": time.perf_counter() - t_epoch}
-        append_row(csv_path, row)
+        if dist.main:
+            append_row(csv_path, row)
+            log.info("epoch %d: train loss %.4f, val SSIM %.4f, PSNR %.2f, lines %s%s", epoch + 1,
+                     row["train_loss"], val_metrics["ssim"], val_metrics["psnr"], mask.order(),
+                     " *best*" if improved else "")
+        dist.barrier()
         bar.set_postfix(loss=f"{row['train_loss']:.4f}", val_ssim=f"{val_metrics['ssim']:.4f}")
-        log.info("epoch %d: train loss %.4f, val SSIM %.4f, PSNR %.2f, lines %s%s", epoch + 1, row["train_loss"],
-                 val_metrics["ssim"], val_metrics["psnr"], mask.order(), " *best*" if improved else "")
     bar.close()
     best["seconds"] = time.perf_counter() - t0
-    if not out.exists():
+    if dist.main and not out.exists():
         save_checkpoint(out, {"mar": mar}, metadata(cfg.epochs, best))
     return best

@@ -28,6 +28,11 @@ forward when the agent observes MAR images). Storing the two images of a transit
 costs ``2 H W 4`` bytes (400 kB at 256 x 200): 8 GB for 20,000 transitions, where this memory
 takes 0.7 MB. The MAR network, when there is one, is the frozen pre-trained one, so a recomputed
 image is the image the agent saw.
+
+Under ``torchrun`` every rank runs its own environments (slices drawn with ``seed + rank``),
+exploration stream and replay memory; each gradient step averages the ranks' minibatch gradients,
+so the online networks stay equal (checked at every validation), and rank 0 writes. ``steps``
+counts the transitions of one rank.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from masc_gadget.models.checkpoint import load_checkpoint, load_mar, save_checkp
 from masc_gadget.models.q_net import QNet, masked_q
 from training.csvlog import append_row
 from training.data import load_split
+from training.distributed import Dist, setup
 from training.rl.env import BatchedAcquisitionEnv, EnvConfig
 
 log = logging.getLogger(__name__)
@@ -247,8 +253,9 @@ def explore(greedy: torch.Tensor, mask: torch.Tensor, epsilon: float, generator:
 
 
 def td_update(net: QNet, target: QNet, optimizer: torch.optim.Optimizer, env: BatchedAcquisitionEnv,
-              batch: dict[str, torch.Tensor], cfg: DQNConfig, double: bool) -> dict[str, float]:
-    """One gradient step on a replay minibatch; the states' images are recomputed by ``env``."""
+              batch: dict[str, torch.Tensor], cfg: DQNConfig, double: bool, dist: Dist = Dist()) -> dict[str, float]:
+    """One gradient step on a replay minibatch; the states' images are recomputed by ``env``.
+    Under ``torchrun`` the gradients are averaged over the ranks' minibatches."""
     device = next(net.parameters()).device
     b = {k: v.to(device) for k, v in batch.items()}
     budget = env.budget
@@ -264,6 +271,7 @@ def td_update(net: QNet, target: QNet, optimizer: torch.optim.Optimizer, env: Ba
     loss = F.smooth_l1_loss(q, y)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    dist.average_gradients(net)
     grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.max_grad_norm)
     optimizer.step()
     return {"losses/td": float(loss.detach()), "losses/q": float(q.detach().mean()),
@@ -285,13 +293,14 @@ def train_dqn(config: Config, data_dir: str | Path, mar_path: str | Path | None,
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
     double, spectral = VARIANTS[variant]["double"], VARIANTS[variant]["spectral"]
+    dist = setup()
     cfg: DQNConfig = config["dqn"]
     ecfg: EnvConfig = config["env"]
     acq = config["acquisition"]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     last_path, csv_path = out.with_name(out.stem + ".last.pt"), out.with_suffix(".csv")
-    device = resolve_device(cfg.device)
+    device = resolve_device(dist.device(cfg.device))
     train = load_split(data_dir, "train", cfg.max_train_slices)
     val = load_split(data_dir, "val", cfg.max_val_slices)
     acq.check(train.n_pe)
@@ -306,7 +315,7 @@ def train_dqn(config: Config, data_dir: str | Path, mar_path: str | Path | None,
         net = QNet(train.n_pe, *train.target.shape[1:], config["q_net"], spectral=spectral).to(device)
     target = copy.deepcopy(net).eval().requires_grad_(False)
     optimizer = torch.optim.Adam(net.parameters(), lr=cfg.lr)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed + dist.rank)  # each rank explores on its own stream
     replay = MaskReplay(cfg.replay_size, train.n_pe)
     done_steps, best = 0, {"ssim": -math.inf}
     if resume is not None:
@@ -319,11 +328,14 @@ def train_dqn(config: Config, data_dir: str | Path, mar_path: str | Path | None,
         gen.set_state(ck.extra["generator"])
         replay.load_state_dict(ck.extra["replay"])
         done_steps, best = int(ck.metadata["transitions"]), dict(ck.metadata["best_val"])
+        if dist.rank:  # the checkpoint holds rank 0's stream and memory; other ranks start their own
+            gen.manual_seed(cfg.seed + dist.rank + 7919 * done_steps)
         log.info("resumed from %s after %d transitions", resume, done_steps)
-    else:
+    elif dist.main:
         csv_path.unlink(missing_ok=True)
     observes_mar = ecfg.observe_mar and mar is not None
-    env = BatchedAcquisitionEnv(train, ecfg, acq.initial, acq.budget, mar, device, seed=cfg.seed + done_steps)
+    env = BatchedAcquisitionEnv(train, ecfg, acq.initial, acq.budget, mar, device,
+                                seed=cfg.seed + done_steps + 1_000_003 * dist.rank)
     val_env = BatchedAcquisitionEnv(val, ecfg, acq.initial, acq.budget, mar, device, seed=cfg.seed)
     budget, n_envs = acq.budget, ecfg.n_envs
     log.info("%s: %d train / %d val slices, %d envs, %d transitions, replay %d (%.1f MB, no images), MAR %s, on %s",
@@ -345,13 +357,18 @@ def train_dqn(config: Config, data_dir: str | Path, mar_path: str | Path | None,
         improved = val_metrics["ssim"] > best["ssim"]
         if improved:
             best = {"transitions": done_steps, **val_metrics}
-            save_checkpoint(out, {"q": net}, metadata(val_metrics))
-        save_checkpoint(last_path, {"q": net, "target": target}, metadata(val_metrics),
-                        extra_state={"optimizer": optimizer.state_dict(), "generator": gen.get_state(),
-                                     "replay": replay.state_dict()})
+        dist.check_in_sync(net)
+        if dist.main:
+            if improved:
+                save_checkpoint(out, {"q": net}, metadata(val_metrics))
+            save_checkpoint(last_path, {"q": net, "target": target}, metadata(val_metrics),
+                            extra_state={"optimizer": optimizer.state_dict(), "generator": gen.get_state(),
+                                         "replay": replay.state_dict()})
+        dist.barrier()
         row.update({f"val/{k}": v for k, v in val_metrics.items()})
-        log.info("%s: %d transitions, epsilon %.3f, val SSIM %.4f, PSNR %.2f%s", variant, done_steps,
-                 row["charts/epsilon"], val_metrics["ssim"], val_metrics["psnr"], " *best*" if improved else "")
+        if dist.main:
+            log.info("%s: %d transitions, epsilon %.3f, val SSIM %.4f, PSNR %.2f%s", variant, done_steps,
+                     row["charts/epsilon"], val_metrics["ssim"], val_metrics["psnr"], " *best*" if improved else "")
 
     fields = ["transitions", "charts/epsilon", "charts/episodic_return", "losses/td", "losses/q",
               "losses/grad_norm", *VAL_FIELDS, "seconds"]
@@ -361,7 +378,8 @@ def train_dqn(config: Config, data_dir: str | Path, mar_path: str | Path | None,
     stats: list[dict[str, float]] = []
     next_val = (done_steps // cfg.val_every + 1) * cfg.val_every
     next_target = (done_steps // cfg.target_update + 1) * cfg.target_update
-    bar = tqdm(desc=f"train {variant}", unit="transition", total=cfg.steps, initial=done_steps, disable=not progress)
+    bar = tqdm(desc=f"train {variant}", unit="transition", total=cfg.steps, initial=done_steps,
+               disable=not (progress and dist.main))
     while done_steps < cfg.steps:
         epsilon = cfg.epsilon(done_steps)
         frac = obs.steps_left.float() / budget
@@ -377,7 +395,8 @@ def train_dqn(config: Config, data_dir: str | Path, mar_path: str | Path | None,
         if len(replay) >= max(cfg.learning_starts, cfg.batch_size):
             net.train()
             for _ in range(cfg.updates_per_step):
-                stats.append(td_update(net, target, optimizer, env, replay.sample(cfg.batch_size, gen), cfg, double))
+                stats.append(td_update(net, target, optimizer, env, replay.sample(cfg.batch_size, gen), cfg, double,
+                                       dist))
         if done_steps >= next_target:
             target.load_state_dict(net.state_dict())
             next_target += cfg.target_update
@@ -390,11 +409,12 @@ def train_dqn(config: Config, data_dir: str | Path, mar_path: str | Path | None,
                 row[key] = float(np.mean([s[key] for s in stats])) if stats else math.nan
             validate_and_save(row)
             row["seconds"] = time.perf_counter() - t0
-            append_row(csv_path, row, fields)
+            if dist.main:
+                append_row(csv_path, row, fields)
             bar.set_postfix(ret=f"{row['charts/episodic_return']:.3f}", best_ssim=f"{best['ssim']:.4f}")
             returns, stats = [], []
     bar.close()
     best["seconds"] = time.perf_counter() - t0
-    if not out.exists():  # a resumed run that had nothing left to do
+    if dist.main and not out.exists():  # a resumed run that had nothing left to do
         save_checkpoint(out, {"q": net}, metadata(best))
     return best
