@@ -301,7 +301,8 @@ class Connection:
             raise ClientError(f"server busy: all {self.scfg.max_connections} connection slots are in use "
                               "(server.max_connections); try again later")
         stats = process(self.items(), header, settings, self._send, on_error=self.send_error, cache=self.cache,
-                        trusted=self.trusted, batcher=self.batcher)
+                        trusted=self.trusted, batcher=self.batcher,
+                        max_kspace_bytes=(self.scfg.max_kspace_bytes, self.n_slices))
         log.info("%s done: %s", self.peer, stats)
         if self.read_error is not None:
             self._fail(self.read_error)

@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 def process(items: Iterable[Any], header: Any, settings: GadgetSettings, send: Callable[[Any], None],
             on_error: Callable[[str], None] | None = None, cache: ModelCache = DEFAULT_CACHE,
             eager: bool = False, trusted: GadgetSettings | None = None,
-            batcher: DecisionBatcher | None = None) -> dict[str, int]:
+            batcher: DecisionBatcher | None = None,
+            max_kspace_bytes: tuple[int, int] | None = None) -> dict[str, int]:
     """The gadget loop, transport-free: ``items`` yields acquisitions (and, from a standalone
     client, JSON parameter strings before the first acquisition); ``send`` delivers images and
     in-band feedback. Bad acquisitions are reported through ``on_error`` and skipped;
@@ -62,9 +63,13 @@ def process(items: Iterable[Any], header: Any, settings: GadgetSettings, send: C
     (:func:`masc_gadget.serving.models.load_models`). ``batcher``: a decision batcher shared
     by the connections of one process (:class:`~masc_gadget.acquisition.batcher.DecisionBatcher`).
 
+    ``max_kspace_bytes``: (budget, slices): a scan whose k-space (slices x coils x matrix x 8
+    bytes) would exceed the budget is refused when its channels are known (the server's
+    ``server.max_kspace_bytes``); None: no budget.
+
     Returns counters (acquisitions, decisions, images, rejected)."""
     ctx = Context(header, settings, send, on_error=on_error, cache=cache, trusted=trusted,
-                  batcher=batcher)
+                  batcher=batcher, max_kspace_bytes=max_kspace_bytes)
     try:
         if eager:
             ctx.start()

@@ -63,6 +63,10 @@ class ServerConfig:
     max_slices: int = 256
     """Most slices a header may announce (encodingLimits slice maximum + 1), and the slice
     indices accepted when the header has no slice limit."""
+    max_kspace_bytes: int = 4 * 2**30
+    """Largest k-space a scan may hold, slices x receive coils x matrix x 8 bytes (4 GiB): a
+    multi-coil scan's buffers grow with its coils, so one whose header and first line announce
+    more is refused before anything is allocated for it."""
     allow: tuple[str, ...] = ()
     """Client addresses allowed to connect (IPs or CIDR networks); empty: every address."""
     token: str = ""
@@ -78,7 +82,7 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0 (0 = torch's default), got {self.threads}")
-        for name in ("max_connections", "max_pending", "max_slices"):
+        for name in ("max_connections", "max_pending", "max_slices", "max_kspace_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("idle_timeout_s", "handshake_timeout_s", "message_timeout_s"):

@@ -76,6 +76,9 @@ class Context:
     closed_loop: bool = False
     """In-band feedback was asked for: the client acquires what the gadget decides, so a slice
     is also finished once its budget is spent (:meth:`finishes`)."""
+    max_kspace_bytes: tuple[int, int] | None = None
+    """(budget, slices): the scan's k-space, slices x coils x matrix x 8 bytes, must fit the
+    budget (the server's ``max_kspace_bytes``); None: no budget."""
     coils: tuple[int, ...] = ()
     """The receive channels of the scan: those of its first imaging acquisition
     (:func:`active_channels`); every later line must carry them."""
@@ -110,6 +113,13 @@ class Context:
         if limit is not None and max(self.coils) >= limit:
             raise ValueError(f"the first acquisition uses channel {max(self.coils)}, but the header has "
                              f"{limit} receiver channel(s)")
+        if self.max_kspace_bytes is not None:
+            budget, n_slices = self.max_kspace_bytes
+            need = n_slices * len(self.coils) * self.geometry.n_pe * self.geometry.n_readout * 8
+            if need > budget:
+                raise ValueError(f"the scan's k-space ({n_slices} slices x {len(self.coils)} coils x "
+                                 f"{self.geometry.n_pe} x {self.geometry.n_readout} samples, {need / 2**30:.1f} GiB) "
+                                 f"exceeds this server's limit of {budget / 2**30:.1f} GiB (server.max_kspace_bytes)")
         if s.zmq_address:
             operator = s.zmq_address == self.trusted.zmq_address
             allowed = (*allowed_endpoints(), s.zmq_address) if operator else None

@@ -109,3 +109,44 @@ def test_engine_takes_one_row_per_coil_and_combines_them():
                                atol=1e-5 * float(results[1][1].max()))
     with pytest.raises(ValueError, match="coil_combine"):
         EngineSettings(n_pe=N, n_readout=N, initial=2, budget=2, seed=0, device="cpu", n_coils=2, coil_combine="x")
+
+
+def test_server_refuses_a_scan_whose_coils_exceed_its_kspace_budget():
+    import json
+    import socket
+
+    from masc_gadget.config import load_config
+    from masc_gadget.mrd.protocol import ID_TEXT, ConnectionClosed, MrdStream
+    from masc_gadget.serving.server import MascServer
+    from tests.conftest import CONFIGS
+
+    # 2 slices x 8 coils x 32 x 32 x 8 bytes = 128 KiB > the 64 KiB budget; one coil fits
+    config = load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu", "server.max_kspace_bytes=65536"])
+    server = MascServer(config, host="127.0.0.1", port=0)
+    _, port = server.start()
+    try:
+        def scan(coils):
+            stream = MrdStream(socket.create_connection(("127.0.0.1", port), timeout=10))
+            stream.send_config_file("default")
+            stream.send_header(_header(coils))
+            stream.send_text(json.dumps({"initial": 2, "budget": 3}))
+            weights = np.ones(coils, np.complex64) / math.sqrt(coils)
+            for acq in _scan([_kspace(0), _kspace(1)], weights if coils > 1 else None):
+                stream.send_acquisition(acq)
+            stream.send_close()
+            texts = []
+            while True:
+                try:
+                    msg = stream.read_message()
+                except ConnectionClosed:
+                    break
+                if msg.id == ID_TEXT:
+                    texts.append(msg.payload)
+            stream.close()
+            return texts
+
+        refused = scan(8)
+        assert any("server.max_kspace_bytes" in t for t in refused), refused
+        assert not any("max_kspace_bytes" in t for t in scan(1))  # and it goes on serving others
+    finally:
+        server.shutdown()
