@@ -111,7 +111,8 @@ def register_study(subparsers: argparse._SubParsersAction, common: argparse.Argu
                             "CoCr / titanium), simulate a test set of the same subjects and report the artifact "
                             "severity (metal vs clean NMSE, SSIM) and, with --checkpoint, MASC against the best "
                             "baseline. Writes study.json and study.md; reruns keep finished datasets.")
-    sp.add_argument("--out", required=True, metavar="DIR")
+    sp.add_argument("--out", required=True, metavar="DIR", help="where study.json and study.md go")
+    sp.add_argument("--data-dir", metavar="DIR", help="where the simulated test sets go (default OUT/datasets)")
     sp.add_argument("--subjects", type=int, default=4, metavar="N", help="test subjects per setting (default 4)")
     sp.add_argument("--studies", metavar="LIST", help="comma-separated subset of: field strength, readout bandwidth, "
                     "implant material (default all)")
@@ -126,7 +127,7 @@ def cmd_study_sim_params(args: argparse.Namespace) -> int:
 
     studies = [s.strip() for s in args.studies.split(",") if s.strip()] if args.studies else None
     report = run_study(args.config, list(args.overrides), args.out, args.subjects, studies, args.checkpoint,
-                       args.population_data)
+                       args.population_data, data_dir=args.data_dir)
     print(render_study(report))
     print(f"written: {Path(args.out) / 'study.json'}, {Path(args.out) / 'study.md'}")
     return 0

@@ -71,10 +71,11 @@ def compare(results: dict[str, Any], method: str = "masc") -> dict[str, Any]:
 
 def run_study(config_path: str | Path | None, overrides: list[str], out: str | Path, subjects: int = 4,
               studies: list[str] | None = None, checkpoint: str | Path | None = None,
-              population_data: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
-    """Simulate each setting's test set under ``out/<study>/<setting>/`` (resumable: a finished
-    dataset is kept) and measure it; returns (and writes ``out/study.json`` and ``study.md``) the
-    report. ``checkpoint``: a MASC checkpoint evaluated on every set with its own MAR network
+              population_data: str | Path | None = None, progress: bool = True,
+              data_dir: str | Path | None = None) -> dict[str, Any]:
+    """Simulate each setting's test set under ``data_dir/<study>/<setting>/`` (default
+    ``out/datasets``; resumable: a finished dataset is kept) and measure it; returns (and writes
+    ``out/study.json`` and ``study.md``) the report. ``checkpoint``: a MASC checkpoint evaluated on every set with its own MAR network
     against the baselines (``population`` too when ``population_data`` names the training set)."""
     from sim_scanner.dataset.simulate import simulate_dataset
     from training.evaluation.evaluate import evaluate
@@ -91,7 +92,7 @@ def run_study(config_path: str | Path | None, overrides: list[str], out: str | P
     for study in chosen:
         rows = []
         for label, setting in STUDIES[study]:
-            folder = out / study.replace(" ", "-") / label.replace(" ", "-")
+            folder = Path(data_dir or out / "datasets") / study.replace(" ", "-") / label.replace(" ", "-")
             base = [*overrides, f"dataset.subjects={subjects}", "dataset.split_fractions=[0.0, 0.0, 1.0]", *setting]
             config: Config = load_config(config_path, base)
             log.info("%s: %s -> %s", study, label, folder)
