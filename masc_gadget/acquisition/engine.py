@@ -8,8 +8,10 @@ One engine serves one connection (one scan, one matrix size). Per slice it keeps
 lines that actually arrived (the scanner is the authority: a line the engine did not ask for
 is stored all the same, a repeated line overwrites), and once a slice has its ``initial``
 lines it asks the policy for the next line after every new line until ``initial + budget``
-lines are in. All slices that want a decision at the same moment are decided in one batched
-pass: zero-filled reconstruction -> one MAR forward -> :meth:`SamplingPolicy.select_batch`.
+lines are in (with ``lines_per_decision`` k > 1: for the next echo train of k lines, once every
+line of the last train is in, sent as k decisions of consecutive steps). All slices that want a
+decision at the same moment are decided in one batched pass: zero-filled reconstruction -> one
+MAR forward -> :meth:`SamplingPolicy.select_batch` (``select_trains`` for k > 1).
 
 Shapes: a slice's k-space is ``(n_coils, n_pe, n_readout)`` complex64 (row k = PE line k of
 centred k-space, as :mod:`masc_gadget.core.kspace`; one plane per receive coil), its mask ``(n_pe,)``
