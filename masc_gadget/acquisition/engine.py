@@ -117,13 +117,13 @@ class EngineSettings:
             raise ValueError(f"n_readout must be >= 1, got {self.n_readout}")
         if self.n_coils < 1:
             raise ValueError(f"n_coils must be >= 1, got {self.n_coils}")
-        if self.lines_per_decision < 1:
-            raise ValueError(f"lines_per_decision must be >= 1, got {self.lines_per_decision}")
         if self.coil_combine not in COMBINES:
             raise ValueError(f"coil_combine must be one of {', '.join(COMBINES)}, got {self.coil_combine!r}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         check_episode(self.n_pe, self.initial, self.budget)
+        if not 1 <= self.lines_per_decision <= self.budget:
+            raise ValueError(f"lines_per_decision must be in [1, budget = {self.budget}], got {self.lines_per_decision}")
         if not isinstance(self.device, str) or not self.device:
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 

@@ -47,8 +47,8 @@ class AcquisitionConfig:
     def __post_init__(self) -> None:
         check_counts(self.initial, self.budget)
         k = self.lines_per_decision
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"lines_per_decision must be an integer >= 1, got {k!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.budget:
+            raise ValueError(f"lines_per_decision must be an integer in [1, budget = {self.budget}], got {k!r}")
         if not self.policy:
             raise ValueError("policy must be a non-empty policy name, got ''")
         if self.seed < 0:

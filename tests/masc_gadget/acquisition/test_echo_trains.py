@@ -68,9 +68,21 @@ def test_learned_trains_are_the_top_k_of_one_forward_pass():
     assert train[0] == policy.select_batch([state])[0]  # k = 1 is the argmax, as before
 
 
-def test_config_rejects_a_zero_train():
+def test_config_rejects_a_train_outside_the_budget():
     with pytest.raises(ValueError, match="lines_per_decision"):
         AcquisitionConfig(lines_per_decision=0)
+    with pytest.raises(ValueError, match=r"\[1, budget = 18\]"):  # a client cannot ask for a huge train
+        AcquisitionConfig(budget=18, lines_per_decision=10**12)
+    with pytest.raises(ValueError, match="lines_per_decision"):
+        EngineSettings(n_pe=N, n_readout=8, initial=2, budget=3, seed=0, device="cpu", lines_per_decision=4)
+
+
+def test_a_connection_asking_for_a_huge_train_gets_an_error():
+    from masc_gadget.config import ConfigError
+    from masc_gadget.serving.settings import GadgetSettings, settings_from_json
+
+    with pytest.raises(ConfigError, match="lines_per_decision"):
+        settings_from_json('{"budget": 5, "lines_per_decision": 1000000000000}', GadgetSettings())
 
 
 @pytest.mark.parametrize("interleave", [False, True])
