@@ -23,6 +23,7 @@ trained on the hip simulation), written through :mod:`sim_scanner.dataset.layout
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import dataclass
@@ -30,8 +31,10 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import torch
 
 from masc_gadget.config import Config, to_dict
+from masc_gadget.core.kspace import fft2c, magnitude
 from sim_scanner.dataset.layout import (SubjectData, prepare_folder, subject_file, subject_id, write_manifest,
                                         write_subject)
 from sim_scanner.physics.artifact2d import Artifact2DConfig, add_implant
@@ -57,8 +60,7 @@ def _fastmri(path: Path, f: h5py.File) -> Volume:
         k = np.asarray(f["kspace"])
         if k.ndim != 3 or not np.iscomplexobj(k):
             raise ValueError(f"{path}: fastMRI 'kspace' must be complex [slice, kx, ky], got {k.dtype} {k.shape}")
-        images = np.abs(np.fft.fftshift(np.fft.ifft2(np.fft.ifftshift(k, axes=(-2, -1)), norm="ortho"),
-                                        axes=(-2, -1)))
+        images = magnitude(torch.from_numpy(k)).numpy().astype(np.float64)
     if images.ndim != 3:
         raise ValueError(f"{path}: fastMRI images must be [slice, y, x], got shape {images.shape}")
     return Volume(path.stem, images, "fastmri")
@@ -87,8 +89,7 @@ def _ismrmrd(path: Path) -> Volume:
             raise ValueError(f"{path}: acquisition with line {pe} / {a.active_channels} coils does not fit the "
                              f"header's {n_pe} lines and {n_coils} coils")
         kspace[a.idx.slice, :, pe, :] = a.data
-    coils = np.fft.fftshift(np.fft.ifft2(np.fft.ifftshift(kspace, axes=(-2, -1)), norm="ortho"), axes=(-2, -1))
-    images = np.sqrt((np.abs(coils) ** 2).sum(axis=1))
+    images = np.sqrt((magnitude(torch.from_numpy(kspace)).numpy().astype(np.float64) ** 2).sum(axis=1))
     if images.shape[-1] > n_ro:  # readout oversampling: keep the encoded field of view
         start = (images.shape[-1] - n_ro) // 2
         images = images[..., start:start + n_ro]
@@ -197,8 +198,6 @@ def _local_skimage_brain() -> np.ndarray | None:
 def prepare_slice(image: np.ndarray, matrix: tuple[int, int]) -> np.ndarray:
     """Centre-crop to a square, resample (area-averaging bilinear) to ``matrix``, scale so that
     the 99th percentile is 1."""
-    import torch
-
     image = np.abs(np.asarray(image, dtype=np.float64))
     h, w = image.shape
     side = min(h, w)
@@ -213,7 +212,7 @@ def prepare_slice(image: np.ndarray, matrix: tuple[int, int]) -> np.ndarray:
 
 
 def _fft2c(image: np.ndarray) -> np.ndarray:
-    return np.fft.fftshift(np.fft.fft2(np.fft.ifftshift(image, axes=(-2, -1)), norm="ortho"), axes=(-2, -1))
+    return fft2c(torch.from_numpy(image)).numpy()
 
 
 def simulate_external(config: Config, volumes: list[Volume], out: str | Path, draws: int = 1,
@@ -256,10 +255,8 @@ def simulate_external(config: Config, volumes: list[Volume], out: str | Path, dr
         n = len(clean)
         data = SubjectData(
             subject_id=sid, kspace_metal=k_metal.astype(np.complex64), kspace_clean=k_clean.astype(np.complex64),
-            images_metal=np.abs(np.fft.fftshift(np.fft.ifft2(np.fft.ifftshift(k_metal, axes=(-2, -1)), norm="ortho"),
-                                                axes=(-2, -1))).astype(np.float32),
-            images_clean=np.abs(np.fft.fftshift(np.fft.ifft2(np.fft.ifftshift(k_clean, axes=(-2, -1)), norm="ortho"),
-                                                axes=(-2, -1))).astype(np.float32),
+            images_metal=magnitude(torch.from_numpy(k_metal)).numpy().astype(np.float32),
+            images_clean=magnitude(torch.from_numpy(k_clean)).numpy().astype(np.float32),
             implant_mask=np.stack(implant).astype(np.uint8), field_map_hz=np.stack(field).astype(np.float32),
             slice_centres_mm=[float(i * seq.slice_thickness_mm) for i in range(n)], fov_centre_mm=(0.0, 0.0),
             anatomy={"external": {"name": volume.name, "source": volume.source}},
@@ -268,8 +265,6 @@ def simulate_external(config: Config, volumes: list[Volume], out: str | Path, dr
         )
         write_subject(data, subject_file(out, "test", sid), config, "test")
     manifest.update(manifest_extra)
-    import json
-
     (out / "external.json").write_text(json.dumps(manifest_extra, indent=1) + "\n")
     log.info("external dataset %s: %d volumes, %d slices", out, len(volumes),
              sum(len(v.images) for v in volumes) * draws)
