@@ -50,7 +50,8 @@ def plot_curves(results: dict[str, Any], out: str | Path, metrics: tuple[str, ..
             ax.set_title(f"{acc} ({block['initial']} + {block['budget']} of {block['n_pe']} lines)")
             ax.grid(alpha=0.3)
             if r == 0 and c == len(metrics) - 1:
-                ax.legend(fontsize=8, loc="best")
+                # outside the axes: with a dozen methods, a legend inside covers the curves
+                ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
     fig.suptitle(f"{results['split']} split, {results['n_slices']} slices: mean ± std", fontsize=11)
     fig.savefig(out, dpi=100)
     plt.close(fig)
