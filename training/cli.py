@@ -81,6 +81,8 @@ def register_eval(subparsers: argparse._SubParsersAction, common: argparse.Argum
     ev.add_argument("--seeds", default="0", metavar="LIST", help="with --suite: training seeds, e.g. 0,1,2 (default 0)")
     ev.add_argument("--external", metavar="DIR", help="with --suite: a held-out set (masc simulate external) for Table 3")
     ev.add_argument("--oracle", action="store_true", help="with --suite: add the greedy oracle to Table 1 (slow)")
+    ev.add_argument("--resume", action="store_true", help="with --suite: read back the tables already in --out that "
+                    "were evaluated with the same models, data and config (their inputs.json) instead of evaluating them again")
     ev.add_argument("--compare", default="masc", metavar="NAME",
                     help="with --combine: the method compared with every other row (default masc)")
     ev.add_argument("--alpha", type=float, default=0.01,
@@ -213,7 +215,8 @@ def cmd_eval_suite(args: argparse.Namespace) -> int:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     except ValueError:
         raise CommandError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
-    report = run_suite(config_from_args(args), args.data, args.runs, args.out, seeds, args.external, args.oracle)
+    report = run_suite(config_from_args(args), args.data, args.runs, args.out, seeds, args.external, args.oracle,
+                       resume=args.resume)
     print(render_suite(report))
     print(f"written: {Path(args.out) / 'suite.md'}")
     return 0
@@ -226,6 +229,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return cmd_eval_combine(args)
     if args.suite:
         return cmd_eval_suite(args)
+    if args.resume:
+        raise CommandError("--resume goes with --suite (one masc eval has nothing to resume)")
     if not args.data:
         raise CommandError("masc eval needs --data DIR (or --combine DIR,DIR,... to combine seeds)")
     from training.evaluation.evaluate import evaluate, write_outputs

@@ -29,11 +29,19 @@ and writes, under ``--out``:
   each seed (``masc eval --combine``), with two or more seeds;
 * ``suite.json`` and ``suite.md``: Table 2 over seeds, each method's training time (from its
   log), and where every table is.
+
+Each table folder also gets ``inputs.json``: the data, split, methods, configuration and the
+SHA-256 of the dataset manifest and of every checkpoint it was evaluated with. With
+``resume=True`` (``masc eval --suite paper --resume``) a table whose ``inputs.json`` matches the
+current inputs is read back instead of evaluated again, so an interrupted suite, or seeds
+evaluated one at a time in parallel processes, finish without repeating work; a table whose
+inputs changed (a retrained model, another config) is evaluated again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -45,12 +53,12 @@ import numpy as np
 from masc_gadget.config import Config
 from training.csvlog import read_rows
 from training.evaluation.evaluate import evaluate, write_outputs
-from training.evaluation.seeds import combine_seeds, write_combined
+from training.evaluation.seeds import combine_seeds, load_results, write_combined
 from training.evaluation.stats import mean_std
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ABLATIONS", "LEARNED", "render_suite", "run_suite", "training_seconds"]
+__all__ = ["ABLATIONS", "LEARNED", "render_suite", "run_suite", "table_inputs", "training_seconds"]
 
 LEARNED = ("masc", "dqn", "ss-ddqn", "loupe")
 """Learned methods, each read from ``<name>_sS.pt``."""
@@ -81,9 +89,47 @@ def _row(results: dict[str, Any], key: str, acc: str | None = None) -> dict[str,
     return next((r for r in block["rows"] if r["key"] == key), None)
 
 
+def _sha256(path: str | Path) -> str | None:
+    path = Path(path)
+    if not path.is_file():
+        return None
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def table_inputs(config: Config, data_dir: str | Path, methods: list[str], mar: str | Path,
+                 checkpoints: list[str]) -> dict[str, Any]:
+    """What a table's numbers depend on: recorded in its ``inputs.json``, compared on resume."""
+    return {"data": str(data_dir), "manifest_sha256": _sha256(Path(data_dir) / "manifest.json"), "split": "test",
+            "methods": list(methods), "config": config.to_dict(),
+            "mar": {"path": str(mar), "sha256": _sha256(mar)},
+            "checkpoints": [{"path": str(c), "sha256": _sha256(c)} for c in checkpoints]}
+
+
+def _evaluate_table(config: Config, data_dir: str | Path, methods: list[str], mar: str | Path,
+                    checkpoint: str | list[str], folder: Path, resume: bool, progress: bool) -> dict[str, Any]:
+    """One table: read back from ``folder`` when resuming and its inputs match, else evaluated."""
+    inputs = table_inputs(config, data_dir, methods, mar, [checkpoint] if isinstance(checkpoint, str) else checkpoint)
+    stamp = folder / "inputs.json"
+    if resume and stamp.is_file() and (folder / "results.json").is_file():
+        if json.loads(stamp.read_text()) == json.loads(json.dumps(inputs)):
+            log.info("resume: %s already evaluated with these inputs, read back", folder)
+            return load_results(folder)
+        log.info("resume: %s was evaluated with other inputs (a model or the config changed): evaluating again", folder)
+    results, figures = evaluate(config, data_dir, "test", methods, mar, progress=progress, checkpoint=checkpoint)
+    write_outputs(results, figures, folder)
+    stamp.write_text(json.dumps(inputs, indent=1) + "\n")
+    return results
+
+
 def run_suite(config: Config, data_dir: str | Path, runs: str | Path, out: str | Path, seeds: list[int],
-              external: str | Path | None = None, oracle: bool = False, progress: bool = True) -> dict[str, Any]:
-    """Evaluate every table of the module docstring; returns the suite report (also written)."""
+              external: str | Path | None = None, oracle: bool = False, progress: bool = True,
+              resume: bool = False) -> dict[str, Any]:
+    """Evaluate every table of the module docstring; returns the suite report (also written).
+    ``resume``: read back tables already evaluated with the same inputs (module docstring)."""
     runs, out = Path(runs), Path(out)
     if not seeds:
         raise ValueError("name at least one seed")
@@ -106,8 +152,7 @@ def run_suite(config: Config, data_dir: str | Path, runs: str | Path, out: str |
         for name, path in [("mar", mar), *((n, files[n]) for n in learned)]:
             report["training_seconds"].setdefault(name, []).append(training_seconds(path))
         log.info("suite, seed %d: Table 1 (%s)", seed, ", ".join(methods))
-        results, figures = evaluate(config, data_dir, "test", methods, mar, progress=progress, checkpoint=checkpoints)
-        write_outputs(results, figures, out / f"table1_s{seed}")
+        results = _evaluate_table(config, data_dir, methods, mar, checkpoints, out / f"table1_s{seed}", resume, progress)
         table1.append((f"seed {seed}", results))
         for key, label in {**ABLATIONS, "joint": "MASC (joint)"}.items():
             path = files["masc"] if key == "joint" else runs / f"ablation-{key}_s{seed}.pt"
@@ -116,8 +161,8 @@ def run_suite(config: Config, data_dir: str | Path, runs: str | Path, out: str |
             if key == "joint":
                 res = results
             else:
-                res, figs = evaluate(config, data_dir, "test", ["masc"], mar, progress=progress, checkpoint=str(path))
-                write_outputs(res, figs, out / f"table2_{key}_s{seed}")
+                res = _evaluate_table(config, data_dir, ["masc"], mar, str(path), out / f"table2_{key}_s{seed}",
+                                      resume, progress)
                 report["training_seconds"].setdefault(f"ablation-{key}", []).append(training_seconds(path))
             entry = report["table2"].setdefault(key, {"label": label, "nomar": [], "mar": []})
             for setting, row_key in (("nomar", "masc+nomar"), ("mar", "masc")):
@@ -126,9 +171,8 @@ def run_suite(config: Config, data_dir: str | Path, runs: str | Path, out: str |
         if external:
             ext_config = _with_population_data(config, data_dir)
             log.info("suite, seed %d: Table 3 on %s", seed, external)
-            res, figs = evaluate(ext_config, external, "test", [m for m in methods if m != "oracle"], mar,
-                                 progress=progress, checkpoint=checkpoints)
-            write_outputs(res, figs, out / f"table3_s{seed}")
+            res = _evaluate_table(ext_config, external, [m for m in methods if m != "oracle"], mar, checkpoints,
+                                  out / f"table3_s{seed}", resume, progress)
             table3.append((f"seed {seed}", res))
     for name, runs_of in (("table1", table1), ("table3", table3)):
         if not runs_of:

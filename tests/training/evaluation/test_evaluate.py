@@ -131,3 +131,6 @@ def test_bad_inputs(tiny_dataset, tmp_path, capsys, mar_checkpoint):
     assert main(["eval", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset),
                  "--set", "eval.accelerations={big: [10, 40]}", "--out", str(tmp_path)]) == 2
     assert "must be <= number of PE lines (32)" in capsys.readouterr().err
+    assert main(["eval", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset), "--resume",
+                 "--out", str(tmp_path)]) == 2
+    assert "--resume goes with --suite" in capsys.readouterr().err

@@ -15,7 +15,7 @@ from training.loupe import train_loupe
 from tests.conftest import CONFIGS
 
 
-def test_suite_writes_every_table_from_a_runs_folder(tiny_dataset, tmp_path, perturbed_mar):
+def test_suite_writes_every_table_from_a_runs_folder(tiny_dataset, tmp_path, perturbed_mar, monkeypatch):
     runs = tmp_path / "runs"
     runs.mkdir()
     config = load_config(CONFIGS / "tiny.yaml", ["masc_train.rollouts=2", "loupe.epochs=1", "loupe.device=cpu",
@@ -46,6 +46,28 @@ def test_suite_writes_every_table_from_a_runs_folder(tiny_dataset, tmp_path, per
     assert report["table2"]["metal"]["label"].startswith("metal-trained") and len(report["table2"]["joint"]["mar"]) == 2
     assert report["training_seconds"]["masc"][0] > 0 and report["training_seconds"]["loupe"][0] > 0
     assert (out / "suite.md").read_text() == render_suite(json.loads((out / "suite.json").read_text()))
+
+    # --resume reads back every table evaluated with the same inputs, and evaluates again only the
+    # one whose model changed (here: the metal ablation retrained with another seed)
+    import training.evaluation.suite as suite_module
+    real_evaluate, evaluated = suite_module.evaluate, []
+
+    def counting_evaluate(cfg, data, split, methods, mar, **kwargs):
+        evaluated.append((str(data), tuple(methods), str(kwargs.get("checkpoint"))))
+        return real_evaluate(cfg, data, split, methods, mar, **kwargs)
+
+    monkeypatch.setattr(suite_module, "evaluate", counting_evaluate)
+    again = run_suite(config, tiny_dataset, runs, out, [0, 1], external=tmp_path / "ext", progress=False, resume=True)
+    assert evaluated == [] and again["table2"] == report["table2"]
+    assert json.loads((out / "table1_s1" / "inputs.json").read_text())["checkpoints"][0]["path"].endswith("masc_s1.pt")
+    train_masc(load_config(CONFIGS / "tiny.yaml", ["masc_train.rollouts=2", "masc_train.mar_mode=none",
+                                                   "masc_train.seed=3"]),
+               tiny_dataset, None, runs / "ablation-metal_s0.pt", progress=False)
+    run_suite(config, tiny_dataset, runs, out, [0, 1], external=tmp_path / "ext", progress=False, resume=True)
+    assert [e[1] for e in evaluated] == [("masc",)] and evaluated[0][2].endswith("ablation-metal_s0.pt")
+    run_suite(config, tiny_dataset, runs, out, [1], progress=False)  # without resume: evaluated again
+    assert len(evaluated) == 2 and evaluated[1][2].endswith("masc_s1.pt']")
+
     with pytest.raises(FileNotFoundError, match="mar_s5.pt is missing"):
         run_suite(config, tiny_dataset, runs, tmp_path / "o2", [5], progress=False)
     assert training_seconds(runs / "nothing.pt") is None
