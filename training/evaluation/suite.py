@@ -54,7 +54,7 @@ from masc_gadget.config import Config
 from training.csvlog import read_rows
 from training.evaluation.evaluate import evaluate, write_outputs
 from training.evaluation.seeds import combine_seeds, load_results, write_combined
-from training.evaluation.stats import mean_std
+from training.evaluation.stats import mean_std, paired_tests
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +154,7 @@ def run_suite(config: Config, data_dir: str | Path, runs: str | Path, out: str |
         log.info("suite, seed %d: Table 1 (%s)", seed, ", ".join(methods))
         results = _evaluate_table(config, data_dir, methods, mar, checkpoints, out / f"table1_s{seed}", resume, progress)
         table1.append((f"seed {seed}", results))
+        ablation_rows: dict[str, dict[str, Any] | None] = {}
         for key, label in {**ABLATIONS, "joint": "MASC (joint)"}.items():
             path = files["masc"] if key == "joint" else runs / f"ablation-{key}_s{seed}.pt"
             if not path.is_file():
@@ -164,10 +165,15 @@ def run_suite(config: Config, data_dir: str | Path, runs: str | Path, out: str |
                 res = _evaluate_table(config, data_dir, ["masc"], mar, str(path), out / f"table2_{key}_s{seed}",
                                       resume, progress)
                 report["training_seconds"].setdefault(f"ablation-{key}", []).append(training_seconds(path))
-            entry = report["table2"].setdefault(key, {"label": label, "nomar": [], "mar": []})
+            entry = report["table2"].setdefault(key, {"label": label, "nomar": [], "mar": [], "joint_minus": []})
             for setting, row_key in (("nomar", "masc+nomar"), ("mar", "masc")):
                 row = _row(res, row_key)
                 entry[setting].append(row["summary"]["ssim"]["mean"] if row else math.nan)
+            ablation_rows[key] = _row(res, "masc")
+        joint = ablation_rows.get("joint")
+        for key, row in ablation_rows.items():
+            if key != "joint":
+                report["table2"][key]["joint_minus"].append({"seed": seed, **_joint_minus(joint, row)})
         if external:
             ext_config = _with_population_data(config, data_dir)
             log.info("suite, seed %d: Table 3 on %s", seed, external)
@@ -188,6 +194,15 @@ def run_suite(config: Config, data_dir: str | Path, runs: str | Path, out: str |
     return report
 
 
+def _joint_minus(joint: dict[str, Any] | None, row: dict[str, Any] | None) -> dict[str, float]:
+    """MASC (joint) minus an ablation, both with the pre-trained MAR: mean SSIM difference over the
+    slices and the paired tests (Table 2's "MASC outperforms all ablation variants")."""
+    if joint is None or row is None:
+        return {"diff": math.nan, "p_ttest": math.nan, "p_wilcoxon": math.nan}
+    a, b = np.asarray(joint["per_slice"]["ssim"]), np.asarray(row["per_slice"]["ssim"])
+    return {"diff": float(np.mean(a - b)), **{k: v for k, v in paired_tests(a, b).items() if k.startswith("p_")}}
+
+
 def _with_population_data(config: Config, data_dir: str | Path) -> Config:
     """``config`` with ``eval.population_data`` set to the training dataset."""
     sections = dict(config.sections)
@@ -203,6 +218,12 @@ def _ms(values: list[float]) -> str:
     return f"{stats['mean']:.4f}" + (f" ± {stats['std']:.4f}" if len(finite) > 1 else "")
 
 
+def _p(p: float) -> str:
+    if p is None or not math.isfinite(p):
+        return "–"
+    return f"{p:.3f}" if p >= 1e-3 else f"{p:.0e}"
+
+
 def render_suite(report: dict[str, Any]) -> str:
     """suite.md: Table 2 over seeds, training times and the tables' folders (from the report only)."""
     seeds = report["seeds"]
@@ -212,9 +233,13 @@ def render_suite(report: dict[str, Any]) -> str:
         shown = ", ".join(f"`{w}`" for w in where) if isinstance(where, list) else f"`{where}`"
         lines.append(f"- {name}: {shown}")
     lines += ["", "## Table 2: ablations (test SSIM, mean ± sd over seeds)", "",
-              "| ablation | without MAR | with MAR |", "| --- | --- | --- |"]
+              "MASC - ablation: both with the pre-trained MAR network, per seed, paired over the slices "
+              "(p: t-test / Wilcoxon).", "",
+              "| ablation | without MAR | with MAR | MASC - ablation per seed (p) |", "| --- | --- | --- | --- |"]
     for entry in report["table2"].values():
-        lines.append(f"| {entry['label']} | {_ms(entry['nomar'])} | {_ms(entry['mar'])} |")
+        versus = " ; ".join(f"s{d['seed']} {d['diff']:+.4f} ({_p(d['p_ttest'])} / {_p(d['p_wilcoxon'])})"
+                            for d in entry.get("joint_minus", []))
+        lines.append(f"| {entry['label']} | {_ms(entry['nomar'])} | {_ms(entry['mar'])} | {versus or '–'} |")
     lines += ["", "## Training time (from each model's log, seconds, mean over seeds)", "",
               "| model | seconds |", "| --- | --- |"]
     for name, values in report["training_seconds"].items():

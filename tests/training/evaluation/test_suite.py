@@ -44,6 +44,14 @@ def test_suite_writes_every_table_from_a_runs_folder(tiny_dataset, tmp_path, per
     table3 = json.loads((out / "table3_s0" / "results.json").read_text())
     assert table3["n_slices"] == 2 and table3["population"]["data"] == str(tiny_dataset)
     assert report["table2"]["metal"]["label"].startswith("metal-trained") and len(report["table2"]["joint"]["mar"]) == 2
+    versus = report["table2"]["metal"]["joint_minus"]  # MASC - ablation, paired over the slices
+    assert [v["seed"] for v in versus] == [0] and 0 <= versus[0]["p_ttest"] <= 1
+    metal = json.loads((out / "table2_metal_s0" / "results.json").read_text())
+    metal_rows = {r["key"]: r for r in metal["accelerations"]["10x"]["rows"]}
+    joint_rows = {r["key"]: r for r in table1["accelerations"]["10x"]["rows"]}
+    assert versus[0]["diff"] == pytest.approx(np.mean(np.subtract(joint_rows["masc"]["per_slice"]["ssim"],
+                                                                   metal_rows["masc"]["per_slice"]["ssim"])))
+    assert f"s0 {versus[0]['diff']:+.4f}" in (out / "suite.md").read_text()
     assert report["training_seconds"]["masc"][0] > 0 and report["training_seconds"]["loupe"][0] > 0
     assert (out / "suite.md").read_text() == render_suite(json.loads((out / "suite.json").read_text()))
 
