@@ -58,7 +58,7 @@ from training.evaluation.stats import mean_std, paired_tests
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ABLATIONS", "LEARNED", "render_suite", "run_suite", "table_inputs", "training_seconds"]
+__all__ = ["ABLATIONS", "LEARNED", "render_suite", "run_suite", "training_seconds"]
 
 LEARNED = ("masc", "dqn", "ss-ddqn", "loupe")
 """Learned methods, each read from ``<name>_sS.pt``."""
@@ -100,7 +100,7 @@ def _sha256(path: str | Path) -> str | None:
     return digest.hexdigest()
 
 
-def table_inputs(config: Config, data_dir: str | Path, methods: list[str], mar: str | Path,
+def _table_inputs(config: Config, data_dir: str | Path, methods: list[str], mar: str | Path,
                  checkpoints: list[str]) -> dict[str, Any]:
     """What a table's numbers depend on: recorded in its ``inputs.json``, compared on resume."""
     return {"data": str(data_dir), "manifest_sha256": _sha256(Path(data_dir) / "manifest.json"), "split": "test",
@@ -112,7 +112,7 @@ def table_inputs(config: Config, data_dir: str | Path, methods: list[str], mar: 
 def _evaluate_table(config: Config, data_dir: str | Path, methods: list[str], mar: str | Path,
                     checkpoint: str | list[str], folder: Path, resume: bool, progress: bool) -> dict[str, Any]:
     """One table: read back from ``folder`` when resuming and its inputs match, else evaluated."""
-    inputs = table_inputs(config, data_dir, methods, mar, [checkpoint] if isinstance(checkpoint, str) else checkpoint)
+    inputs = _table_inputs(config, data_dir, methods, mar, [checkpoint] if isinstance(checkpoint, str) else checkpoint)
     stamp = folder / "inputs.json"
     if resume and stamp.is_file() and (folder / "results.json").is_file():
         if json.loads(stamp.read_text()) == json.loads(json.dumps(inputs)):
