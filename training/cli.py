@@ -65,10 +65,13 @@ def register_eval(subparsers: argparse._SubParsersAction, common: argparse.Argum
     ev.add_argument("--data", metavar="DIR", help="dataset folder (required unless --combine)")
     ev.add_argument("--split", default="test", choices=["train", "val", "test"])
     ev.add_argument("--methods", metavar="LIST", help="comma-separated policy names (default: eval.methods)")
-    ev.add_argument("--mar", metavar="CKPT", help="MAR checkpoint (without it: no-MAR rows only)")
+    ev.add_argument("--mar", metavar="CKPT", help="MAR network of the baselines and of learned methods without "
+                    "their own (without it: those are scored without MAR only); it never replaces the MAR network "
+                    "a learned checkpoint carries")
     ev.add_argument("--checkpoint", metavar="CKPT[,CKPT...]", help="trained checkpoints of the learned methods "
                     "(masc, dqn, ss-ddqn, loupe; each file's kind says which); a checkpoint that carries its own "
-                    "MAR network (masc, loupe) uses it for its method's MAR rows")
+                    "MAR network (masc, loupe) observes through it and is scored with it, with or without --mar, "
+                    "as the gadget serves it")
     ev.add_argument("--reference", metavar="ROW", help="row for the p-values, e.g. random or random+nomar")
     ev.add_argument("--combine", metavar="DIR,DIR[,...]",
                     help="instead of evaluating: combine the outputs of earlier masc eval runs, one per "

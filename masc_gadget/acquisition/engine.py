@@ -27,6 +27,8 @@ rejects samples that are NaN or inf or whose real or imaginary part exceeds
 on (zero-filled and MAR) is checked, and a line after which it is not finite is rejected by
 :meth:`AcquisitionEngine.on_line` with the slice's previous state kept. A final image whose MAR
 output is not finite falls back to the zero-filled image (named so in ``SliceResult.mar``).
+Final images are the served ones of :func:`masc_gadget.core.served.served_images`, the function
+``masc eval`` and the training environment score.
 
 Randomness: each slice draws from its own ``slice_rng(seed, slice)`` stream, kept across its
 steps, so a random policy makes the same choices for a slice whatever the interleaving of the
@@ -52,6 +54,7 @@ from masc_gadget.acquisition.batcher import DecisionBatcher, DecisionRequest, sp
 from masc_gadget.acquisition.episode import AcquisitionState, EpisodeBatch, check_episode, select_trains
 from masc_gadget.acquisition.policies import SamplingPolicy, slice_rng
 from masc_gadget.core.coils import COMBINES, coil_combine
+from masc_gadget.core.served import served_images
 from masc_gadget.device import resolve_device
 
 __all__ = ["AcquisitionEngine", "Decision", "EngineSettings", "SliceResult"]
@@ -75,6 +78,14 @@ class _Undo(NamedTuple):
     awaiting: bool
     n_decided: int
     pending: frozenset
+
+
+class _Served(NamedTuple):
+    """Served images of B finished slices, numpy on the CPU."""
+
+    zero_filled: np.ndarray  # (B, n_pe, n_readout) float32
+    image: np.ndarray  # (B, n_pe, n_readout) float32
+    mar_used: np.ndarray  # (B,) bool
 
 
 def _is_int(value: Any) -> bool:
@@ -140,9 +151,10 @@ class SliceResult:
     slice: int
     image: np.ndarray
     """(n_pe, n_readout) float32: MAR-corrected magnitude of the acquired lines (the zero-filled
-    image when MAR is off)."""
+    image when MAR is off), as served (:func:`masc_gadget.core.served.served_images`: >= 0)."""
     zero_filled: np.ndarray
-    """(n_pe, n_readout) float32: zero-filled magnitude of the acquired lines (coils combined)."""
+    """(n_pe, n_readout) float32: zero-filled magnitude of the acquired lines (coils combined),
+    as served."""
     lines: list[int]
     """Acquired lines in arrival order (a repeated line listed once, where it first came)."""
     decided: list[int]
@@ -260,6 +272,26 @@ class AcquisitionEngine:
             zf_np = zf.cpu().numpy()
             mar_np = None if corrected is None else corrected.float().cpu().numpy()
         return zf_np, mar_np
+
+    def _served(self, keys: Sequence[int], kspace: np.ndarray, mask: np.ndarray) -> _Served:
+        """The served images of the finished slices ``keys``
+        (:func:`masc_gadget.core.served.served_images`): kspace (B, n_coils, n_pe, n_readout),
+        mask (B, n_pe) -> (B, n_pe, n_readout) float32 numpy images and (B,) whether each image
+        is the MAR one. Logs what it replaced."""
+        with torch.no_grad():
+            k = torch.from_numpy(kspace).to(self.device)
+            zf = coil_combine(k, torch.from_numpy(mask).to(self.device), self.settings.coil_combine)
+            zf_finite = _finite(zf.cpu().numpy())
+            corrected = self.mar(zf) if self.mar is not None else None
+            served = served_images(zf, corrected)
+        if not zf_finite.all():
+            log.error("slice(s) %s: zero-filled image not finite; non-finite pixels set to 0",
+                      [k for k, ok in zip(keys, zf_finite) if not ok])
+        used = served.mar_used.cpu().numpy()
+        if self.mar is not None and not used.all():
+            log.error("slice(s) %s: MAR image not finite; the zero-filled image is returned",
+                      [k for k, ok in zip(keys, used) if not ok])
+        return _Served(served.zero_filled.cpu().numpy(), served.image.cpu().numpy(), used)
 
     # --- lines ------------------------------------------------------------------------------------
 
@@ -556,21 +588,16 @@ class AcquisitionEngine:
         if not keys:
             return []
         bufs = [self._slices[k] for k in keys]
-        zf, mar = self._reconstruct(
-            np.stack([b.kspace for b in bufs]),
-            np.concatenate([b.episode.masks for b in bufs]),
-            with_mar=self.mar is not None,
-        )
-        images, used_mar = _final_images(keys, zf, mar)
+        served = self._served(keys, np.stack([b.kspace for b in bufs]), np.concatenate([b.episode.masks for b in bufs]))
         results = [
             SliceResult(
                 slice=k,
-                image=images[i].copy(),
-                zero_filled=zf[i].copy(),
+                image=served.image[i],
+                zero_filled=served.zero_filled[i],
                 lines=b.episode.lines(0),
                 decided=list(b.decided),
                 policy=self.policy_name,
-                mar=self.mar_name if mar is None or used_mar[i] else NON_FINITE_MAR,
+                mar=self.mar_name if self.mar is None or served.mar_used[i] else NON_FINITE_MAR,
             )
             for i, (k, b) in enumerate(zip(keys, bufs))
         ]
@@ -599,23 +626,3 @@ NON_FINITE_MAR = "none (MAR output not finite)"
 def _finite(images: np.ndarray) -> np.ndarray:
     """(B,) bool: each (n_pe, n_readout) image of ``images`` (B, ...) is finite everywhere."""
     return np.isfinite(images.reshape(len(images), -1)).all(axis=1)
-
-
-def _final_images(keys: Sequence[int], zf: np.ndarray, mar: np.ndarray | None
-                  ) -> tuple[list[np.ndarray], list[bool]]:
-    """(image, whether it is the MAR one) of each finished slice: its MAR image, or its
-    zero-filled one where MAR is off or its output is not finite; non-finite zero-filled pixels
-    (impossible within :data:`MAX_SAMPLE_MAGNITUDE`, kept as a last resort) become 0. Logs what
-    it replaced."""
-    zf_ok = _finite(zf)
-    if not zf_ok.all():
-        log.error("slice(s) %s: zero-filled image not finite; non-finite pixels set to 0",
-                  [k for k, ok in zip(keys, zf_ok) if not ok])
-        zf[~zf_ok] = np.nan_to_num(zf[~zf_ok], nan=0.0, posinf=0.0, neginf=0.0)
-    if mar is None:
-        return list(zf), [False] * len(zf)
-    mar_ok = _finite(mar)
-    if not mar_ok.all():
-        log.error("slice(s) %s: MAR image not finite; the zero-filled image is returned",
-                  [k for k, ok in zip(keys, mar_ok) if not ok])
-    return [mar[i] if ok else zf[i] for i, ok in enumerate(mar_ok)], [bool(ok) for ok in mar_ok]

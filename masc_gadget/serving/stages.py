@@ -311,16 +311,15 @@ def make_image(result: SliceResult, template: ismrmrd.AcquisitionHeader | None, 
     """The finished slice as an ``ismrmrd.Image`` (magnitude, float32, (y, x) = (PE, RO)) with
     meta attributes listing the acquired lines, the policy and the versions.
 
-    Pixels: the image is tagged ``IMTYPE_MAGNITUDE``, so it is clamped at 0 (the MAR network's
-    residual can dip slightly below zero; a magnitude never does). Meta attributes: every one
+    Pixels: the engine's served images (:func:`masc_gadget.core.served.served_images`, clamped
+    at 0 as a magnitude, the image tagged ``IMTYPE_MAGNITUDE``), unchanged. Meta attributes: every one
     written has at least one ``<value>`` (Gadgetron's C++ parser rejects a ``<meta>`` without
     one and ends the stream): ``MASC.lines`` (acquired lines, arrival order) and
     ``MASC.decided`` (those the gadget had asked for) are left out when empty, e.g.
     ``MASC.decided`` of an open-loop slice; ``MASC.policy`` and ``MASC.mar`` are printable
     ASCII of at most 128 characters.
     """
-    data = (result.zero_filled if zero_filled else result.image).astype(np.float32)
-    data = np.maximum(data, np.float32(0.0))
+    data = np.ascontiguousarray(result.zero_filled if zero_filled else result.image, dtype=np.float32)
     image = ismrmrd.Image.from_array(data, transpose=False)
     image.image_type = ismrmrd.IMTYPE_MAGNITUDE
     image.image_series_index = series

@@ -58,6 +58,7 @@ from masc_gadget.acquisition.policies import SamplingPolicy, make_policy
 from masc_gadget.config import Config, to_dict
 from masc_gadget.core.coils import coil_combine
 from masc_gadget.core.metrics import slice_metrics
+from masc_gadget.core.served import served_images
 from masc_gadget.mrd.header import flag_mask
 from sim_scanner.dataset import mrd_hdf5 as mrd
 from sim_scanner.dataset.layout import (
@@ -430,8 +431,7 @@ def _score_slices(
     """Score every slice (the gadget's image, else the scanner's zero-filled one) and its
     zero-filled reconstruction against ``targets``; fill the slice reports into ``report`` and
     sum them. Returns the zero-filled images that stand in for missing ones, by slice."""
-    zf = coil_combine(torch.from_numpy(acquired), masks, "rss")
-    zf_images = zf.numpy().astype(np.float32)
+    zf_images = served_images(coil_combine(torch.from_numpy(acquired), masks, "rss")).zero_filled.numpy()
     shape = tuple(targets.shape[1:])
     preds, zero_filled_written = _pick_images(states, by_slice, zf_images, shape, report.gadget_errors)
     zf_scores = _scores(zf_images, targets)

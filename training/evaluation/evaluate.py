@@ -22,6 +22,7 @@ from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
 from masc_gadget.core.kspace import zero_filled
 from masc_gadget.core.metrics import METRICS, slice_metrics
+from masc_gadget.core.served import served_images
 from masc_gadget.acquisition.policies import FixedOrder, SamplingPolicy, make_policy, slice_rng
 from training.data import SliceSet, load_split, spread_subset
 from training.oracle import NAME as ORACLE
@@ -94,8 +95,12 @@ class Trajectories:
 def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: int, budget: int,
                mar: torch.nn.Module | None, seed: int, batch_size: int, device: torch.device,
                example_index: list[int] = (), progress: bool = False, lines_per_decision: int = 1) -> Trajectories:
-    """Run ``policy`` on every slice (batched), scoring the zero-filled and the MAR image after
-    the initial lines and after each line. The :class:`GreedyOracle` chooses with the clean
+    """Run ``policy`` on every slice (batched), scoring the served zero-filled and MAR images
+    (:func:`masc_gadget.core.served.served_images`, the gadget's pixels) after the initial lines
+    and after each line. The policy observes what it observes in the gadget: the unclamped
+    output of ``mar`` when it observes MAR (:meth:`SamplingPolicy.sees_mar`), else the
+    zero-filled image. Random policies draw from ``slice_rng(seed, slice index in its subject)``,
+    the gadget's stream of that slice. The :class:`GreedyOracle` chooses with the clean
     target, under ``mar`` when given, one line at a time. ``progress``: a bar over the slices
     (the oracle is slow). ``lines_per_decision`` k > 1: the policy chooses echo trains of k
     lines from the image before each train (:func:`select_trains`); the curves still have one
@@ -115,19 +120,21 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
         kspace = data.kspace_metal[index].to(device)
         target = data.target[index].to(device)
         episodes = EpisodeBatch(n_pe, initial, budget, len(index), device,
-                                rngs=[slice_rng(seed, i) for i in index])
+                                rngs=[slice_rng(seed, int(data.slices[i])) for i in index])
         for t in range(steps):
-            images = {False: zero_filled(kspace, episodes.mask)}
+            images = {False: zero_filled(kspace, episodes.mask)}  # what a policy observes
             if mar is not None:
                 images[True] = mar(images[False])
+            served = served_images(images[False], images.get(True))  # what the gadget returns
+            scored = {False: served.zero_filled, True: served.image}
             for m in settings:
-                for key, value in slice_metrics(images[m], target).items():
+                for key, value in slice_metrics(scored[m], target).items():
                     curves[m][key][index, t] = value.double().cpu().numpy()
             if t == budget:
                 for b, i in enumerate(index):
                     if i in wanted:
                         for m in settings:
-                            finals[m].append((wanted[i], images[m][b].cpu()))
+                            finals[m].append((wanted[i], scored[m][b].cpu()))
                 break
             if isinstance(policy, GreedyOracle):
                 episodes.acquire(policy.choose(episodes, kspace, target, mar))
@@ -256,8 +263,11 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
              checkpoint: str | Path | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Evaluate; returns (results dict for results.json, example images for the figure).
 
-    ``checkpoint``: a trained MASC checkpoint for the learned method ``masc``; when it holds a
-    (jointly fine-tuned) MAR network, that network is used for the method's MAR rows."""
+    ``checkpoint``: the trained checkpoints of the learned methods (:func:`load_policies`); a
+    learned method whose checkpoint holds a MAR network (MASC's jointly fine-tuned one, the
+    learned mask's) observes through it and its MAR rows score it, with or without
+    ``mar_path``, as the gadget serves it. ``mar_path``: the MAR network of every other method
+    (None: those are scored without MAR only)."""
     from tqdm.auto import tqdm
 
     ecfg: EvalConfig = config["eval"]
@@ -270,10 +280,16 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
     if mar_path is not None:
         mar, mar_meta = load_mar(mar_path, device)
         mar.eval()
+    elif own_mar:
+        log.warning("no --mar: %s with their own MAR network, every other method without MAR",
+                    ", ".join(sorted(own_mar)))
     else:
         log.warning("no MAR checkpoint given: evaluating without MAR only")
-    reference = ecfg.reference or (methods[0] if mar is not None else _row_key(methods[0], False))
-    valid = {_row_key(m, x) for m in methods for x in ([False, True] if mar is not None else [False])}
+    # a learned method that brings its MAR network observes and is served through it, as in the
+    # gadget; --mar is the network of the other methods
+    method_mar = {m: own_mar.get(m, mar) for m in methods}
+    reference = ecfg.reference or _row_key(methods[0], method_mar[methods[0]] is not None)
+    valid = {_row_key(m, x) for m in methods for x in ([False, True] if method_mar[m] is not None else [False])}
     if reference not in valid:
         raise ValueError(f"reference {reference!r} is not an evaluated row; choose one of {', '.join(sorted(valid))}")
     examples = pick_examples(data, ecfg.examples)
@@ -304,9 +320,8 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
                 raise ValueError(f"accelerations.{acc}: initial + budget must be <= number of PE lines "
                                  f"({data.n_pe}), got {initial} + {budget}")
             bar.set_postfix(acc=acc, method=method)
-            method_mar = own_mar.get(method, mar) if mar is not None else None
             policy = population[acc] if method == POPULATION else policies[method]
-            traj = run_method(policy, data, initial, budget, method_mar, ecfg.seed, ecfg.batch_size,
+            traj = run_method(policy, data, initial, budget, method_mar[method], ecfg.seed, ecfg.batch_size,
                               device, examples, progress=progress and isinstance(policy, GreedyOracle),
                               lines_per_decision=config["acquisition"].lines_per_decision)
             block = results["accelerations"].setdefault(acc, {

@@ -31,6 +31,7 @@ from masc_gadget.acquisition.episode import EpisodeBatch, check_episode
 from masc_gadget.device import resolve_device
 from masc_gadget.core.kspace import to_hybrid, zero_filled_hybrid
 from masc_gadget.core.metrics import QualityReference, slice_metrics
+from masc_gadget.core.served import served_images
 from training.data import SliceSet
 
 __all__ = ["BatchedAcquisitionEnv", "EnvConfig", "Observation"]
@@ -465,8 +466,9 @@ class BatchedAcquisitionEnv:
             * ``initial_quality`` / ``final_quality`` (N,): Q before the first and after the last
               choice (of ``g(I)`` or ``I`` per ``reward_mar``, as the rewards);
             * ``returns`` (N,): sum of the episode's rewards;
-            * ``images`` (N, H, W): final reconstruction, ``g(I)`` when a MAR network is set,
-              else ``I``;
+            * ``images`` (N, H, W): final reconstruction as the gadget serves it
+              (:func:`masc_gadget.core.served.served_images`), ``g(I)`` when a MAR network is
+              set, else ``I``;
             * ``masks`` (N, PE) bool: final masks;
             * ``lines`` (N, budget) long: the chosen lines in order;
             * ``metrics``: :func:`masc_gadget.core.metrics.slice_metrics` of ``images`` (each (N,)).
@@ -498,7 +500,8 @@ class BatchedAcquisitionEnv:
                 m = self._measure(kspace, episodes.mask, ref, force_mar=last)
                 ret = ret + self.cfg.alpha * (m.quality - q)
                 q = m.quality
-            final = m.corrected if self.mar is not None else m.zero_filled
+            # the final image as the gadget serves it (clamped, float32)
+            final = served_images(m.zero_filled, m.corrected if self.mar is not None else None).image
             parts["initial_quality"].append(q0)
             parts["final_quality"].append(q)
             parts["returns"].append(ret)

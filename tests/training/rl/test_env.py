@@ -327,7 +327,7 @@ def test_evaluate_is_deterministic_and_consistent(data, mar, global_rng_guard):
     for i in (0, n - 1):
         mask = first["masks"][i]
         assert mask[first["lines"][i]].all()
-        expected = _reward_image(data.kspace_metal[i][None], mask[None], mar, True)[0]
+        expected = _reward_image(data.kspace_metal[i][None], mask[None], mar, True)[0].clamp_min(0)  # as served
         torch.testing.assert_close(first["images"][i], expected, rtol=0, atol=1e-5)
         assert float(first["final_quality"][i]) == pytest.approx(_q(data, i, mask, mar), abs=1e-5)
     # the running episodes are untouched, and so is the slice stream
@@ -345,8 +345,8 @@ def test_evaluate_reports_mar_images_even_when_rewards_use_zero_filled(data, mar
     env = _env(data, mar, observe_mar=False, reward_mar=False)
     out = env.evaluate(_lowest_free, indices=[3])
     mask = out["masks"][0]
-    torch.testing.assert_close(out["images"][0], _reward_image(data.kspace_metal[3][None], mask[None], mar, True)[0],
-                               rtol=0, atol=1e-5)
+    served = _reward_image(data.kspace_metal[3][None], mask[None], mar, True)[0].clamp_min(0)
+    torch.testing.assert_close(out["images"][0], served, rtol=0, atol=1e-5)
     assert float(out["final_quality"][0]) == pytest.approx(_q(data, 3, mask, mar, use_mar=False), abs=1e-5)
 
 
