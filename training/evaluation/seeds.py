@@ -4,8 +4,10 @@ Each input is the ``results.json`` of one ``masc eval`` run: the same split, the
 the same settings, with the models of one training seed. The combined table gives, per row, the
 mean and the spread (sample standard deviation) over seeds of the per-seed mean metrics, and the
 share of the oracle's gain captured; then, for the method under study, the paired tests against
-every other row *within* each seed (the slices are paired inside a seed, not across seeds) and
-in how many seeds it wins at the chosen level.
+every other row *within* each seed (the slices are paired inside a seed, not across seeds), over
+the subjects' mean metrics (slices of one subject are not independent; the tests over slices are
+kept as a secondary figure), and in how many seeds it wins at the chosen level: a seed counts as
+won only at subject level.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from training.evaluation.stats import mean_std, paired_tests
-from training.evaluation.tables import DISPLAY_NAMES, oracle_gain
+from training.evaluation.stats import mean_std, subject_tests
+from training.evaluation.tables import DISPLAY_NAMES, oracle_gain, result_subjects
 
 METRICS_SHOWN = ("ssim", "psnr")
 
@@ -57,9 +59,10 @@ def combine_seeds(results: Sequence[dict[str, Any]], labels: Sequence[str] | Non
     if len(labels) != len(results):
         raise ValueError(f"{len(labels)} labels for {len(results)} results")
     _check_compatible(results, labels)
+    subjects = result_subjects(results[0])
     out: dict[str, Any] = {"labels": labels, "split": results[0]["split"],
-                           "n_slices": results[0]["n_slices"], "method": method, "alpha": alpha,
-                           "accelerations": {}}
+                           "n_slices": results[0]["n_slices"], "n_subjects": len(set(subjects)),
+                           "method": method, "alpha": alpha, "accelerations": {}}
     for acc in results[0]["accelerations"]:
         blocks = [r["accelerations"][acc] for r in results]
         keys = [row["key"] for row in blocks[0]["rows"]]
@@ -92,10 +95,12 @@ def combine_seeds(results: Sequence[dict[str, Any]], labels: Sequence[str] | Non
                     for bk in by_key:
                         a = np.asarray(bk[key]["per_slice"][metric], dtype=np.float64)
                         b = np.asarray(bk[other]["per_slice"][metric], dtype=np.float64)
-                        diff = float(np.mean(a - b))
-                        tests = paired_tests(a, b)
+                        tests = subject_tests(a, b, subjects)
+                        diff = tests["diff"]
                         per_seed.append({"diff": diff, "p_ttest": tests["p_ttest"],
                                          "p_wilcoxon": tests["p_wilcoxon"],
+                                         "p_ttest_slices": tests["p_ttest_slices"],
+                                         "n_subjects": tests["n_subjects"],
                                          "win": bool(diff > 0 and tests["p_ttest"] < alpha
                                                      and tests["p_wilcoxon"] < alpha)})
                     comp[metric] = {"per_seed": per_seed,
@@ -153,15 +158,20 @@ def render_combined(report: dict[str, Any]) -> str:
                          f"| {_ms(row['oracle_gain_best'], 0, True)} |")
         if block["comparisons"]:
             method = _name(report["method"])
-            lines += ["", f"**{method} against each row**, paired over the slices within each seed "
-                          f"(wins: mean better and both the t-test and the Wilcoxon test p < {report['alpha']:g}):",
+            n_sub = report.get("n_subjects", "the")
+            lines += ["", f"**{method} against each row**, paired within each seed over the {n_sub} subjects' "
+                          f"mean metrics (wins: mean better and both the t-test and the Wilcoxon test over "
+                          f"subjects p < {report['alpha']:g}); the t-test over slices, which counts the slices "
+                          f"of one subject as independent, is the last column:",
                       "", "| against | MAR | ΔSSIM per seed | p (t / Wilcoxon) per seed | ΔPSNR dB per seed "
-                      "| p (t / Wilcoxon) per seed | seeds won: SSIM, PSNR |", "|---|---|---|---|---|---|---|"]
+                      "| p (t / Wilcoxon) per seed | seeds won: SSIM, PSNR | SSIM p over slices per seed |",
+                      "|---|---|---|---|---|---|---|---|"]
             for comp in block["comparisons"]:
                 s, p = comp["ssim"]["per_seed"], comp["psnr"]["per_seed"]
                 lines.append(f"| {_name(comp['method'])} | {'✓' if comp['mar'] else '✗'} | {_diffs(s, 4)} | {_ps(s)} "
                              f"| {_diffs(p, 2)} | {_ps(p)} "
-                             f"| {comp['ssim']['wins']} / {n}, {comp['psnr']['wins']} / {n} |")
+                             f"| {comp['ssim']['wins']} / {n}, {comp['psnr']['wins']} / {n} "
+                             f"| {' ; '.join(_p(x.get('p_ttest_slices', math.nan)) for x in s)} |")
         for label, keys in block["missing_rows"].items():
             lines.append(f"\n{label} lacks rows {', '.join(keys)}: they are left out.")
     return "\n".join(lines) + "\n"

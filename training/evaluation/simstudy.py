@@ -27,8 +27,8 @@ import numpy as np
 from masc_gadget.config import Config, load_config
 from masc_gadget.core.metrics import slice_metrics
 from training.data import load_split
-from training.evaluation.stats import paired_tests
-from training.evaluation.tables import BASELINES, DISPLAY_NAMES
+from training.evaluation.stats import subject_tests
+from training.evaluation.tables import BASELINES, DISPLAY_NAMES, result_subjects
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +63,11 @@ def compare(results: dict[str, Any], method: str = "masc") -> dict[str, Any]:
     best = max(baselines, key=lambda r: r["summary"]["ssim"]["mean"])
     ours = np.asarray(rows[method]["per_slice"]["ssim"])
     theirs = np.asarray(best["per_slice"]["ssim"])
-    tests = paired_tests(ours, theirs)
+    tests = subject_tests(ours, theirs, result_subjects(results))
     return {"method_ssim": float(ours.mean()), "best_baseline": best["method"],
             "best_baseline_ssim": float(theirs.mean()), "diff": float(ours.mean() - theirs.mean()),
-            "p_ttest": tests["p_ttest"], "p_wilcoxon": tests["p_wilcoxon"]}
+            "p_ttest": tests["p_ttest"], "p_wilcoxon": tests["p_wilcoxon"],
+            "p_ttest_slices": tests["p_ttest_slices"], "n_subjects": tests["n_subjects"]}
 
 
 def run_study(config_path: str | Path | None, overrides: list[str], out: str | Path, subjects: int = 4,
@@ -129,7 +130,7 @@ def render_study(report: dict[str, Any]) -> str:
         head = "| setting | slices | metal vs clean NMSE | metal vs clean SSIM |"
         sep = "| --- | --- | --- | --- |"
         if with_masc:
-            head += " MASC SSIM | best baseline (SSIM) | MASC - best | p (t-test) |"
+            head += " MASC SSIM | best baseline (SSIM) | MASC - best | p (t-test over subjects) |"
             sep += " --- | --- | --- | --- |"
         out += [head, sep]
         for r in rows:

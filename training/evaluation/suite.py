@@ -54,7 +54,8 @@ from masc_gadget.config import Config
 from training.csvlog import read_rows
 from training.evaluation.evaluate import evaluate, write_outputs
 from training.evaluation.seeds import combine_seeds, load_results, write_combined
-from training.evaluation.stats import mean_std, paired_tests
+from training.evaluation.stats import mean_std, subject_tests
+from training.evaluation.tables import result_subjects
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,8 @@ def run_suite(config: Config, data_dir: str | Path, runs: str | Path, out: str |
         joint = ablation_rows.get("joint")
         for key, row in ablation_rows.items():
             if key != "joint":
-                report["table2"][key]["joint_minus"].append({"seed": seed, **_joint_minus(joint, row)})
+                report["table2"][key]["joint_minus"].append(
+                    {"seed": seed, **_joint_minus(joint, row, result_subjects(results))})
         if external:
             ext_config = _with_population_data(config, data_dir)
             log.info("suite, seed %d: Table 3 on %s", seed, external)
@@ -194,13 +196,16 @@ def run_suite(config: Config, data_dir: str | Path, runs: str | Path, out: str |
     return report
 
 
-def _joint_minus(joint: dict[str, Any] | None, row: dict[str, Any] | None) -> dict[str, float]:
+def _joint_minus(joint: dict[str, Any] | None, row: dict[str, Any] | None,
+                 subjects: list[str]) -> dict[str, float]:
     """MASC (joint) minus an ablation, both with the pre-trained MAR: mean SSIM difference over the
-    slices and the paired tests (Table 2's "MASC outperforms all ablation variants")."""
+    slices and the paired tests over the subjects' means, the t-test over slices beside them
+    (Table 2's "MASC outperforms all ablation variants")."""
     if joint is None or row is None:
-        return {"diff": math.nan, "p_ttest": math.nan, "p_wilcoxon": math.nan}
+        return {"diff": math.nan, "p_ttest": math.nan, "p_wilcoxon": math.nan, "p_ttest_slices": math.nan}
     a, b = np.asarray(joint["per_slice"]["ssim"]), np.asarray(row["per_slice"]["ssim"])
-    return {"diff": float(np.mean(a - b)), **{k: v for k, v in paired_tests(a, b).items() if k.startswith("p_")}}
+    tests = subject_tests(a, b, subjects)
+    return {k: tests[k] for k in ("diff", "p_ttest", "p_wilcoxon", "p_ttest_slices", "n_subjects")}
 
 
 def _with_population_data(config: Config, data_dir: str | Path) -> Config:
@@ -233,11 +238,12 @@ def render_suite(report: dict[str, Any]) -> str:
         shown = ", ".join(f"`{w}`" for w in where) if isinstance(where, list) else f"`{where}`"
         lines.append(f"- {name}: {shown}")
     lines += ["", "## Table 2: ablations (test SSIM, mean ± sd over seeds)", "",
-              "MASC - ablation: both with the pre-trained MAR network, per seed, paired over the slices "
-              "(p: t-test / Wilcoxon).", "",
+              "MASC - ablation: both with the pre-trained MAR network, per seed, paired over the subjects' "
+              "mean SSIM (p: t-test / Wilcoxon over subjects; then the t-test over slices).", "",
               "| ablation | without MAR | with MAR | MASC - ablation per seed (p) |", "| --- | --- | --- | --- |"]
     for entry in report["table2"].values():
-        versus = " ; ".join(f"s{d['seed']} {d['diff']:+.4f} ({_p(d['p_ttest'])} / {_p(d['p_wilcoxon'])})"
+        versus = " ; ".join(f"s{d['seed']} {d['diff']:+.4f} ({_p(d['p_ttest'])} / {_p(d['p_wilcoxon'])}; "
+                            f"slices {_p(d.get('p_ttest_slices', math.nan))})"
                             for d in entry.get("joint_minus", []))
         lines.append(f"| {entry['label']} | {_ms(entry['nomar'])} | {_ms(entry['mar'])} | {versus or '–'} |")
     lines += ["", "## Training time (from each model's log, seconds, mean over seeds)", "",

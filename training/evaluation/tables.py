@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from masc_gadget.core.metrics import HIGHER_IS_BETTER, METRICS
-from training.evaluation.stats import paired_tests
+from training.evaluation.stats import subject_of, subject_tests
 
 DISPLAY_NAMES = {
     "center-out": "Center-out",
@@ -55,8 +55,17 @@ def oracle_gain(block: dict[str, Any], over: str = "random") -> dict[str, float 
     return out
 
 
+def result_subjects(results: dict[str, Any]) -> list[str]:
+    """The subject of each evaluated slice of a results dict (from its slice labels)."""
+    return [subject_of(label) for label in results["slices"]]
+
+
 def add_tests(results: dict[str, Any]) -> None:
-    """Paired t-test and Wilcoxon of every row against the reference row, per metric."""
+    """Paired tests of every row against the reference row, per metric, over the subjects'
+    mean metrics (:func:`~training.evaluation.stats.subject_tests`; the tests over slices are
+    kept beside them). Replaces any tests the rows had, so a results dict of an older version
+    is brought up to date by calling it again."""
+    subjects = result_subjects(results)
     for block in results["accelerations"].values():
         by_key = {row["key"]: row for row in block["rows"]}
         ref = by_key.get(results["reference"])
@@ -64,7 +73,8 @@ def add_tests(results: dict[str, Any]) -> None:
             if ref is None or row is ref:
                 row["tests"] = None
                 continue
-            row["tests"] = {k: paired_tests(np.asarray(row["per_slice"][k]), np.asarray(ref["per_slice"][k]))
+            row["tests"] = {k: subject_tests(np.asarray(row["per_slice"][k]), np.asarray(ref["per_slice"][k]),
+                                             subjects)
                             for k in METRICS}
 
 
@@ -88,7 +98,7 @@ def render_table(results: dict[str, Any]) -> str:
                    f"{block['n_pe']} lines ({block['factor']:.1f}x)")
         out.append("")
         header = ["Method", "MAR"] + [f"{m.upper()} {'↑' if HIGHER_IS_BETTER[m] else '↓'}" for m in METRICS]
-        header += ["p (t-test, SSIM)", "p (Wilcoxon, SSIM)"]
+        header += ["p subjects (t / Wilcoxon, SSIM)", "p slices (t-test, SSIM)"]
         captured = {over: oracle_gain(block, over) for over in ("random", "best")}
         shown = [over for over, v in captured.items() if any(x is not None for x in v.values())]
         header += [f"oracle gain captured over {'Random' if over == 'random' else 'the best baseline'} (SSIM)"
@@ -110,15 +120,19 @@ def render_table(results: dict[str, Any]) -> str:
             if tests is None:
                 cells += ["reference", "reference"] if row["key"] == ref else ["–", "–"]
             else:
-                cells += [_fmt_p(tests["ssim"]["p_ttest"]), _fmt_p(tests["ssim"]["p_wilcoxon"])]
+                cells += [f"{_fmt_p(tests['ssim']['p_ttest'])} / {_fmt_p(tests['ssim']['p_wilcoxon'])}",
+                          _fmt_p(tests["ssim"].get("p_ttest_slices"))]
             for over in shown:
                 share = captured[over].get(row["key"])
                 cells.append("–" if share is None else f"{100 * share:.0f} %")
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
+    n_subjects = len(set(result_subjects(results)))
     note = (f"Mean ± std over slices; metrics per slice against the clean fully sampled image, both "
-            f"scaled by its maximum. Best in bold. p-values: paired two-sided tests of SSIM against "
-            f"the reference row `{ref}`.")
+            f"scaled by its maximum, on the image the gadget serves. Best in bold. p-values: paired "
+            f"two-sided tests of SSIM against the reference row `{ref}`, over the {n_subjects} subjects' "
+            f"mean SSIM (these decide: slices of one subject are not independent); over the slices as a "
+            f"secondary figure.")
     if any(row["method"] == "oracle" for block in results["accelerations"].values() for row in block["rows"]):
         note += (f" Oracle gain captured: the share of the greedy oracle's mean-SSIM gain over Random (or over "
                  f"the best non-adaptive baseline of the table: {', '.join(BASELINES)}) that a row reaches, in "

@@ -82,3 +82,23 @@ def test_cli_combine(tmp_path):
                              capture_output=True, text=True)
     assert missing.returncode != 0 and "--data" in missing.stderr
     assert write_combined(saved, tmp_path / "again")["table"].is_file()
+
+
+def test_a_seed_is_won_only_at_subject_level():
+    """Slices grouped into 4 subjects whose MASC margin is a subject effect of mixed sign: every
+    slice-level test is tiny, no seed is won."""
+    results = []
+    for seed in range(2):
+        res = _results(seed, 0.0)
+        res["slices"] = [f"sub-{i // 10}/{i % 10}" for i in range(N)]
+        masc = res["accelerations"]["10x"]["rows"][1]
+        effect = np.repeat([0.03, -0.01, 0.02, 0.015], 10)
+        masc["per_slice"]["ssim"] = list(np.asarray(res["accelerations"]["10x"]["rows"][0]["per_slice"]["ssim"]) + effect)
+        results.append(res)
+    report = combine_seeds(results)
+    assert report["n_subjects"] == 4
+    comp = next(c for c in report["accelerations"]["10x"]["comparisons"] if (c["row"], c["against"]) == ("masc", "random"))
+    assert all(s["p_ttest_slices"] < 1e-6 for s in comp["ssim"]["per_seed"])
+    assert all(s["n_subjects"] == 4 and s["p_ttest"] > 0.01 for s in comp["ssim"]["per_seed"])
+    assert comp["ssim"]["wins"] == 0
+    assert "over the 4 subjects' mean metrics" in render_combined(report)
