@@ -7,7 +7,11 @@ read one magnitude image, so the channels are combined first:
 * ``sensitivity``: an adaptive combine with coil sensitivities estimated from the acquired lines
   of the k-space centre: the low-resolution coil images of the contiguous run of acquired lines
   around the centre, ``s_c = L_c / sqrt(sum_c |L_c|^2)``, then ``|sum_c conj(s_c) I_c|``. It
-  uses the coils' phases, so noise adds less than in RSS where a coil sees little signal.
+  uses the coils' phases, so noise adds less than in RSS where a coil sees little signal. A
+  slice whose centre line ``PE // 2`` has not arrived yet has no calibration lines: it is
+  combined by ``rss`` until the centre line is in (scanners stream linear, reverse and
+  centre-last orders), then by its sensitivities. The image of the same acquired lines is the
+  same whatever order they came in.
 
 With one coil both return the zero-filled magnitude image. Where the coils' sensitivities are
 uniform with ``sum_c |a_c|^2 = 1`` both equal the single-coil image.
@@ -63,12 +67,15 @@ def calibration_rows(mask: torch.Tensor) -> torch.Tensor:
 def sensitivities(kspace: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """(B, C, H, W) complex sensitivity estimates from the calibration lines of ``mask`` (the
     acquired centre run, :func:`calibration_rows`), normalised to ``sum_c |s_c|^2 = 1`` where the
-    centre has signal (``eps`` of the largest root-sum-of-squares keeps empty pixels finite)."""
+    centre has signal (``eps`` of the largest root-sum-of-squares keeps empty pixels finite);
+    exactly 0, never NaN, for a slice without calibration lines."""
     _check(kspace, mask)
     low = ifft2c(apply_line_mask(kspace, calibration_rows(mask)[:, None, :].expand(-1, kspace.shape[1], -1)))
     norm = rss(low)
-    floor = eps * norm.flatten(1).amax(dim=1).clamp_min(torch.finfo(norm.dtype).tiny)[:, None, None]
-    return low / torch.maximum(norm, floor)[:, None]
+    floor = eps * norm.flatten(1).amax(dim=1)[:, None, None]
+    denom = torch.maximum(norm, floor)
+    # no calibration line (or no signal in it): low is 0 there, and so is the estimate
+    return low / torch.where(denom > 0, denom, torch.ones_like(denom))[:, None]
 
 
 def coil_combine(kspace: torch.Tensor, mask: torch.Tensor, method: str = "rss") -> torch.Tensor:
@@ -82,4 +89,8 @@ def coil_combine(kspace: torch.Tensor, mask: torch.Tensor, method: str = "rss") 
     images = ifft2c(apply_line_mask(kspace, mask[:, None, :].expand(-1, kspace.shape[1], -1)))
     if method == "rss":
         return rss(images)
-    return (sensitivities(kspace, mask).conj() * images).sum(dim=1).abs()
+    calibrated = mask.bool()[:, mask.shape[1] // 2]  # (B,) the centre line is in
+    if not calibrated.any():
+        return rss(images)
+    combined = (sensitivities(kspace, mask).conj() * images).sum(dim=1).abs()
+    return torch.where(calibrated[:, None, None], combined, rss(images))

@@ -71,3 +71,43 @@ def test_calibration_rows_and_errors():
         coil_combine(torch.zeros(1, 2, 10, 4, dtype=torch.complex64), mask[:1], "average")
     with pytest.raises(ValueError, match="mask must be"):
         coil_combine(torch.zeros(1, 2, 10, 4, dtype=torch.complex64), mask, "rss")
+
+
+def _coil_kspace(n=32, coils=4):
+    image = _object(n).to(torch.complex64)
+    y, x = torch.meshgrid(torch.arange(n, dtype=torch.float32), torch.arange(n, dtype=torch.float32), indexing="ij")
+    profiles = torch.stack([torch.exp(-((x - c * n / (coils - 1)) ** 2) / (0.5 * n ** 2)) * np.exp(1j * c)
+                            for c in range(coils)]).to(torch.complex64)
+    return fft2c(profiles * image)[None]  # (1, coils, n, n)
+
+
+def test_sensitivity_without_calibration_lines_is_rss_not_nan():
+    k = _coil_kspace()
+    mask = torch.zeros(1, 32, dtype=torch.bool)
+    mask[0, :5] = True  # a linear stream before the centre: no calibration line yet
+    est = sensitivities(k, mask)
+    assert torch.isfinite(est).all() and torch.count_nonzero(est) == 0
+    assert torch.equal(coil_combine(k, mask, "sensitivity"), coil_combine(k, mask, "rss"))
+    empty = torch.zeros(1, 32, dtype=torch.bool)
+    assert torch.isfinite(coil_combine(k, empty, "sensitivity")).all()
+
+
+@pytest.mark.parametrize("order", ["linear", "reverse", "centric", "centre-last"])
+def test_sensitivity_combine_is_finite_in_any_order_and_ends_at_the_all_lines_image(order):
+    """Every partial image of a streamed order is finite; the RSS fallback holds until the centre
+    line comes, and the image of all lines equals the all-lines reference whatever the order."""
+    n = 32
+    k = _coil_kspace(n)
+    lines = {"linear": list(range(n)), "reverse": list(range(n))[::-1],
+             "centric": sorted(range(n), key=lambda l: (abs(l - n // 2), l)),
+             "centre-last": [l for l in range(n) if l != n // 2] + [n // 2]}[order]
+    mask = torch.zeros(1, n, dtype=torch.bool)
+    for line in lines:
+        mask[0, line] = True
+        image = coil_combine(k, mask, "sensitivity")
+        assert torch.isfinite(image).all(), (order, line)
+        if not mask[0, n // 2]:
+            assert torch.equal(image, coil_combine(k, mask, "rss"))
+    reference = coil_combine(k, torch.ones(1, n, dtype=torch.bool), "sensitivity")
+    nmse = float(((image - reference) ** 2).sum() / (reference ** 2).sum())
+    assert nmse < 1e-10

@@ -150,3 +150,37 @@ def test_server_refuses_a_scan_whose_coils_exceed_its_kspace_budget():
         assert not any("max_kspace_bytes" in t for t in scan(1))  # and it goes on serving others
     finally:
         server.shutdown()
+
+
+class _LooksAtImage(make_policy("center-out").__class__):
+    """Centre-out, but it reads the image (so every decision reconstructs the slice)."""
+
+    name = "looks-at-image"
+    needs_image = True
+
+    def choose(self, state, rng):
+        if not np.isfinite(state.image).all():
+            raise AssertionError("the policy was shown a non-finite image")
+        return super().choose(state, rng)
+
+
+@pytest.mark.parametrize("order", ["linear", "reverse", "centre-last"])
+def test_sensitivity_combine_rejects_no_line_of_a_late_centre_stream(order):
+    """A 4-coil slice streamed in a scanner's order to an engine whose policy reads images: every
+    line is stored, none is rejected, and the image is that of all lines."""
+    rng = np.random.default_rng(2)
+    weights = (rng.normal(size=4) + 1j * rng.normal(size=4)).astype(np.complex64)
+    k = _kspace()
+    lines = {"linear": list(range(N)), "reverse": list(range(N))[::-1],
+             "centre-last": [l for l in range(N) if l != N // 2] + [N // 2]}[order]
+    engine = AcquisitionEngine(EngineSettings(n_pe=N, n_readout=N, initial=2, budget=N - 2, seed=0, device="cpu",
+                                              n_coils=4, coil_combine="sensitivity"), _LooksAtImage())
+    decisions = 0
+    for line in lines:
+        decisions += len(engine.on_line(0, line, weights[:, None] * k[line][None]))  # never raises
+    assert decisions > 0 and engine.acquired(0) == lines
+    image = engine.finish_slice(0).image
+    full = np.abs(np.fft.fftshift(np.fft.ifft2(np.fft.ifftshift(k), norm="ortho")))  # the object
+    # uniform coil weights: the sensitivity combine returns |object| * sqrt(sum |w|^2)
+    expected = full * np.sqrt((np.abs(weights) ** 2).sum())
+    np.testing.assert_allclose(image, expected, rtol=1e-3, atol=1e-3 * expected.max())
