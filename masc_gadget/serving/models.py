@@ -46,7 +46,7 @@ from masc_gadget.acquisition.batcher import DecisionBatcher
 from masc_gadget.acquisition.engine import AcquisitionEngine, EngineSettings
 from masc_gadget.acquisition import learned
 from masc_gadget.acquisition.learned import KINDS as LEARNED_KINDS
-from masc_gadget.acquisition.policies import SamplingPolicy, make_policy
+from masc_gadget.acquisition.policies import POLICIES, SamplingPolicy, make_policy
 from masc_gadget.config import ConfigError
 from masc_gadget.device import resolve_device
 from masc_gadget.models import shipped
@@ -54,7 +54,7 @@ from masc_gadget.serving.settings import GadgetSettings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_CACHE", "ModelCache", "Models", "ModelsConfig", "build_engine", "check_requested",
+__all__ = ["DEFAULT_CACHE", "ModelCache", "Models", "ModelsConfig", "build_engine", "check_playable", "check_requested",
            "load_models"]
 
 CHECKPOINT_KEYS = ("mar_checkpoint", "policy_checkpoint")
@@ -331,6 +331,25 @@ def load_models(settings: GadgetSettings, cache: ModelCache = DEFAULT_CACHE,
     return Models(policy, mar, mar_name)
 
 
+def check_playable(settings: GadgetSettings, policy: SamplingPolicy | None, n_pe: int, n_readout: int) -> None:
+    """ConfigError when the learned ``policy`` of ``settings`` cannot play an ``n_pe`` x
+    ``n_readout`` scan (its network was trained for another image size); the message names the
+    remedies: a policy that plays any matrix, by config or JSON parameter, or a checkpoint
+    trained for this one."""
+    net = getattr(policy, "net", None)
+    if net is None:
+        return
+    trained = (int(net.n_pe), int(net.height), int(net.width))
+    if trained[0] == n_pe and trained[1:] == (n_pe, n_readout):
+        return
+    raise ConfigError(
+        f"the served policy {settings.policy} was trained for {trained[1]} x {trained[2]} images (phase encoding x readout), but this scan reconstructs "
+        f"{n_pe} x {n_readout}: serve it with a policy that plays any matrix (config: --set acquisition.policy="
+        f"center-out; per connection: JSON parameters {{\"policy\": \"center-out\"}}, or any of "
+        f"{', '.join(sorted(POLICIES))}), or with a {settings.policy} checkpoint trained for this matrix "
+        f"(masc train {settings.policy} on data of this size)")
+
+
 def build_engine(settings: GadgetSettings, n_pe: int, n_readout: int, cache: ModelCache = DEFAULT_CACHE,
                  *, initial: int | None = None, budget: int | None = None,
                  trusted: GadgetSettings | None = None,
@@ -342,9 +361,11 @@ def build_engine(settings: GadgetSettings, n_pe: int, n_readout: int, cache: Mod
     by the settings' ``coil_combine``).
 
     Raises ConfigError / ValueError for settings the scan cannot run with (episode larger than
-    the matrix, unknown policy or device, missing checkpoint, a model not offered).
+    the matrix, unknown policy or device, missing checkpoint, a model not offered, a learned
+    policy trained for another matrix: :func:`check_playable`).
     """
     models = load_models(settings, cache, trusted)
+    check_playable(settings, models.policy, n_pe, n_readout)
     scan = EngineSettings(
         n_pe=n_pe, n_readout=n_readout, initial=settings.initial if initial is None else initial,
         budget=settings.budget if budget is None else budget, seed=settings.seed, device=settings.device,

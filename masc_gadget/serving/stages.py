@@ -82,6 +82,8 @@ class Context:
     coils: tuple[int, ...] = ()
     """The receive channels of the scan: those of its first imaging acquisition
     (:func:`active_channels`); every later line must carry them."""
+    mask_warned: bool = False
+    """A channel_mask that disagrees with the data was logged (once per connection)."""
     templates: dict[int, ismrmrd.AcquisitionHeader] = field(default_factory=dict)
     """Per slice, the header of its first stored line (position, orientation of its image)."""
     stats: dict[str, int] = field(default_factory=_new_stats)
@@ -168,18 +170,31 @@ def imaging_lines(items: Iterable[Any], ctx: Context) -> Iterator[ismrmrd.Acquis
             yield item
 
 
+def channel_mask_bits(acq: ismrmrd.Acquisition) -> list[int]:
+    """The channels whose bits are set in ``acq``'s ``channel_mask`` (16 words of 64 channels)."""
+    words = np.asarray(acq.getHead().channel_mask, dtype=np.uint64)
+    return [64 * w + b for w, word in enumerate(words.tolist()) for b in range(64) if (int(word) >> b) & 1]
+
+
 def active_channels(acq: ismrmrd.Acquisition) -> tuple[int, ...]:
     """The receive channels whose samples ``acq`` carries, in the order of its data rows: the
-    bits set in its ``channel_mask`` (16 words of 64 channels), or channels 0 to
-    ``active_channels - 1`` when no bit is set. ValueError when the mask and the row count differ."""
-    words = np.asarray(acq.getHead().channel_mask, dtype=np.uint64)
-    bits = [64 * w + b for w, word in enumerate(words.tolist()) for b in range(64) if (int(word) >> b) & 1]
+    bits set in its ``channel_mask``, or channels 0 to ``rows - 1`` when no bit is set or when
+    the mask names another number of channels than the data carry (scanners set masks that
+    disagree with the data; the data settle it: :func:`channel_mask_mismatch` says so)."""
+    bits = channel_mask_bits(acq)
     rows = int(acq.data.shape[0]) if acq.data.ndim == 2 else 1
-    if not bits:
-        return tuple(range(rows))
-    if len(bits) != rows:
-        raise ValueError(f"channel_mask names {len(bits)} channel(s) but the acquisition carries {rows}")
-    return tuple(bits)
+    return tuple(bits) if bits and len(bits) == rows else tuple(range(rows))
+
+
+def channel_mask_mismatch(acq: ismrmrd.Acquisition) -> str | None:
+    """Why ``acq``'s channel_mask is not used (it names another number of channels than the
+    data rows), or None."""
+    bits = channel_mask_bits(acq)
+    rows = int(acq.data.shape[0]) if acq.data.ndim == 2 else 1
+    if bits and len(bits) != rows:
+        return (f"channel_mask names {len(bits)} channel(s) but the acquisitions carry {rows}: "
+                f"the data's {rows} channel(s) are used, in row order")
+    return None
 
 
 def start_engine(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[ismrmrd.Acquisition]:
@@ -209,11 +224,12 @@ def well_formed(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[t
             ctx.reject(f"slice {slice_index} line {line}: {data.shape[-1]} samples, but the header's "
                        f"encoded matrix has {n_readout} readout samples")
             continue
-        try:
-            channels = active_channels(acq)
-        except ValueError as err:
-            ctx.reject(f"slice {slice_index} line {line}: {err}")
-            continue
+        channels = active_channels(acq)
+        if not ctx.mask_warned:
+            mismatch = channel_mask_mismatch(acq)
+            if mismatch is not None:
+                ctx.mask_warned = True
+                log.warning("slice %d line %d: %s (said once per connection)", slice_index, line, mismatch)
         where = {c: i for i, c in enumerate(channels)}
         missing = [c for c in ctx.coils if c not in where]
         if missing:

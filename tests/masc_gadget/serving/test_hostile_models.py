@@ -290,10 +290,18 @@ def _result(image, decided, policy="center-out", mar="mar.pt"):
 
 
 def test_magnitude_images_are_never_negative():
-    pixels = np.linspace(-0.22, 1.0, N_PE * N_RO, dtype=np.float32).reshape(N_PE, N_RO)
+    """A MAR output that dips below zero is served clamped (the one image path), and the image
+    carries exactly the served pixels."""
+    import torch
+
+    from masc_gadget.core.served import served_images
+
+    raw = np.linspace(-0.22, 1.0, N_PE * N_RO, dtype=np.float32).reshape(N_PE, N_RO)
+    served = served_images(torch.from_numpy(np.abs(raw))[None], torch.from_numpy(raw)[None])
+    pixels = served.image[0].numpy()
     image = make_image(_result(pixels, [3]), None, _header(), series=1)
     assert image.image_type == ismrmrd.IMTYPE_MAGNITUDE and image.data.min() == 0.0
-    np.testing.assert_array_equal(image.data[0, 0], np.maximum(pixels, 0))
+    np.testing.assert_array_equal(image.data[0, 0], np.maximum(raw, 0))
 
 
 @pytest.mark.parametrize("decided, policy, mar", [

@@ -184,3 +184,33 @@ def test_sensitivity_combine_rejects_no_line_of_a_late_centre_stream(order):
     # uniform coil weights: the sensitivity combine returns |object| * sqrt(sum |w|^2)
     expected = full * np.sqrt((np.abs(weights) ** 2).sum())
     np.testing.assert_allclose(image, expected, rtol=1e-3, atol=1e-3 * expected.max())
+
+
+def test_a_channel_mask_that_disagrees_with_the_data_is_a_warning_not_a_rejection(caplog):
+    """A mask naming 1 channel on 2-row data (scanners set such masks): every line is used, the
+    data's channels in row order, and the log says so once."""
+    ks = [_kspace(0), _kspace(1)]
+    weights = np.array([0.6, 0.8], dtype=np.complex64)
+    reference = _run(_scan(ks, weights), _header(2))
+    with caplog.at_level("WARNING"):
+        stats, images, errors = _run(_scan(ks, weights, mask_bits=[0]), _header(2))
+    assert errors == [] and stats["rejected"] == 0 and stats["images"] == 2
+    for s in (0, 1):
+        np.testing.assert_array_equal(images[s], reference[1][s])
+    said = [r.getMessage() for r in caplog.records if "channel_mask names 1 channel(s)" in r.getMessage()]
+    assert len(said) == 1 and "the data's 2 channel(s) are used" in said[0]
+
+
+def test_a_matrix_the_learned_policy_cannot_play_is_refused_with_the_remedy():
+    from masc_gadget.config import ConfigError
+    from masc_gadget.serving.models import build_engine
+
+    settings = GadgetSettings(policy="masc", policy_checkpoint="shipped:masc_small", device="cpu")
+    with pytest.raises(ConfigError, match=r"trained for 128 x 128 images .* this scan reconstructs 32 x 32: "
+                                          r"serve it with a policy that plays any matrix .*\"policy\": \"center-out\""):
+        build_engine(settings, N, N)
+    # through Gadgetron (eager) the refusal comes at the header, before any line
+    sent = []
+    with pytest.raises(ConfigError, match="acquisition.policy=center-out"):
+        process(iter([]), parse_header(_header()), settings, sent.append, eager=True)
+    assert sent == []
