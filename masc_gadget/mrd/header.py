@@ -256,6 +256,41 @@ class EncodingGeometry(NamedTuple):
     """Encoded field of view (readout, PE, slice thickness), mm."""
     pe_centre: int
     """The k-space centre line (``kspace_encoding_step_1`` centre; n_pe // 2 without a limit)."""
+    recon_readout: int = 0
+    """Readout samples of the reconstruction grid: the recon space's matrix x (the encoded one
+    without a recon space); 0: ``n_readout``."""
+    recon_pe: int = 0
+    """Recon space matrix y; 0: ``n_pe``."""
+    recon_fov_mm: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    """Recon field of view (x, y, z), mm; zeros: ``fov_mm``."""
+
+    @property
+    def grid_readout(self) -> int:
+        """Readout samples of the grid the lines are reconstructed on (recon space x)."""
+        return self.recon_readout or self.n_readout
+
+    @property
+    def image_fov_mm(self) -> tuple[float, float, float]:
+        """The recon field of view (the encoded one without a recon space)."""
+        return self.recon_fov_mm if min(self.recon_fov_mm) > 0 else self.fov_mm
+
+    @property
+    def removes_oversampling(self) -> bool:
+        """Whether lines are oversampled along the readout: the encoded and recon matrix x or
+        field of view x differ (Gadgetron's ``RemoveROOversamplingGadget`` rule)."""
+        return self.grid_readout != self.n_readout or self.image_fov_mm[0] != self.fov_mm[0]
+
+    @property
+    def readout_ratio(self) -> float:
+        """Encoded / recon field of view along the readout (2 for the usual oversampling)."""
+        return self.fov_mm[0] / self.image_fov_mm[0]
+
+    @property
+    def pe_offset(self) -> int:
+        """Grid row of line ``kspace_encode_step_1`` = that line + ``pe_offset``: the header's centre
+        line lands on the grid's centre row ``n_pe // 2`` (asymmetric / partial Fourier phase
+        encoding: the lines never acquired stay zero)."""
+        return self.n_pe // 2 - self.pe_centre
 
 
 def receiver_channels(header: ismrmrd.xsd.ismrmrdHeader) -> int | None:
@@ -307,7 +342,31 @@ def encoding_geometry(header: ismrmrd.xsd.ismrmrdHeader | str | bytes) -> Encodi
         raise ValueError(
             f"ISMRMRD header kspace_encoding_step_1 center must be in [0, {n_pe}), got {pe_centre}"
         )
-    return EncodingGeometry(n_readout, n_pe, n_slices, fov_mm, pe_centre)
+    recon = encoding.reconSpace
+    recon_readout = recon_pe = 0
+    recon_fov = (0.0, 0.0, 0.0)
+    if recon is not None and recon.matrixSize is not None:
+        recon_readout, recon_pe = int(recon.matrixSize.x), int(recon.matrixSize.y)
+        if recon_readout < 1 or recon_pe < 1:
+            raise ValueError(f"ISMRMRD header reconSpace matrixSize must be >= 1, got x={recon_readout}, "
+                             f"y={recon_pe}")
+        if recon.fieldOfView_mm is not None:
+            rf = recon.fieldOfView_mm
+            recon_fov = (float(rf.x), float(rf.y), float(rf.z))
+            if min(recon_fov) <= 0:
+                raise ValueError(f"ISMRMRD header reconSpace fieldOfView_mm must be > 0, got {list(recon_fov)}")
+    geometry = EncodingGeometry(n_readout, n_pe, n_slices, fov_mm, pe_centre, recon_readout, recon_pe, recon_fov)
+    if geometry.removes_oversampling:
+        kept = int(n_readout / geometry.readout_ratio)
+        if not 1 <= kept <= n_readout:
+            raise ValueError(f"ISMRMRD header: encoded field of view x {fov_mm[0]} mm over recon "
+                             f"{geometry.image_fov_mm[0]} mm keeps {kept} of {n_readout} readout samples; the recon "
+                             f"field of view must be within the encoded one")
+        if kept > geometry.grid_readout:
+            raise ValueError(f"ISMRMRD header: {n_readout} readout samples over {fov_mm[0]} mm keep {kept} over the "
+                             f"recon field of view {geometry.image_fov_mm[0]} mm, more than the recon matrix x "
+                             f"({geometry.grid_readout}); such a readout is not reconstructed here")
+    return geometry
 
 
 def slice_limit(header: ismrmrd.xsd.ismrmrdHeader) -> int | None:

@@ -193,10 +193,12 @@ class Connection:
         """The header's matrix and slices within the server's caps (``max_matrix``, ``max_slices``)."""
         geometry = encoding_geometry(header)
         max_pe, max_readout = self.scfg.max_matrix
-        if geometry.n_pe > max_pe or geometry.n_readout > max_readout:
+        readout = max(geometry.n_readout, geometry.grid_readout)
+        if geometry.n_pe > max_pe or readout > max_readout:
             raise ClientError(
-                f"header: encoded matrix of {geometry.n_pe} phase-encoding lines x {geometry.n_readout} "
-                f"readout samples exceeds this server's limit of {max_pe} x {max_readout} (server.max_matrix)")
+                f"header: encoded matrix of {geometry.n_pe} phase-encoding lines x {readout} "
+                f"readout samples (encoded or recon space) exceeds this server's limit of {max_pe} x {max_readout} "
+                f"(server.max_matrix)")
         limit = slice_limit(header)
         if limit is not None and limit > self.scfg.max_slices:
             raise ClientError(

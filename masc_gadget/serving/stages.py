@@ -12,11 +12,12 @@ connection. :func:`masc_gadget.serving.gadget.process` chains them; the Gadgetro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import ismrmrd
 import numpy as np
@@ -24,6 +25,7 @@ import numpy as np
 from masc_gadget import __version__
 from masc_gadget.acquisition.batcher import DecisionBatcher
 from masc_gadget.acquisition.engine import AcquisitionEngine, SliceResult
+from masc_gadget.core.readout import oversampling_output, place_readout, remove_oversampling
 from masc_gadget.mrd.feedback import fire_feedback, ZmqFeedback, allowed_endpoints, feedback_acquisition, is_feedback
 from masc_gadget.mrd.header import EncodingGeometry, encoding_geometry, receiver_channels, slice_limit
 from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache, build_engine
@@ -85,7 +87,8 @@ class Context:
     mask_warned: bool = False
     """A channel_mask that disagrees with the data was logged (once per connection)."""
     templates: dict[int, ismrmrd.AcquisitionHeader] = field(default_factory=dict)
-    """Per slice, the header of its first stored line (position, orientation of its image)."""
+    """Per slice, the header of its centre line (grid row ``n_pe // 2``), else of its first
+    stored line: the position and orientation of its image."""
     stats: dict[str, int] = field(default_factory=_new_stats)
 
     def __post_init__(self) -> None:
@@ -117,16 +120,16 @@ class Context:
                              f"{limit} receiver channel(s)")
         if self.max_kspace_bytes is not None:
             budget, n_slices = self.max_kspace_bytes
-            need = n_slices * len(self.coils) * self.geometry.n_pe * self.geometry.n_readout * 8
+            need = n_slices * len(self.coils) * self.geometry.n_pe * self.geometry.grid_readout * 8
             if need > budget:
                 raise ValueError(f"the scan's k-space ({n_slices} slices x {len(self.coils)} coils x "
-                                 f"{self.geometry.n_pe} x {self.geometry.n_readout} samples, {need / 2**30:.1f} GiB) "
+                                 f"{self.geometry.n_pe} x {self.geometry.grid_readout} samples, {need / 2**30:.1f} GiB) "
                                  f"exceeds this server's limit of {budget / 2**30:.1f} GiB (server.max_kspace_bytes)")
         if s.zmq_address:
             operator = s.zmq_address == self.trusted.zmq_address
             allowed = (*allowed_endpoints(), s.zmq_address) if operator else None
             self.zmq_out = ZmqFeedback(s.zmq_address, allowed=allowed)
-        self.engine = build_engine(s, self.geometry.n_pe, self.geometry.n_readout, self.cache,
+        self.engine = build_engine(s, self.geometry.n_pe, self.geometry.grid_readout, self.cache,
                                    trusted=self.trusted, batcher=self.batcher, n_coils=len(self.coils))
         self.closed_loop = s.feedback in ("inband", "fire")
 
@@ -206,11 +209,45 @@ def start_engine(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[
         yield acq
 
 
-def well_formed(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[tuple[ismrmrd.Acquisition, np.ndarray]]:
+class GridLine(NamedTuple):
+    """An acquisition on the reconstruction grid (:func:`well_formed`)."""
+
+    acq: ismrmrd.Acquisition
+    slice: int
+    row: int
+    """Grid row: ``kspace_encode_step_1`` + the header's PE offset (:attr:`EncodingGeometry.pe_offset`)."""
+    samples: np.ndarray
+    """(coils, grid readout) complex64, the scan's channels in order, readout oversampling
+    removed and the line placed on the grid by its ``center_sample``."""
+
+
+def to_grid(acq: ismrmrd.Acquisition, samples: np.ndarray, geometry: EncodingGeometry) -> tuple[int, np.ndarray]:
+    """(grid row, (coils, grid readout) samples) of an imaging line, as Gadgetron's Cartesian chain
+    places it: readout oversampling removed (:func:`masc_gadget.core.readout.remove_oversampling`,
+    ``center_sample`` scaled with it), the line placed by its ``center_sample``
+    (:func:`~masc_gadget.core.readout.place_readout`: asymmetric echoes zero-filled), the row
+    shifted so the header's centre line lands on ``n_pe // 2``. ValueError naming what does not fit."""
+    head = acq.getHead()
+    center = int(head.center_sample)
+    if geometry.removes_oversampling:
+        n_out = oversampling_output(samples.shape[1], geometry.fov_mm[0], geometry.image_fov_mm[0])
+        samples = remove_oversampling(samples, max(n_out, 1))
+        center = int(center / geometry.readout_ratio)
+    samples = place_readout(samples, geometry.grid_readout, center)
+    line = int(acq.idx.kspace_encode_step_1)
+    row = line + geometry.pe_offset
+    if not 0 <= row < geometry.n_pe:
+        raise ValueError(f"kspace_encode_step_1 {line} is outside the encoded matrix of {geometry.n_pe} lines "
+                         f"(centre line {geometry.pe_centre})")
+    return row, samples
+
+
+def well_formed(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[GridLine]:
     """Reject (``ctx.reject``) acquisitions that do not carry the scan's channels
-    (``ctx.coils``; a line with more channels gives the scan's), whose readout is not the
-    header's, or whose slice is beyond the header's slice limit (a stream cannot grow without
-    bound). Yields (acquisition, its (coils, readout) samples in the scan's channel order)."""
+    (``ctx.coils``; a line with more channels gives the scan's), whose readout is longer than
+    the header's encoded matrix or does not fit the grid (:func:`to_grid`), or whose slice is
+    beyond the header's slice limit (a stream cannot grow without bound). Yields each line on the
+    reconstruction grid (:class:`GridLine`)."""
     n_readout = ctx.geometry.n_readout
     n_slices = slice_limit(ctx.header)
     for acq in acqs:
@@ -220,7 +257,7 @@ def well_formed(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[t
             ctx.reject(f"slice {slice_index} line {line}: beyond the header's slice limit "
                        f"({n_slices} slices)")
             continue
-        if data.ndim != 2 or data.shape[1] != n_readout:
+        if data.ndim != 2 or not 1 <= data.shape[1] <= n_readout:
             ctx.reject(f"slice {slice_index} line {line}: {data.shape[-1]} samples, but the header's "
                        f"encoded matrix has {n_readout} readout samples")
             continue
@@ -237,25 +274,34 @@ def well_formed(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[t
                        f"without {missing[:16]} that the scan's first line had ({len(ctx.coils)} coils)")
             continue
         rows = [where[c] for c in ctx.coils]
-        yield acq, (data if rows == list(range(data.shape[0])) else data[rows])
-
-
-def decide(acqs: Iterable[tuple[ismrmrd.Acquisition, np.ndarray]], ctx: Context) -> Iterator[SliceResult]:
-    """Feed each line to the engine, send its decisions (in-band and / or ZeroMQ) and yield the
-    slices that are finished: by the scanner (``ACQ_LAST_IN_SLICE``), in closed loop once their
-    budget is spent (:meth:`Context.finishes`), and every slice still held when the stream
-    ends."""
-    for acq, samples in acqs:
-        engine = ctx.engine
-        slice_index, line = int(acq.idx.slice), int(acq.idx.kspace_encode_step_1)
+        samples = data if rows == list(range(data.shape[0])) else data[rows]
         try:
-            decisions = engine.on_line(slice_index, line, samples)
+            row, samples = to_grid(acq, samples, ctx.geometry)
+        except ValueError as err:
+            ctx.reject(f"slice {slice_index} line {line}: {err}")
+            continue
+        yield GridLine(acq, slice_index, row, samples)
+
+
+def decide(lines: Iterable[GridLine], ctx: Context) -> Iterator[SliceResult]:
+    """Feed each line to the engine, send its decisions (in-band and / or ZeroMQ, in the
+    scanner's line numbering) and yield the slices that are finished: by the scanner
+    (``ACQ_LAST_IN_SLICE``), in closed loop once their budget is spent
+    (:meth:`Context.finishes`), and every slice still held when the stream ends."""
+    offset = ctx.geometry.pe_offset
+    for acq, slice_index, row, samples in lines:
+        engine = ctx.engine
+        try:
+            decisions = engine.on_line(slice_index, row, samples)
         except ValueError as err:
             ctx.reject(str(err))
             continue
         ctx.stats["acquisitions"] += 1
-        ctx.templates.setdefault(slice_index, acq.getHead())
+        if slice_index not in ctx.templates or row == ctx.geometry.n_pe // 2:
+            ctx.templates[slice_index] = acq.getHead()  # the centre line's geometry, as Gadgetron's
         for decision in decisions:
+            if offset:
+                decision = dataclasses.replace(decision, line=decision.line - offset)
             ctx.stats["decisions"] += 1
             if ctx.settings.feedback == "inband":
                 ctx.send_item(feedback_acquisition(decision, acq.getHead()))
@@ -308,12 +354,13 @@ def _meta_text(value: Any) -> str:
     return text[:_MAX_META_TEXT] or "none"
 
 
-def _meta(result: SliceResult, zero_filled: bool) -> ismrmrd.Meta:
-    """The image's meta attributes; each written with at least one value (see make_image)."""
+def _meta(result: SliceResult, zero_filled: bool, pe_offset: int = 0) -> ismrmrd.Meta:
+    """The image's meta attributes; each written with at least one value (see make_image).
+    Lines in the scanner's numbering (``kspace_encode_step_1``: grid row - ``pe_offset``)."""
     meta = ismrmrd.Meta()
     for key, values in (("MASC.lines", result.lines), ("MASC.decided", result.decided)):
         if len(values):
-            meta[key] = [int(v) for v in values]
+            meta[key] = [int(v) - pe_offset for v in values]
     meta["MASC.policy"] = _meta_text(result.policy)
     meta["MASC.mar"] = "none (zero-filled)" if zero_filled else _meta_text(result.mar)
     meta["MASC.version"] = _meta_text(__version__)
@@ -335,7 +382,9 @@ def make_image(result: SliceResult, template: ismrmrd.AcquisitionHeader | None, 
     ``MASC.decided`` of an open-loop slice; ``MASC.policy`` and ``MASC.mar`` are printable
     ASCII of at most 128 characters.
     """
+    geometry = encoding_geometry(header)
     data = np.ascontiguousarray(result.zero_filled if zero_filled else result.image, dtype=np.float32)
+    data, fov = _recon_rows(data, geometry)
     image = ismrmrd.Image.from_array(data, transpose=False)
     image.image_type = ismrmrd.IMTYPE_MAGNITUDE
     image.image_series_index = series
@@ -348,10 +397,23 @@ def make_image(result: SliceResult, template: ismrmrd.AcquisitionHeader | None, 
         image.acquisition_time_stamp = template.acquisition_time_stamp
         image.repetition = template.idx.repetition
         image.contrast = template.idx.contrast
-    try:
-        fov = header.encoding[0].reconSpace.fieldOfView_mm
-        image.field_of_view = (float(fov.x), float(fov.y), float(fov.z))
-    except (AttributeError, IndexError):
-        pass
-    image.attribute_string = _meta(result, zero_filled).serialize()
+    image.field_of_view = fov
+    image.attribute_string = _meta(result, zero_filled, geometry.pe_offset).serialize()
     return image
+
+
+def _recon_rows(data: np.ndarray, geometry: EncodingGeometry) -> tuple[np.ndarray, tuple[float, float, float]]:
+    """The (y, x) pixels and field of view (x, y, z mm) an image is returned with. The grid's
+    readout is the recon space's already (:func:`to_grid`); along the phase encoding, a recon
+    space that keeps the centre ``recon_pe`` of ``n_pe`` lines over a narrower field of view
+    (phase oversampling) is cut out of the image's centre rows; otherwise every encoded row is
+    returned (as Gadgetron's ``default.xml`` does), with the field of view those rows cover."""
+    x_fov, y_fov, z_fov = geometry.image_fov_mm
+    n_pe = data.shape[0]
+    recon_pe = geometry.recon_pe or n_pe
+    if recon_pe < n_pe and y_fov < geometry.fov_mm[1]:
+        top = (n_pe - recon_pe) // 2
+        return np.ascontiguousarray(data[top:top + recon_pe]), (x_fov, y_fov, z_fov)
+    if recon_pe != n_pe:  # the rows cover the encoded field of view
+        y_fov = geometry.fov_mm[1]
+    return data, (x_fov, y_fov, z_fov)

@@ -1,0 +1,229 @@
+"""Scanner-like ISMRMRD streams from a simulated one: what real scanners send, on request.
+
+The simulator writes one line per phase-encoding step, sampled exactly over the image's field of
+view, in acquisition order 0..n-1 per slice, through one or a few receive coils. Real scanners
+send more than that, and a reconstruction must cope with all of it. :func:`scanner_like`
+rewrites a stream (header + acquisitions) the way a scanner would have recorded the same slices:
+
+* ``readout_oversampling``: 2 samples the readout over twice the field of view (Siemens and GE
+  default): the encoded space is 2n x n_pe over 2 FOV_x, the recon space n x n_pe over FOV_x;
+* ``coils``: a receive array of N loops on a ring around the object, each with a smooth
+  magnitude fall-off and a phase that turns with its angle (the sensitivities are normalised
+  to a root-sum-of-squares of 1 over the object, so the combined image is the original one);
+* ``noise`` and ``noise_correlation``: complex Gaussian noise of that standard deviation per
+  sample, correlated between neighbouring channels (covariance ``rho^|i-j|``), as receive
+  chains are;
+* ``order``: the lines of each slice ``linear`` (0..n-1), ``reverse``, ``centric`` (centre out,
+  alternating) or ``interleaved`` (even lines, then odd ones);
+* ``asymmetric_echo``: drop this fraction of the readout samples before the echo (the centre
+  sample then sits ``that many`` samples from the line's start: ``center_sample`` says where);
+* ``partial_fourier``: acquire only this fraction of the phase-encoding lines, the top ones
+  (the header's encoding limits say which; the k-space centre stays line ``n_pe // 2``);
+* ``channel_mask``: ``set`` (one bit per carried channel, as most scanners), ``none`` (no bit:
+  the row count says) or ``first`` (only channel 0's bit, as some converters write).
+
+Everything is drawn from the generator passed in. No physics here: it works on any stream whose
+acquisitions hold one full line per phase-encoding step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import ismrmrd
+import ismrmrd.xsd as xsd
+import numpy as np
+
+from masc_gadget.mrd.header import parse_header, serialize_header
+
+__all__ = ["ORDERS", "StreamStyle", "coil_sensitivities", "line_order", "scanner_like"]
+
+ORDERS = ("linear", "reverse", "centric", "interleaved")
+"""The line orders of :func:`line_order`."""
+
+CHANNEL_MASKS = ("set", "none", "first")
+
+
+@dataclass(frozen=True)
+class StreamStyle:
+    """How the rewritten stream is recorded (module docstring)."""
+
+    readout_oversampling: int = 1
+    """1 (none) or 2: samples per readout over 2x the field of view."""
+    coils: int = 0
+    """Receive coils; 0 keeps the stream's own channels."""
+    noise: float = 0.0
+    """Standard deviation of the complex noise per sample (real and imaginary part each)."""
+    noise_correlation: float = 0.0
+    """Correlation of the noise of neighbouring channels, in [0, 1)."""
+    order: str = "linear"
+    """Line order per slice: linear, reverse, centric or interleaved."""
+    asymmetric_echo: float = 0.0
+    """Fraction of the readout samples before the echo that are not acquired, in [0, 0.5)."""
+    partial_fourier: float = 1.0
+    """Fraction of the phase-encoding lines acquired (the top ones), in (0.5, 1]."""
+    channel_mask: str = "set"
+    """set, none or first."""
+
+    def __post_init__(self) -> None:
+        if self.readout_oversampling not in (1, 2):
+            raise ValueError(f"readout_oversampling must be 1 or 2, got {self.readout_oversampling}")
+        if not 0 <= self.coils <= 64:
+            raise ValueError(f"coils must be in [0, 64], got {self.coils}")
+        if self.noise < 0 or not 0 <= self.noise_correlation < 1:
+            raise ValueError(f"noise must be >= 0 and noise_correlation in [0, 1), got {self.noise}, "
+                             f"{self.noise_correlation}")
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}")
+        if not 0 <= self.asymmetric_echo < 0.5:
+            raise ValueError(f"asymmetric_echo must be in [0, 0.5), got {self.asymmetric_echo}")
+        if not 0.5 < self.partial_fourier <= 1:
+            raise ValueError(f"partial_fourier must be in (0.5, 1], got {self.partial_fourier}")
+        if self.channel_mask not in CHANNEL_MASKS:
+            raise ValueError(f"channel_mask must be one of {', '.join(CHANNEL_MASKS)}, got {self.channel_mask!r}")
+
+
+def line_order(n_pe: int, order: str, lines: Sequence[int] | None = None) -> list[int]:
+    """The acquisition order of ``lines`` (default: 0..n_pe-1) in a named order (module docstring)."""
+    lines = sorted(range(n_pe) if lines is None else lines)
+    if order == "linear":
+        return lines
+    if order == "reverse":
+        return lines[::-1]
+    if order == "centric":
+        return sorted(lines, key=lambda line: (abs(line - n_pe // 2), line < n_pe // 2))
+    if order == "interleaved":
+        return [line for line in lines if line % 2 == 0] + [line for line in lines if line % 2 == 1]
+    raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
+
+
+def coil_sensitivities(n_coils: int, shape: tuple[int, int], radius: float = 0.75) -> np.ndarray:
+    """(n_coils, H, W) complex64 sensitivities of loops on a ring of ``radius`` (in half the image
+    size) around the image centre: magnitude ``(1 + (d / r0)^2)^-1.5`` of the distance d to the
+    loop (a loop's on-axis fall-off, r0 a fifth of the image), phase the loop's angle plus a slow
+    ramp; normalised to a root-sum-of-squares of 1 everywhere."""
+    h, w = shape
+    y, x = np.mgrid[:h, :w].astype(np.float64)
+    y = (y - h / 2) / (h / 2)
+    x = (x - w / 2) / (w / 2)
+    maps = []
+    for c in range(n_coils):
+        angle = 2 * math.pi * c / n_coils
+        cy, cx = radius * math.sin(angle), radius * math.cos(angle)
+        d2 = (y - cy) ** 2 + (x - cx) ** 2
+        magnitude = (1 + d2 / 0.4 ** 2) ** -1.5
+        phase = angle + 0.5 * (x * math.cos(angle) + y * math.sin(angle))
+        maps.append(magnitude * np.exp(1j * phase))
+    maps = np.stack(maps)
+    return (maps / np.sqrt((np.abs(maps) ** 2).sum(axis=0))).astype(np.complex64)
+
+
+def _ifft2c(k: np.ndarray) -> np.ndarray:
+    return np.fft.fftshift(np.fft.ifft2(np.fft.ifftshift(k, axes=(-2, -1)), norm="ortho"), axes=(-2, -1))
+
+
+def _fft2c(x: np.ndarray) -> np.ndarray:
+    return np.fft.fftshift(np.fft.fft2(np.fft.ifftshift(x, axes=(-2, -1)), norm="ortho"), axes=(-2, -1))
+
+
+def _slices(acquisitions: Sequence[ismrmrd.Acquisition], n_pe: int, n_ro: int
+            ) -> dict[int, tuple[ismrmrd.AcquisitionHeader, np.ndarray]]:
+    """Per slice: the header of its first line and its (coils, n_pe, n_ro) k-space."""
+    out: dict[int, tuple[ismrmrd.AcquisitionHeader, np.ndarray]] = {}
+    for acq in acquisitions:
+        s, line = int(acq.idx.slice), int(acq.idx.kspace_encode_step_1)
+        data = np.asarray(acq.data)
+        if data.ndim != 2 or data.shape[1] != n_ro or not 0 <= line < n_pe:
+            raise ValueError(f"slice {s} line {line}: expected (coils, {n_ro}) samples of a line in [0, {n_pe}), "
+                             f"got {data.shape}")
+        if s not in out:
+            out[s] = (acq.getHead(), np.zeros((data.shape[0], n_pe, n_ro), np.complex64))
+        out[s][1][:, line] = data
+    return out
+
+
+def _header(header_xml: str, style: StreamStyle, n_pe: int, n_ro: int, coils: int) -> str:
+    header = parse_header(header_xml)
+    encoding = header.encoding[0]
+    recon = encoding.encodedSpace
+    encoded = xsd.encodingSpaceType(
+        matrixSize=xsd.matrixSizeType(x=n_ro * style.readout_oversampling, y=n_pe, z=recon.matrixSize.z),
+        fieldOfView_mm=xsd.fieldOfViewMm(x=recon.fieldOfView_mm.x * style.readout_oversampling,
+                                         y=recon.fieldOfView_mm.y, z=recon.fieldOfView_mm.z))
+    encoding.encodedSpace = encoded
+    encoding.reconSpace = recon
+    kept = _kept_lines(n_pe, style)
+    limits = encoding.encodingLimits
+    if limits is not None:
+        limits.kspace_encoding_step_0 = xsd.limitType(minimum=0, maximum=n_ro * style.readout_oversampling - 1,
+                                                      center=n_ro * style.readout_oversampling // 2)
+        limits.kspace_encoding_step_1 = xsd.limitType(minimum=kept[0], maximum=kept[-1], center=n_pe // 2)
+    if header.acquisitionSystemInformation is None:
+        header.acquisitionSystemInformation = xsd.acquisitionSystemInformationType()
+    header.acquisitionSystemInformation.receiverChannels = coils
+    return serialize_header(header)
+
+
+def _kept_lines(n_pe: int, style: StreamStyle) -> list[int]:
+    """The phase-encoding lines acquired: all, or the top ``partial_fourier`` of them."""
+    count = max(n_pe // 2 + 1, int(round(style.partial_fourier * n_pe)))
+    return list(range(n_pe - count, n_pe))
+
+
+def scanner_like(header_xml: str, acquisitions: Sequence[ismrmrd.Acquisition], style: StreamStyle,
+                 rng: np.random.Generator) -> tuple[str, list[ismrmrd.Acquisition]]:
+    """The stream (header XML, acquisitions in order) a scanner would send for the same slices
+    (module docstring). ``acquisitions``: every line of every slice of a 2D Cartesian stream
+    whose encoded space is ``header_xml``'s; the imaging lines only. Slices follow one another,
+    each in ``style.order``; the last line of each slice carries ``ACQ_LAST_IN_SLICE``."""
+    space = parse_header(header_xml).encoding[0].encodedSpace
+    n_ro, n_pe = int(space.matrixSize.x), int(space.matrixSize.y)
+    by_slice = _slices(acquisitions, n_pe, n_ro)
+    own = next(iter(by_slice.values()))[1].shape[0] if by_slice else 1
+    coils = style.coils or own
+    maps = coil_sensitivities(coils, (n_pe, n_ro * style.readout_oversampling)) if style.coils else None
+    cov = style.noise_correlation ** np.abs(np.subtract.outer(np.arange(coils), np.arange(coils)))
+    chol = np.linalg.cholesky(cov)
+    kept = _kept_lines(n_pe, style)
+    order = line_order(n_pe, style.order, kept)
+    n_out = n_ro * style.readout_oversampling
+    skip = int(round(style.asymmetric_echo * n_out))
+    out: list[ismrmrd.Acquisition] = []
+    counter = 0
+    for s in sorted(by_slice):
+        template, k = by_slice[s]
+        image = _ifft2c(k.astype(np.complex128))  # (own coils, n_pe, n_ro)
+        if style.readout_oversampling == 2:  # the same pixels in the middle of a 2x field of view
+            pad = np.zeros((*image.shape[:-1], n_out), np.complex128)
+            pad[..., n_ro // 2:n_ro // 2 + n_ro] = image
+            image = pad
+        if maps is not None:
+            combined = image[0] if own == 1 else np.sqrt((np.abs(image) ** 2).sum(0)) * np.exp(1j * np.angle(image[0]))
+            image = maps * combined[None]
+        kspace = _fft2c(image)
+        if style.noise > 0:
+            white = rng.normal(size=(2, coils, n_pe, n_out)) * style.noise
+            kspace = kspace + np.einsum("ij,jyx->iyx", chol, white[0] + 1j * white[1])
+        for j, line in enumerate(order):
+            head = ismrmrd.AcquisitionHeader.from_buffer_copy(template)
+            data = np.ascontiguousarray(kspace[:, line, skip:], dtype=np.complex64)
+            head.number_of_samples = data.shape[1]
+            head.center_sample = n_out // 2 - skip
+            head.active_channels = head.available_channels = coils
+            words = [0] * len(head.channel_mask)
+            bits = {"set": range(coils), "none": (), "first": (0,)}[style.channel_mask]
+            for channel in bits:
+                words[channel // 64] |= 1 << (channel % 64)
+            head.channel_mask[:] = words
+            head.idx.kspace_encode_step_1 = line
+            head.idx.slice = s
+            head.scan_counter = counter
+            counter += 1
+            head.flags = 0
+            acq = ismrmrd.Acquisition(head, data=data)
+            if j == len(order) - 1:
+                acq.set_flag(ismrmrd.ACQ_LAST_IN_SLICE)
+            out.append(acq)
+    return _header(header_xml, style, n_pe, n_ro, coils), out
