@@ -35,6 +35,31 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
                     help="implant poses drawn per imported slice (default 1)")
     ex.set_defaults(func=cmd_external)
 
+    st = actions.add_parser("stream", parents=[common], help="a subject's scan as a scanner records it (ISMRMRD file)",
+                            description="Rewrite one subject's ISMRMRD group the way a scanner would have recorded "
+                            "it (readout oversampling, a receive array with correlated noise, a line order, "
+                            "asymmetric echo, partial Fourier, channel-mask style) and write it as an ISMRMRD file "
+                            "that gadgetron_ismrmrd_client or python-ismrmrd-server's client.py can send.")
+    st.add_argument("subject", metavar="SUBJECT.h5", help="a subject file of a dataset folder")
+    st.add_argument("--out", required=True, metavar="FILE.h5", help="ISMRMRD file to write (group 'dataset')")
+    st.add_argument("--group", default="metal", choices=["metal", "clean"], help="which partner (default metal)")
+    st.add_argument("--oversampling", type=int, default=1, choices=[1, 2], help="readout oversampling (default 1)")
+    st.add_argument("--coils", type=int, default=0, metavar="N", help="receive coils (default: the subject's own)")
+    st.add_argument("--noise", type=float, default=0.0, metavar="SD", help="noise per sample, as a fraction of "
+                    "the k-space's largest magnitude (default 0)")
+    st.add_argument("--noise-correlation", type=float, default=0.0, metavar="RHO",
+                    help="noise correlation of neighbouring channels (default 0)")
+    st.add_argument("--order", default="linear", choices=["linear", "reverse", "centric", "interleaved"],
+                    help="line order per slice (default linear)")
+    st.add_argument("--asymmetric-echo", type=float, default=0.0, metavar="F",
+                    help="fraction of readout samples before the echo left out (default 0)")
+    st.add_argument("--partial-fourier", type=float, default=1.0, metavar="F",
+                    help="fraction of phase-encoding lines acquired (default 1)")
+    st.add_argument("--channel-mask", default="set", choices=["set", "none", "first"],
+                    help="how channel_mask is written (default set: a bit per channel)")
+    st.add_argument("--seed", type=int, default=0, help="seed of the noise (default 0)")
+    st.set_defaults(func=cmd_stream)
+
     pv = actions.add_parser("preview", parents=[common], help="PNG preview of one subject",
                             description="Clean, metal, difference, implant mask and field map.")
     pv.add_argument("folder", metavar="DIR", help="dataset folder")
@@ -84,6 +109,23 @@ def cmd_external(args: argparse.Namespace) -> int:
     manifest = simulate_external(config, volumes, args.out, draws=args.draws)
     names = ", ".join(f"{v['name']} ({v['slices']} slices)" for v in manifest["external"])
     print(f"external dataset written to {args.out}: test split, {names}, {args.draws} draw(s) per slice")
+    return 0
+
+
+def cmd_stream(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from sim_scanner.dataset.streams import StreamStyle, read_stream, scanner_like, write_stream
+
+    header_xml, acquisitions = read_stream(args.subject, args.group)
+    peak = max((float(np.abs(a.data).max()) for a in acquisitions), default=0.0)
+    style = StreamStyle(readout_oversampling=args.oversampling, coils=args.coils, noise=args.noise * peak,
+                        noise_correlation=args.noise_correlation, order=args.order,
+                        asymmetric_echo=args.asymmetric_echo, partial_fourier=args.partial_fourier,
+                        channel_mask=args.channel_mask)
+    header_xml, stream = scanner_like(header_xml, acquisitions, style, np.random.default_rng(args.seed))
+    out = write_stream(args.out, header_xml, stream)
+    print(f"{len(stream)} acquisitions of {args.subject} ({args.group}) written to {out} (group 'dataset')")
     return 0
 
 

@@ -29,16 +29,21 @@ acquisitions hold one full line per phase-encoding step.
 from __future__ import annotations
 
 import math
+import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+import h5py
 import ismrmrd
 import ismrmrd.xsd as xsd
 import numpy as np
 
 from masc_gadget.mrd.header import parse_header, serialize_header
 
-__all__ = ["ORDERS", "StreamStyle", "coil_sensitivities", "line_order", "scanner_like"]
+__all__ = ["ORDERS", "StreamStyle", "coil_sensitivities", "line_order", "read_stream", "scanner_like",
+           "styled_acquisition", "styled_header", "styled_kspace", "write_stream"]
 
 ORDERS = ("linear", "reverse", "centric", "interleaved")
 """The line orders of :func:`line_order`."""
@@ -172,6 +177,61 @@ def _kept_lines(n_pe: int, style: StreamStyle) -> list[int]:
     return list(range(n_pe - count, n_pe))
 
 
+def styled_kspace(kspace: np.ndarray, style: StreamStyle, rng: np.random.Generator) -> np.ndarray:
+    """(S, C, n_pe, n_ro) k-space of S slices -> (S, C', n_pe, n_ro x oversampling) complex64 as the
+    scanner's receive array records it: the same pixels in the middle of the oversampled field
+    of view, through ``style.coils`` loops (C' = C when 0), plus correlated noise."""
+    n_slices, own, n_pe, n_ro = kspace.shape
+    coils = style.coils or own
+    n_out = n_ro * style.readout_oversampling
+    maps = coil_sensitivities(coils, (n_pe, n_out)) if style.coils else None
+    cov = style.noise_correlation ** np.abs(np.subtract.outer(np.arange(coils), np.arange(coils)))
+    chol = np.linalg.cholesky(cov)
+    out = np.zeros((n_slices, coils, n_pe, n_out), np.complex64)
+    for s in range(n_slices):
+        image = _ifft2c(kspace[s].astype(np.complex128))  # (own coils, n_pe, n_ro)
+        if style.readout_oversampling == 2:
+            pad = np.zeros((*image.shape[:-1], n_out), np.complex128)
+            pad[..., n_ro // 2:n_ro // 2 + n_ro] = image
+            image = pad
+        if maps is not None:
+            combined = image[0] if own == 1 else np.sqrt((np.abs(image) ** 2).sum(0)) * np.exp(1j * np.angle(image[0]))
+            image = maps * combined[None]
+        k = _fft2c(image)
+        if style.noise > 0:
+            white = rng.normal(size=(2, coils, n_pe, n_out)) * style.noise
+            k = k + np.einsum("ij,jyx->iyx", chol, white[0] + 1j * white[1])
+        out[s] = k
+    return out
+
+
+def styled_acquisition(template: ismrmrd.AcquisitionHeader, line_samples: np.ndarray, style: StreamStyle
+                       ) -> ismrmrd.Acquisition:
+    """One line of :func:`styled_kspace` (``(coils, n)`` samples) as the scanner sends it: the
+    ``template`` header (geometry, idx, flags, counters) with its samples, the asymmetric echo's
+    first samples left out (``center_sample`` says where the echo is) and the channel mask
+    written in ``style.channel_mask``'s way."""
+    n = line_samples.shape[-1]
+    skip = int(round(style.asymmetric_echo * n))
+    data = np.ascontiguousarray(line_samples[:, skip:], dtype=np.complex64)
+    head = ismrmrd.AcquisitionHeader.from_buffer_copy(template)
+    head.number_of_samples = data.shape[1]
+    head.center_sample = n // 2 - skip
+    head.active_channels = head.available_channels = data.shape[0]
+    words = [0] * len(head.channel_mask)
+    for channel in {"set": range(data.shape[0]), "none": (), "first": (0,)}[style.channel_mask]:
+        words[channel // 64] |= 1 << (channel % 64)
+    head.channel_mask[:] = words
+    return ismrmrd.Acquisition(head, data=data)
+
+
+def styled_header(header_xml: str, style: StreamStyle, coils: int) -> str:
+    """The header of the styled stream: encoded space over the oversampled readout, recon space
+    the original one, phase-encoding limits of the lines acquired, ``coils`` receiver channels."""
+    space = parse_header(header_xml).encoding[0].encodedSpace
+    return _header(header_xml, style, int(space.matrixSize.y), int(space.matrixSize.x), coils)
+
+
 def scanner_like(header_xml: str, acquisitions: Sequence[ismrmrd.Acquisition], style: StreamStyle,
                  rng: np.random.Generator) -> tuple[str, list[ismrmrd.Acquisition]]:
     """The stream (header XML, acquisitions in order) a scanner would send for the same slices
@@ -181,49 +241,65 @@ def scanner_like(header_xml: str, acquisitions: Sequence[ismrmrd.Acquisition], s
     space = parse_header(header_xml).encoding[0].encodedSpace
     n_ro, n_pe = int(space.matrixSize.x), int(space.matrixSize.y)
     by_slice = _slices(acquisitions, n_pe, n_ro)
-    own = next(iter(by_slice.values()))[1].shape[0] if by_slice else 1
-    coils = style.coils or own
-    maps = coil_sensitivities(coils, (n_pe, n_ro * style.readout_oversampling)) if style.coils else None
-    cov = style.noise_correlation ** np.abs(np.subtract.outer(np.arange(coils), np.arange(coils)))
-    chol = np.linalg.cholesky(cov)
-    kept = _kept_lines(n_pe, style)
-    order = line_order(n_pe, style.order, kept)
-    n_out = n_ro * style.readout_oversampling
-    skip = int(round(style.asymmetric_echo * n_out))
+    keys = sorted(by_slice)
+    if not keys:
+        raise ValueError("the stream has no imaging acquisition")
+    kspace = styled_kspace(np.stack([by_slice[s][1] for s in keys]), style, rng)
+    order = line_order(n_pe, style.order, _kept_lines(n_pe, style))
     out: list[ismrmrd.Acquisition] = []
-    counter = 0
-    for s in sorted(by_slice):
-        template, k = by_slice[s]
-        image = _ifft2c(k.astype(np.complex128))  # (own coils, n_pe, n_ro)
-        if style.readout_oversampling == 2:  # the same pixels in the middle of a 2x field of view
-            pad = np.zeros((*image.shape[:-1], n_out), np.complex128)
-            pad[..., n_ro // 2:n_ro // 2 + n_ro] = image
-            image = pad
-        if maps is not None:
-            combined = image[0] if own == 1 else np.sqrt((np.abs(image) ** 2).sum(0)) * np.exp(1j * np.angle(image[0]))
-            image = maps * combined[None]
-        kspace = _fft2c(image)
-        if style.noise > 0:
-            white = rng.normal(size=(2, coils, n_pe, n_out)) * style.noise
-            kspace = kspace + np.einsum("ij,jyx->iyx", chol, white[0] + 1j * white[1])
+    for i, s in enumerate(keys):
         for j, line in enumerate(order):
-            head = ismrmrd.AcquisitionHeader.from_buffer_copy(template)
-            data = np.ascontiguousarray(kspace[:, line, skip:], dtype=np.complex64)
-            head.number_of_samples = data.shape[1]
-            head.center_sample = n_out // 2 - skip
-            head.active_channels = head.available_channels = coils
-            words = [0] * len(head.channel_mask)
-            bits = {"set": range(coils), "none": (), "first": (0,)}[style.channel_mask]
-            for channel in bits:
-                words[channel // 64] |= 1 << (channel % 64)
-            head.channel_mask[:] = words
-            head.idx.kspace_encode_step_1 = line
-            head.idx.slice = s
-            head.scan_counter = counter
-            counter += 1
+            head = ismrmrd.AcquisitionHeader.from_buffer_copy(by_slice[s][0])
+            head.idx.kspace_encode_step_1, head.idx.slice = line, s
+            head.scan_counter = len(out)
             head.flags = 0
-            acq = ismrmrd.Acquisition(head, data=data)
+            acq = styled_acquisition(head, kspace[i, :, line], style)
             if j == len(order) - 1:
                 acq.set_flag(ismrmrd.ACQ_LAST_IN_SLICE)
             out.append(acq)
-    return _header(header_xml, style, n_pe, n_ro, coils), out
+    return styled_header(header_xml, style, kspace.shape[1]), out
+
+
+def write_stream(path: str | os.PathLike, header_xml: str, acquisitions: Sequence[ismrmrd.Acquisition],
+                 group: str = "dataset") -> Path:
+    """An ISMRMRD file of the stream, as scanners' converters write them (the header and every
+    acquisition in order, in ``group``: ``dataset`` is what ``gadgetron_ismrmrd_client`` and
+    python-ismrmrd-server's ``client.py`` read by default). An existing group is replaced; the
+    file appears only once complete."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".tmp")
+    partial.unlink(missing_ok=True)
+    if path.exists():
+        shutil.copyfile(path, partial)
+        with h5py.File(partial, "a") as f:
+            if group in f:
+                del f[group]
+    dataset = ismrmrd.Dataset(str(partial), group, create_if_needed=True)
+    try:
+        dataset.write_xml_header(header_xml)
+        for acq in acquisitions:
+            dataset.append_acquisition(acq)
+    finally:
+        dataset.close()
+    os.replace(partial, path)
+    return path
+
+
+def read_stream(path: str | os.PathLike, group: str) -> tuple[str, list[ismrmrd.Acquisition]]:
+    """(header XML, every acquisition in file order) of an ISMRMRD group; ValueError naming a
+    missing file or group."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    with h5py.File(path, "r") as f:
+        if group not in f:
+            raise ValueError(f"{path}: no group {group!r} (the file has {sorted(f.keys())})")
+    dataset = ismrmrd.Dataset(str(path), group, create_if_needed=False)
+    try:
+        header = dataset.read_xml_header()
+        header = header.decode() if isinstance(header, bytes) else str(header)
+        acquisitions = [dataset.read_acquisition(i) for i in range(dataset.number_of_acquisitions())]
+    finally:
+        dataset.close()
+    return header.strip("\x00 \t\r\n"), acquisitions

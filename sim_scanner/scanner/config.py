@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from masc_gadget.acquisition.policies import make_policy
+from sim_scanner.dataset.streams import StreamStyle
 
 FEEDBACK_MODES = ("inband", "fire", "zmq", "none")
 IMAGE_FROM_GADGET = "gadget"
@@ -85,6 +86,23 @@ class ScannerConfig:
     """Scan at most this many subjects of the split (0 = all)."""
     max_slices: int = 0
     """Scan at most this many slices per subject, the first ones (0 = all)."""
+    readout_oversampling: int = 1
+    """2: send every line sampled over twice the field of view, as scanners do (the header's
+    encoded space says so; the gadget removes it). 1: as simulated."""
+    coils: int = 0
+    """Send the lines through a receive array of this many loops
+    (:func:`sim_scanner.dataset.streams.coil_sensitivities`); 0: the dataset's own channels."""
+    noise: float = 0.0
+    """Receive-chain noise per sample, as a fraction of the subject's largest k-space magnitude."""
+    noise_correlation: float = 0.0
+    """Correlation of the noise of neighbouring channels, in [0, 1)."""
+    noise_seed: int = 0
+    """Seed of the noise (each subject draws from its own stream of it)."""
+    asymmetric_echo: float = 0.0
+    """Fraction of each readout's samples before the echo that are not sent, in [0, 0.5)."""
+    channel_mask: str = "set"
+    """How lines carry their channel mask: set (a bit per channel), none, or first (channel 0's
+    bit only, as some converters write)."""
 
     def __post_init__(self) -> None:
         parse_server(self.server)
@@ -113,12 +131,23 @@ class ScannerConfig:
                 "config_name must be a non-empty name shorter than 1024 bytes without NUL, "
                 f"got {name!r}"
             )
+        if isinstance(self.noise_seed, bool) or not isinstance(self.noise_seed, int) or self.noise_seed < 0:
+            raise ValueError(f"noise_seed must be an integer >= 0, got {self.noise_seed!r}")
+        self.stream_style()  # ValueError naming a field out of range
         policy = make_policy(self.fallback)
         if not policy.deterministic or policy.needs_image:
             raise ValueError(
                 f"fallback must be a deterministic policy that needs no image (e.g. center-out, "
                 f"equispaced), got {self.fallback!r}"
             )
+
+    def stream_style(self, peak: float = 1.0) -> StreamStyle | None:
+        """How lines are recorded (:class:`~sim_scanner.dataset.streams.StreamStyle`, the noise
+        scaled by ``peak``, the k-space's largest magnitude); None when sent as simulated."""
+        style = StreamStyle(readout_oversampling=self.readout_oversampling, coils=self.coils,
+                            noise=self.noise * peak, noise_correlation=self.noise_correlation,
+                            asymmetric_echo=self.asymmetric_echo, channel_mask=self.channel_mask)
+        return None if style == StreamStyle() else style
 
     @property
     def host_port(self) -> tuple[str, int]:

@@ -43,6 +43,7 @@ import json
 import logging
 import os
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -83,6 +84,7 @@ from sim_scanner.scanner.config import (
     SOURCE_INITIAL,
     ScannerConfig,
 )
+from sim_scanner.dataset.streams import StreamStyle, styled_acquisition, styled_header, styled_kspace
 from sim_scanner.scanner.link import _DecisionBoard, _GadgetLink, _ZmqPump
 from sim_scanner.scanner.report import ScanReport, SliceReport, SubjectReport, _log_subject, _totals
 
@@ -200,6 +202,11 @@ class _Subject:
     link: _GadgetLink | None = None
     start_ticks: int = 0
     timestamp: int = -1
+    style: StreamStyle | None = None
+    """How lines are recorded (ScannerConfig's stream fields); None: as simulated."""
+    sent: np.ndarray | None = None
+    """(n_slices, coils, n_pe, n_samples) the k-space as the receive array records it, with
+    ``style``; None without a style."""
 
     def choose(self, counter: int, s: int, is_initial: bool) -> tuple[int, str]:
         """The line slice ``s`` acquires at scan counter ``counter`` and where it came from."""
@@ -245,6 +252,8 @@ class _Subject:
             flags=flags,
             n_slices=data.kspace.shape[0],
         )
+        if self.style is not None:
+            acquisition = styled_acquisition(acquisition.getHead(), self.sent[s, :, line], self.style)
         st = self.states[s]
         st.last_sent = time.perf_counter()
         if self.link is not None:
@@ -295,6 +304,12 @@ def scan_subject(
         [_SliceState(SliceReport(s)) for s in range(n_slices)],
         _DecisionBoard(), make_policy(scfg.fallback), np.zeros_like(data.kspace[:n_slices]),
     )
+    run.style = scfg.stream_style(float(np.abs(data.kspace[:n_slices]).max(initial=0.0)))
+    header_xml = data.header_xml
+    if run.style is not None:
+        rng = np.random.default_rng(np.random.SeedSequence([scfg.noise_seed, zlib.crc32(str(subject_id).encode())]))
+        run.sent = styled_kspace(data.kspace[:n_slices], run.style, rng)
+        header_xml = styled_header(data.header_xml, run.style, run.sent.shape[1])
     schedule = _schedule(n_slices, acq.initial, acq.budget, scfg.interleave, acq.lines_per_decision)
     period_ticks = (
         mrd.line_period_ms(data.seq, "interleaved" if scfg.interleave else "sequential")
@@ -306,7 +321,7 @@ def scan_subject(
             pump = _ZmqPump(scfg.zmq_address, run.board, report.gadget_errors)
         run.link = _connect(scfg, run.board, report, require_gadget)
         if run.link is not None:
-            run.link.handshake(scfg.config_name, data.header_xml, gadget_parameters(scfg, acq, pump),
+            run.link.handshake(scfg.config_name, header_xml, gadget_parameters(scfg, acq, pump),
                                config_xml=config_xml)
         run.start_ticks = _ticks_since_midnight()
         for counter, (s, is_initial) in enumerate(schedule):

@@ -1,0 +1,83 @@
+"""masc scan sends what scanners send (readout oversampling, receive arrays with correlated noise,
+asymmetric echoes, channel-mask styles), open and closed loop against masc serve, and masc simulate
+stream writes such streams for the stock clients."""
+
+import subprocess
+import sys
+
+import ismrmrd
+import numpy as np
+import pytest
+
+from masc_gadget.acquisition.policies import make_policy, run_episode
+from masc_gadget.config import load_config
+from masc_gadget.mrd.header import encoding_geometry
+from masc_gadget.serving.server import MascServer
+from sim_scanner.scanner.session import run_scan
+
+from tests.conftest import CONFIGS
+
+STYLES = {
+    "2x oversampling": ["scanner.readout_oversampling=2"],
+    "8 coils, correlated noise": ["scanner.coils=8", "scanner.noise=0.0001", "scanner.noise_correlation=0.4"],
+    "asymmetric echo, mask of channel 0": ["scanner.readout_oversampling=2", "scanner.asymmetric_echo=0.15",
+                                           "scanner.coils=2", "scanner.channel_mask=first"],
+}
+
+
+@pytest.mark.parametrize("feedback", ["inband", "none"])
+@pytest.mark.parametrize("style", list(STYLES))
+def test_masc_scan_sends_scanner_like_streams(tiny_dataset, tmp_path, style, feedback):
+    config = load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu"])
+    server = MascServer(config, host="127.0.0.1", port=0)
+    _, port = server.start()
+    try:
+        scan_config = load_config(CONFIGS / "tiny.yaml", [
+            f"scanner.server=127.0.0.1:{port}", f"scanner.feedback={feedback}", "scanner.deadline_ms=5000",
+            "acquisition.policy=equispaced", *STYLES[style]])
+        report = run_scan(scan_config, tiny_dataset, "test", tmp_path / "scan", progress=False)
+    finally:
+        server.shutdown()
+    acq = scan_config["acquisition"]
+    assert report.totals.fallbacks == (0 if feedback == "inband" else report.totals.fallbacks)
+    assert report.totals.connections_lost == 0
+    expected = list(run_episode(make_policy("equispaced"), 32, acq.initial, acq.budget))
+    exact = style == "2x oversampling"  # no noise, no samples left out: the simulator's own image
+    for subject in report.subjects:
+        assert not subject.gadget_errors
+        for sl in subject.slices:
+            if feedback == "inband":
+                assert sl.lines == expected  # closed loop: the gadget chose, in the scanner's numbering
+            assert sl.image_source == "gadget"
+            assert sl.image_lines == sl.lines  # the image says it holds every line sent
+            # the gadget's image is on the simulator's grid (oversampling removed): with one coil and
+            # every sample, the scanner's zero-filled image of the same lines; an array combines the
+            # coils' undersampled images (RSS), the echo loses samples: near it, not equal (their exact
+            # maths is checked against a numpy reference in tests/masc_gadget/serving/test_recon_space.py)
+            if exact:
+                assert sl.metrics["ssim"] == pytest.approx(sl.zero_filled_metrics["ssim"], abs=2e-3)
+                assert sl.metrics["nmse"] == pytest.approx(sl.zero_filled_metrics["nmse"], abs=1e-4)
+            else:
+                assert 0 < sl.metrics["nmse"] < 1.5 * sl.zero_filled_metrics["nmse"]
+
+
+def test_masc_simulate_stream_writes_what_the_stock_clients_send(tiny_dataset, tmp_path):
+    subject = sorted((tiny_dataset / "test").glob("*.h5"))[0]
+    out = tmp_path / "stream.h5"
+    rc = subprocess.run([sys.executable, "-m", "masc_gadget.cli", "simulate", "stream", str(subject), "--out", str(out),
+                         "--oversampling", "2", "--coils", "4", "--noise", "0.001", "--order", "centric",
+                         "--partial-fourier", "0.75"], capture_output=True, text=True, timeout=120)
+    assert rc.returncode == 0, rc.stderr
+    dataset = ismrmrd.Dataset(str(out), "dataset", create_if_needed=False)
+    try:
+        header = dataset.read_xml_header()
+        acqs = [dataset.read_acquisition(i) for i in range(dataset.number_of_acquisitions())]
+    finally:
+        dataset.close()
+    geometry = encoding_geometry(header.decode() if isinstance(header, bytes) else header)
+    assert (geometry.n_readout, geometry.grid_readout, geometry.readout_ratio) == (64, 32, 2.0)
+    first_slice = [a for a in acqs if a.idx.slice == 0]
+    lines = [int(a.idx.kspace_encode_step_1) for a in first_slice]
+    assert len(lines) == 24 and lines[0] == 16 and min(lines) == 8  # centric, the top 3/4 of 32 lines
+    assert first_slice[-1].is_flag_set(ismrmrd.ACQ_LAST_IN_SLICE)
+    assert all(a.data.shape == (4, 64) for a in acqs)
