@@ -90,7 +90,11 @@ def register_eval(subparsers: argparse._SubParsersAction, common: argparse.Argum
                     help="with --combine: the method compared with every other row (default masc)")
     ev.add_argument("--alpha", type=float, default=0.01,
                     help="with --combine: the level a win needs in both paired tests (default 0.01)")
-    ev.add_argument("--out", required=True, metavar="OUTDIR")
+    ev.add_argument("--retest", metavar="DIR,DIR[,...]",
+                    help="instead of evaluating: recompute the paired tests of earlier masc eval outputs over "
+                    "subjects (their results.json and table.md are rewritten in place; the scores are not "
+                    "recomputed)")
+    ev.add_argument("--out", metavar="OUTDIR", help="folder to write (required unless --retest)")
     ev.set_defaults(func=cmd_eval)
 
 
@@ -205,6 +209,24 @@ def cmd_eval_combine(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_retest(args: argparse.Namespace) -> int:
+    from masc_gadget.cli import CommandError
+    from training.evaluation.evaluate import write_results
+    from training.evaluation.seeds import load_results
+    from training.evaluation.tables import add_tests
+
+    given = [f"--{n}" for n in ("data", "mar", "checkpoint", "methods", "combine", "suite", "out") if getattr(args, n)]
+    if given:
+        raise CommandError(f"--retest rewrites the tests of finished evaluations in place; drop {', '.join(given)}")
+    for folder in (f.strip() for f in args.retest.split(",") if f.strip()):
+        results = load_results(folder)
+        add_tests(results)
+        path = Path(folder)
+        write_results(results, path if path.is_dir() else path.parent)
+        print(f"{path}: tests over {len(set(s.rsplit('/', 1)[0] for s in results['slices']))} subjects written")
+    return 0
+
+
 def cmd_eval_suite(args: argparse.Namespace) -> int:
     from masc_gadget.cli import CommandError, config_from_args
     from training.evaluation.suite import render_suite, run_suite
@@ -228,6 +250,10 @@ def cmd_eval_suite(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from masc_gadget.cli import CommandError, config_from_args
 
+    if args.retest:
+        return cmd_eval_retest(args)
+    if not args.out:
+        raise CommandError("masc eval needs --out OUTDIR")
     if args.combine:
         return cmd_eval_combine(args)
     if args.suite:

@@ -341,13 +341,20 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
     return results, figures
 
 
-def write_outputs(results: dict[str, Any], figures: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
-    """results.json, table.md, curves.png, examples.png in ``out_dir``."""
+def write_results(results: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
+    """results.json and table.md (rendered from it) in ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {name: out_dir / name for name in ("results.json", "table.md", "curves.png", "examples.png")}
+    paths = {name: out_dir / name for name in ("results.json", "table.md")}
     paths["results.json"].write_text(json.dumps(results, indent=1, allow_nan=True) + "\n")
     paths["table.md"].write_text(render_table(results))
+    return paths
+
+
+def write_outputs(results: dict[str, Any], figures: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
+    """results.json, table.md, curves.png, examples.png in ``out_dir``."""
+    paths = write_results(results, out_dir)
+    paths.update({name: Path(out_dir) / name for name in ("curves.png", "examples.png")})
     plot_curves(results, paths["curves.png"])
     plot_examples(results, figures, paths["examples.png"])
     return paths

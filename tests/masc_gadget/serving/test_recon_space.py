@@ -11,44 +11,21 @@ from masc_gadget.mrd.header import encoding_geometry, parse_header
 from masc_gadget.serving.gadget import GadgetSettings, process
 from sim_scanner.dataset.streams import StreamStyle, scanner_like
 
+from tests.scanner_streams import POSITION, base_header, base_stream, smooth_object
+
 N_PE, N_RO, FOV = 32, 40, (200.0, 250.0, 5.0)
-POSITION = (12.5, -30.0, 41.0)
 
 
 def _base_header() -> str:
-    return (f"<?xml version='1.0'?><ismrmrdHeader xmlns='http://www.ismrm.org/ISMRMRD'>"
-            f"<experimentalConditions><H1resonanceFrequency_Hz>127000000</H1resonanceFrequency_Hz>"
-            f"</experimentalConditions><encoding><encodedSpace><matrixSize><x>{N_RO}</x><y>{N_PE}</y><z>1</z>"
-            f"</matrixSize><fieldOfView_mm><x>{FOV[0]}</x><y>{FOV[1]}</y><z>{FOV[2]}</z></fieldOfView_mm>"
-            f"</encodedSpace><reconSpace><matrixSize><x>{N_RO}</x><y>{N_PE}</y><z>1</z></matrixSize>"
-            f"<fieldOfView_mm><x>{FOV[0]}</x><y>{FOV[1]}</y><z>{FOV[2]}</z></fieldOfView_mm></reconSpace>"
-            f"<encodingLimits><kspace_encoding_step_1><minimum>0</minimum><maximum>{N_PE - 1}</maximum>"
-            f"<center>{N_PE // 2}</center></kspace_encoding_step_1><slice><minimum>0</minimum><maximum>1</maximum>"
-            f"<center>0</center></slice></encodingLimits><trajectory>cartesian</trajectory></encoding></ismrmrdHeader>")
+    return base_header(N_PE, N_RO, FOV)
 
 
 def _object(seed: int) -> np.ndarray:
-    """A smooth complex object inside the field of view (y = PE, x = RO)."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[:N_PE, :N_RO]
-    disc = ((y - N_PE / 2) / (0.4 * N_PE)) ** 2 + ((x - N_RO / 2) / (0.35 * N_RO)) ** 2 < 1
-    return disc * (1 + 0.5 * rng.random((N_PE, N_RO))) * np.exp(0.3j * rng.standard_normal((N_PE, N_RO)))
+    return smooth_object(N_PE, N_RO, seed)
 
 
 def _base_stream(seed: int = 0):
-    acqs = []
-    for s in range(2):
-        k = np.fft.fftshift(np.fft.fft2(np.fft.ifftshift(_object(seed + s)), norm="ortho")).astype(np.complex64)
-        for line in range(N_PE):
-            acq = ismrmrd.Acquisition.from_array(k[line][None].copy())
-            acq.idx.slice, acq.idx.kspace_encode_step_1 = s, line
-            head = acq.getHead()
-            head.center_sample = N_RO // 2
-            head.position[:] = POSITION[:2] + (POSITION[2] + 5 * s,)
-            head.read_dir[:], head.phase_dir[:], head.slice_dir[:] = (0, 1, 0), (1, 0, 0), (0, 0, 1)
-            acq.setHead(head)
-            acqs.append(acq)
-    return _base_header(), acqs
+    return base_stream(N_PE, N_RO, FOV, seed)
 
 
 def reference_image(header_xml: str, acqs: list, slice_index: int) -> np.ndarray:

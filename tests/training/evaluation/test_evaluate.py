@@ -139,3 +139,26 @@ def test_bad_inputs(tiny_dataset, tmp_path, capsys, mar_checkpoint):
     assert main(["eval", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset), "--resume",
                  "--out", str(tmp_path)]) == 2
     assert "--resume goes with --suite" in capsys.readouterr().err
+
+
+def test_retest_rewrites_older_results_with_tests_over_subjects(eval_run, tmp_path):
+    """An output of an older version (tests over slices, no subject fields) is brought up to date
+    in place; the scores are untouched."""
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(eval_run, old)
+    results = json.loads((old / "results.json").read_text())
+    for block in results["accelerations"].values():
+        for row in block["rows"]:
+            if row["tests"] is not None:
+                row["tests"] = {k: {key: v[key] for key in ("t", "p_ttest", "w", "p_wilcoxon")}
+                                for k, v in row["tests"].items()}
+    (old / "results.json").write_text(json.dumps(results))
+    assert main(["eval", "--retest", str(old)]) == 0
+    again = json.loads((old / "results.json").read_text())
+    fresh = json.loads((eval_run / "results.json").read_text())
+    assert again["accelerations"] == json.loads(json.dumps(fresh["accelerations"]))
+    assert (old / "table.md").read_text() == (eval_run / "table.md").read_text()
+    assert main(["eval", "--retest", str(old), "--out", str(tmp_path / "x")]) == 2  # in place, no --out
+    assert not (tmp_path / "x").exists()
