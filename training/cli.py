@@ -93,7 +93,7 @@ def register_eval(subparsers: argparse._SubParsersAction, common: argparse.Argum
     ev.add_argument("--retest", metavar="DIR,DIR[,...]",
                     help="instead of evaluating: recompute the paired tests of earlier masc eval outputs over "
                     "subjects (their results.json and table.md are rewritten in place; the scores are not "
-                    "recomputed)")
+                    "recomputed); a --suite folder: every table, Table 2 and the combined reports")
     ev.add_argument("--out", metavar="OUTDIR", help="folder to write (required unless --retest)")
     ev.set_defaults(func=cmd_eval)
 
@@ -219,6 +219,12 @@ def cmd_eval_retest(args: argparse.Namespace) -> int:
     if given:
         raise CommandError(f"--retest rewrites the tests of finished evaluations in place; drop {', '.join(given)}")
     for folder in (f.strip() for f in args.retest.split(",") if f.strip()):
+        if (Path(folder) / "suite.json").is_file():
+            from training.evaluation.suite import render_suite, retest_suite
+
+            print(render_suite(retest_suite(folder)))
+            print(f"{folder}: the suite's tables, Table 2 and the combined reports retested over subjects")
+            continue
         results = load_results(folder)
         add_tests(results)
         path = Path(folder)

@@ -52,10 +52,10 @@ import numpy as np
 
 from masc_gadget.config import Config
 from training.csvlog import read_rows
-from training.evaluation.evaluate import evaluate, write_outputs
+from training.evaluation.evaluate import evaluate, write_outputs, write_results
 from training.evaluation.seeds import combine_seeds, load_results, write_combined
 from training.evaluation.stats import mean_std, subject_tests
-from training.evaluation.tables import result_subjects
+from training.evaluation.tables import add_tests, result_subjects
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +192,49 @@ def run_suite(config: Config, data_dir: str | Path, runs: str | Path, out: str |
             report["tables"][f"{name}_seeds"] = str(out / f"{name}_seeds")
     out.mkdir(parents=True, exist_ok=True)
     (out / "suite.json").write_text(json.dumps(report, indent=1, allow_nan=True) + "\n")
+    (out / "suite.md").write_text(render_suite(report))
+    return report
+
+
+def retest_suite(out: str | Path) -> dict[str, Any]:
+    """Recompute the paired tests of a finished suite folder over subjects, from its tables'
+    results.json alone (no model is needed): each table (:func:`~training.evaluation.tables.add_tests`),
+    Table 2's MASC - ablation tests, the combined reports over seeds; rewrites them and
+    suite.json / suite.md in place, scores untouched. Returns the suite report."""
+    out = Path(out)
+    path = out / "suite.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: --retest of a suite needs the folder masc eval --suite wrote")
+    report = json.loads(path.read_text())
+    seeds = report["seeds"]
+    tables: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for name in ("table1", "table3"):
+        for seed in seeds:
+            folder = out / f"{name}_s{seed}"
+            if (folder / "results.json").is_file():
+                results = load_results(folder)
+                add_tests(results)
+                write_results(results, folder)
+                tables.setdefault(name, []).append((seed, results))
+    table1 = dict(tables.get("table1", []))
+    for key, entry in report["table2"].items():
+        if key == "joint":
+            continue
+        entry["joint_minus"] = []
+        for seed in seeds:
+            folder = out / f"table2_{key}_s{seed}"
+            if seed not in table1 or not (folder / "results.json").is_file():
+                continue
+            results = load_results(folder)
+            add_tests(results)
+            write_results(results, folder)
+            entry["joint_minus"].append({"seed": seed, **_joint_minus(
+                _row(table1[seed], "masc"), _row(results, "masc"), result_subjects(table1[seed]))})
+    for name, runs_of in tables.items():
+        if len(runs_of) >= 2:
+            combined = combine_seeds([r for _, r in runs_of], [f"seed {seed}" for seed, _ in runs_of])
+            write_combined(combined, out / f"{name}_seeds")
+    path.write_text(json.dumps(report, indent=1, allow_nan=True) + "\n")
     (out / "suite.md").write_text(render_suite(report))
     return report
 

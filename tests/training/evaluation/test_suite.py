@@ -9,7 +9,7 @@ import pytest
 from masc_gadget.config import load_config
 from sim_scanner.dataset.external import Volume, simulate_external
 from training.coadapt import train_masc
-from training.evaluation.suite import render_suite, run_suite, training_seconds
+from training.evaluation.suite import render_suite, retest_suite, run_suite, training_seconds
 from training.loupe import train_loupe
 
 from tests.conftest import CONFIGS
@@ -56,6 +56,19 @@ def test_suite_writes_every_table_from_a_runs_folder(tiny_dataset, tmp_path, per
     assert f"s0 {versus[0]['diff']:+.4f}" in (out / "suite.md").read_text()
     assert report["training_seconds"]["masc"][0] > 0 and report["training_seconds"]["loupe"][0] > 0
     assert (out / "suite.md").read_text() == render_suite(json.loads((out / "suite.json").read_text()))
+
+    # --retest of a suite folder, from its tables alone (the models may be gone): written by an
+    # older version (tests over slices), it is brought back to what the suite writes now
+    written = {p: p.read_text() for p in sorted(out.rglob("*")) if p.suffix in (".json", ".md")}
+    stale = json.loads((out / "suite.json").read_text())
+    for entry in stale["table2"].values():
+        for d in entry["joint_minus"]:
+            del d["p_ttest_slices"], d["n_subjects"]
+    (out / "suite.json").write_text(json.dumps(stale))
+    shutil.rmtree(out / "table1_seeds")
+    retested = retest_suite(out)
+    assert json.loads(json.dumps(retested["table2"])) == json.loads(json.dumps(report["table2"]))
+    assert {p: p.read_text() for p in written} == written
 
     # --resume reads back every table evaluated with the same inputs, and evaluates again only the
     # one whose model changed (here: the metal ablation retrained with another seed)
