@@ -255,34 +255,31 @@ class AcquisitionEngine:
 
     # --- reconstruction ---------------------------------------------------------------------------
 
+    def _forward(self, kspace: np.ndarray, mask: np.ndarray, with_mar: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Zero-filled images of a batch (coils combined) and, ``with_mar``, their MAR images in one
+        forward: kspace (B, n_coils, n_pe, n_readout) complex64, mask (B, n_pe) bool -> (B, n_pe,
+        n_readout) tensors on the engine's device. Call under ``torch.no_grad()``."""
+        k = torch.from_numpy(kspace).to(self.device)
+        zf = coil_combine(k, torch.from_numpy(mask).to(self.device), self.settings.coil_combine)
+        return zf, (self.mar(zf) if with_mar else None)
+
     def _reconstruct(
         self, kspace: np.ndarray, mask: np.ndarray, with_mar: bool
     ) -> tuple[np.ndarray, np.ndarray | None]:
-        """Zero-filled (and MAR) images of a batch, one MAR forward for all.
-
-        kspace: (B, n_coils, n_pe, n_readout) complex64; mask: (B, n_pe) bool.
-        Returns (zero_filled, mar): (B, n_pe, n_readout) float32 numpy arrays on the CPU; mar is
-        None unless ``with_mar``.
-        """
+        """What a policy observes: :meth:`_forward` as float32 numpy arrays on the CPU (the MAR
+        output unclamped); mar is None unless ``with_mar``."""
         with torch.no_grad():
-            k = torch.from_numpy(kspace).to(self.device)
-            m = torch.from_numpy(mask).to(self.device)
-            zf = coil_combine(k, m, self.settings.coil_combine)  # (B, n_pe, n_readout) float32
-            corrected = self.mar(zf) if with_mar else None  # (B, n_pe, n_readout)
-            zf_np = zf.cpu().numpy()
-            mar_np = None if corrected is None else corrected.float().cpu().numpy()
-        return zf_np, mar_np
+            zf, corrected = self._forward(kspace, mask, with_mar)
+            return zf.cpu().numpy(), None if corrected is None else corrected.float().cpu().numpy()
 
     def _served(self, keys: Sequence[int], kspace: np.ndarray, mask: np.ndarray) -> _Served:
         """The served images of the finished slices ``keys``
-        (:func:`masc_gadget.core.served.served_images`): kspace (B, n_coils, n_pe, n_readout),
-        mask (B, n_pe) -> (B, n_pe, n_readout) float32 numpy images and (B,) whether each image
-        is the MAR one. Logs what it replaced."""
+        (:func:`masc_gadget.core.served.served_images` of :meth:`_forward`) as numpy arrays: (B,
+        n_pe, n_readout) float32 images and (B,) whether each is the MAR one. Logs what it replaced."""
         with torch.no_grad():
-            k = torch.from_numpy(kspace).to(self.device)
-            zf = coil_combine(k, torch.from_numpy(mask).to(self.device), self.settings.coil_combine)
-            zf_finite = _finite(zf.cpu().numpy())
-            corrected = self.mar(zf) if self.mar is not None else None
+            zf, corrected = self._forward(kspace, mask, self.mar is not None)
+            zf_finite = torch.isfinite(zf.flatten(1)).all(dim=1).cpu().numpy()
             served = served_images(zf, corrected)
         if not zf_finite.all():
             log.error("slice(s) %s: zero-filled image not finite; non-finite pixels set to 0",
