@@ -10,12 +10,9 @@ import numpy as np
 import pytest
 
 from masc_gadget.acquisition.policies import make_policy, run_episode
-from masc_gadget.config import load_config
 from masc_gadget.mrd.header import encoding_geometry
-from masc_gadget.serving.server import MascServer
-from sim_scanner.scanner.session import run_scan
 
-from tests.conftest import CONFIGS
+from tests.sim_scanner.scanner.serve import scan_against_serve
 
 STYLES = {
     "2x oversampling": ["scanner.readout_oversampling=2"],
@@ -28,16 +25,9 @@ STYLES = {
 @pytest.mark.parametrize("feedback", ["inband", "none"])
 @pytest.mark.parametrize("style", list(STYLES))
 def test_masc_scan_sends_scanner_like_streams(tiny_dataset, tmp_path, style, feedback):
-    config = load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu"])
-    server = MascServer(config, host="127.0.0.1", port=0)
-    _, port = server.start()
-    try:
-        scan_config = load_config(CONFIGS / "tiny.yaml", [
-            f"scanner.server=127.0.0.1:{port}", f"scanner.feedback={feedback}", "scanner.deadline_ms=5000",
-            "acquisition.policy=equispaced", *STYLES[style]])
-        report = run_scan(scan_config, tiny_dataset, "test", tmp_path / "scan", progress=False)
-    finally:
-        server.shutdown()
+    report, scan_config = scan_against_serve(
+        tiny_dataset, tmp_path / "scan", scan=[f"scanner.feedback={feedback}", "acquisition.policy=equispaced",
+                                               *STYLES[style]])
     acq = scan_config["acquisition"]
     assert report.totals.fallbacks == (0 if feedback == "inband" else report.totals.fallbacks)
     assert report.totals.connections_lost == 0

@@ -15,11 +15,10 @@ from masc_gadget.config import load_config
 from masc_gadget.models.checkpoint import save_checkpoint
 from masc_gadget.models.policy_net import PolicyNet, PolicyNetConfig
 from masc_gadget.models.unet import MarModelConfig, build_mar
-from masc_gadget.serving.server import MascServer
-from sim_scanner.scanner.session import run_scan
 from training.evaluation.evaluate import evaluate
 
 from tests.conftest import CONFIGS
+from tests.sim_scanner.scanner.serve import scan_against_serve
 
 N = 32  # the tiny configuration's matrix
 INITIAL, BUDGET, SEED = 1, 2, 3
@@ -44,17 +43,9 @@ def masc_checkpoint(tmp_path_factory):
 
 
 def _scan(tiny_dataset, out, policy, gadget):
-    config = load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu", *gadget])
-    server = MascServer(config, host="127.0.0.1", port=0)
-    _, port = server.start()
-    try:
-        scan_config = load_config(CONFIGS / "tiny.yaml", [
-            f"scanner.server=127.0.0.1:{port}", "scanner.feedback=inband", "scanner.deadline_ms=5000",
-            f"acquisition.policy={policy}", f"acquisition.initial={INITIAL}", f"acquisition.budget={BUDGET}",
-        ])
-        report = run_scan(scan_config, tiny_dataset, "test", out, progress=False)
-    finally:
-        server.shutdown()
+    report, _ = scan_against_serve(tiny_dataset, out, gadget, [
+        "scanner.feedback=inband", f"acquisition.policy={policy}", f"acquisition.initial={INITIAL}",
+        f"acquisition.budget={BUDGET}"])
     assert report.totals.fallbacks == 0 and report.totals.connections_lost == 0
     return {f"{sub.subject}/{sl.slice}": sl for sub in report.subjects for sl in sub.slices}
 
