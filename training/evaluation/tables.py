@@ -130,9 +130,9 @@ def render_table(results: dict[str, Any]) -> str:
     n_subjects = len(set(result_subjects(results)))
     note = (f"Mean ± std over slices; metrics per slice against the clean fully sampled image, both "
             f"scaled by its maximum, on the image the gadget serves. Best in bold. p-values: paired "
-            f"two-sided tests of SSIM against the reference row `{ref}`, over the {n_subjects} subjects' "
-            f"mean SSIM (these decide: slices of one subject are not independent); over the slices as a "
-            f"secondary figure.")
+            f"two-sided tests of SSIM against the reference row `{ref}`, over the subjects' mean SSIM "
+            f"({n_subjects} {'subject: no test' if n_subjects == 1 else 'subjects'}; these decide: slices of "
+            f"one subject are not independent); over the slices as a secondary figure.")
     if any(row["method"] == "oracle" for block in results["accelerations"].values() for row in block["rows"]):
         note += (f" Oracle gain captured: the share of the greedy oracle's mean-SSIM gain over Random (or over "
                  f"the best non-adaptive baseline of the table: {', '.join(BASELINES)}) that a row reaches, in "
