@@ -1,6 +1,7 @@
 """One image path: a closed-loop scan against masc serve scores exactly what masc eval scores.
 
-For every registered policy (and a learned MASC checkpoint with its own MAR network), the lines
+For every registered policy (the baselines, and a checkpoint of each learned kind: MASC and the
+learned mask with their own MAR network, DQN and SS-DDQN observing the operator's), the lines
 the gadget chose and the per-slice metrics of the image it served equal those of ``masc eval`` on
 the same slices, MAR on (the baselines with ``--mar``, MASC with its own network, whatever
 ``--mar`` says)."""
@@ -9,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from masc_gadget.acquisition.learned import policy_metadata
+from masc_gadget.acquisition.learned import KINDS, policy_metadata, q_metadata
 from masc_gadget.acquisition.policies import POLICIES
-from masc_gadget.config import load_config
+from masc_gadget.config import load_config, to_dict
 from masc_gadget.models.checkpoint import save_checkpoint
 from masc_gadget.models.policy_net import PolicyNet, PolicyNetConfig
+from masc_gadget.models.q_net import QNet, QNetConfig
 from masc_gadget.models.unet import MarModelConfig, build_mar
 from training.evaluation.evaluate import evaluate
 
@@ -42,6 +44,28 @@ def masc_checkpoint(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def learned_checkpoints(tmp_path_factory, masc_checkpoint):
+    """A checkpoint of every learned kind: MASC and the learned mask with their own MAR network,
+    DQN and SS-DDQN without one (they observe the operator's MAR network, ``--mar`` offline)."""
+    folder = tmp_path_factory.mktemp("learned")
+    paths = {"masc": masc_checkpoint}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(6)
+        for kind, spectral in (("dqn", False), ("ss-ddqn", True)):
+            net = QNet(N, N, N, QNetConfig(channels=(4, 8), hidden=16), spectral=spectral,
+                       generator=torch.Generator().manual_seed(7))
+            paths[kind] = save_checkpoint(folder / f"{kind}.pt", {"q": net.eval()}, q_metadata(net, kind, True))
+        mar = build_mar(MarModelConfig(width=4))
+        with torch.no_grad():
+            for p in mar.parameters():
+                p.add_(0.05 * torch.randn(p.shape))
+    order = [int(x) for x in np.random.default_rng(8).permutation(N)[:BUDGET]]
+    paths["loupe"] = save_checkpoint(folder / "loupe.pt", {"mar": mar.eval()},
+                                     {"kind": "loupe", "n_pe": N, "order": order, "mar_model": to_dict(mar.config)})
+    return paths
+
+
 def _scan(tiny_dataset, out, policy, gadget):
     report, _ = scan_against_serve(tiny_dataset, out, gadget, [
         "scanner.feedback=inband", f"acquisition.policy={policy}", f"acquisition.initial={INITIAL}",
@@ -50,18 +74,22 @@ def _scan(tiny_dataset, out, policy, gadget):
     return {f"{sub.subject}/{sl.slice}": sl for sub in report.subjects for sl in sub.slices}
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES) + ["masc"])
-def test_served_image_scores_equal_masc_eval(tiny_dataset, tmp_path, perturbed_mar, masc_checkpoint, policy):
-    learned = policy == "masc"
+@pytest.mark.parametrize("policy", sorted(POLICIES) + sorted(KINDS))
+def test_served_image_scores_equal_masc_eval(tiny_dataset, tmp_path, perturbed_mar, learned_checkpoints, policy):
+    learned = policy in KINDS
+    own_mar = policy in ("masc", "loupe")
     gadget = [f"acquisition.seed={SEED}"]
-    gadget += [f"gadget.policy_checkpoint={masc_checkpoint}"] if learned else [f"gadget.mar_checkpoint={perturbed_mar}"]
+    if learned:
+        gadget.append(f"gadget.policy_checkpoint={learned_checkpoints[policy]}")
+    if not own_mar:  # the operator's MAR network (a learned checkpoint's own one otherwise)
+        gadget.append(f"gadget.mar_checkpoint={perturbed_mar}")
     served = _scan(tiny_dataset, tmp_path / "scan", policy, gadget)
 
     config = load_config(CONFIGS / "tiny.yaml", [
         f"eval.accelerations={{10x: [{INITIAL}, {BUDGET}]}}", f"eval.seed={SEED}", "eval.examples=0"])
     # --mar names another network: a learned method still observes and is served through its own
     results, _ = evaluate(config, tiny_dataset, "test", [policy], perturbed_mar, progress=False,
-                          checkpoint=masc_checkpoint if learned else None)
+                          checkpoint=learned_checkpoints[policy] if learned else None)
     row = next(r for r in results["accelerations"]["10x"]["rows"] if r["key"] == policy)
     assert sorted(served) == sorted(results["slices"])
     for i, label in enumerate(results["slices"]):
