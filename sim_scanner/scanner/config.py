@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from masc_gadget.acquisition.policies import make_policy
-from sim_scanner.dataset.streams import StreamStyle
+from sim_scanner.dataset.streams import ORDERS, StreamStyle
 
 FEEDBACK_MODES = ("inband", "fire", "zmq", "none")
 IMAGE_FROM_GADGET = "gadget"
@@ -100,6 +100,11 @@ class ScannerConfig:
     """Seed of the noise (each subject draws from its own stream of it)."""
     asymmetric_echo: float = 0.0
     """Fraction of each readout's samples before the echo that are not sent, in [0, 0.5)."""
+    order: str = ""
+    """Open loop only (``feedback: none``): send each slice's planned lines (its initial lines and
+    the fallback order's) in this order: linear, reverse, centric or interleaved
+    (:func:`sim_scanner.dataset.streams.line_order`); "": the initial lines first, then the
+    fallback order. In closed loop the gadget decides the order."""
     channel_mask: str = "set"
     """How lines carry their channel mask: set (a bit per channel), none, or first (channel 0's
     bit only, as some converters write)."""
@@ -134,6 +139,11 @@ class ScannerConfig:
         if isinstance(self.noise_seed, bool) or not isinstance(self.noise_seed, int) or self.noise_seed < 0:
             raise ValueError(f"noise_seed must be an integer >= 0, got {self.noise_seed!r}")
         self.stream_style()  # ValueError naming a field out of range
+        if self.order and self.order not in ORDERS:
+            raise ValueError(f"order must be one of {', '.join(ORDERS)} or empty, got {self.order!r}")
+        if self.order and self.feedback != "none":
+            raise ValueError(f"order {self.order} is for open-loop scans (feedback none); with feedback "
+                             f"{self.feedback} the gadget decides the order")
         policy = make_policy(self.fallback)
         if not policy.deterministic or policy.needs_image:
             raise ValueError(

@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from masc_gadget.acquisition.episode import AcquisitionConfig, EpisodeBatch
-from masc_gadget.acquisition.policies import SamplingPolicy, make_policy
+from masc_gadget.acquisition.policies import SamplingPolicy, make_policy, run_episode
 from masc_gadget.config import Config, to_dict
 from masc_gadget.core.coils import coil_combine
 from masc_gadget.core.metrics import slice_metrics
@@ -84,7 +84,7 @@ from sim_scanner.scanner.config import (
     SOURCE_INITIAL,
     ScannerConfig,
 )
-from sim_scanner.dataset.streams import StreamStyle, styled_acquisition, styled_header, styled_kspace
+from sim_scanner.dataset.streams import StreamStyle, line_order, styled_acquisition, styled_header, styled_kspace
 from sim_scanner.scanner.link import _DecisionBoard, _GadgetLink, _ZmqPump
 from sim_scanner.scanner.report import ScanReport, SliceReport, SubjectReport, _log_subject, _totals
 
@@ -202,6 +202,9 @@ class _Subject:
     link: _GadgetLink | None = None
     start_ticks: int = 0
     timestamp: int = -1
+    planned: list[int] | None = None
+    """Open loop with ``scanner.order``: every slice's lines in the order they are sent."""
+    initial_set: frozenset[int] = frozenset()
     style: StreamStyle | None = None
     """How lines are recorded (ScannerConfig's stream fields); None: as simulated."""
     sent: np.ndarray | None = None
@@ -214,6 +217,12 @@ class _Subject:
         connected = link is not None and link.alive
         if link is not None and not connected and report.connection_lost_at is None:
             report.connection_lost_at = counter
+        if self.planned is not None:  # open loop in a scanner's order
+            line = self.planned[int(self.episodes.n_acquired[s])]
+            if line in self.initial_set:
+                return line, SOURCE_INITIAL
+            _record_step(self.states[s].report, REASON_OPEN_LOOP)
+            return line, SOURCE_FALLBACK
         if is_initial:
             return int(self.episodes.initial_lines[self.episodes.n_acquired[s]]), SOURCE_INITIAL
         st = self.states[s]
@@ -304,6 +313,10 @@ def scan_subject(
         [_SliceState(SliceReport(s)) for s in range(n_slices)],
         _DecisionBoard(), make_policy(scfg.fallback), np.zeros_like(data.kspace[:n_slices]),
     )
+    if scfg.order:
+        lines = [int(x) for x in run_episode(run.fallback, n_pe, acq.initial, acq.budget)]
+        run.planned = line_order(n_pe, scfg.order, lines)
+        run.initial_set = frozenset(lines[:acq.initial])
     run.style = scfg.stream_style(float(np.abs(data.kspace[:n_slices]).max(initial=0.0)))
     header_xml = data.header_xml
     if run.style is not None:
@@ -383,18 +396,26 @@ def _next_line(
             else:
                 reason = REASON_INVALID
                 log.debug("slice %d step %d: invalid decision line %d", s, step, line)
+    _record_step(rep, reason, latency, gadget_latency)
+    if reason is None:
+        return line, SOURCE_GADGET
+    return int(episodes.select(fallback, rows=[s])[0]), SOURCE_FALLBACK
+
+
+def _record_step(rep: SliceReport, reason: str | None, latency: float | None = None,
+                 gadget_latency: float | None = None) -> None:
+    """Count one chosen line of a slice: from the gadget (``reason`` None) or a fallback, why."""
     rep.latencies_ms.append(latency)
     rep.gadget_latencies_ms.append(gadget_latency)
     rep.fallback_reasons.append(reason)
     if reason is None:
         rep.from_gadget += 1
-        return line, SOURCE_GADGET
+        return
     rep.fallbacks += 1
     if reason == REASON_MISS:
         rep.misses += 1
     elif reason == REASON_INVALID:
         rep.invalid += 1
-    return int(episodes.select(fallback, rows=[s])[0]), SOURCE_FALLBACK
 
 
 def _connect(

@@ -113,3 +113,42 @@ def test_a_stream_file_in_any_order_over_the_wire(tiny_dataset, tmp_path, order)
     for a, b in zip(got, offline):
         assert a.data.shape[-2:] == (32, 32) and tuple(a.matrix_size) == (32, 32, 1)
         np.testing.assert_allclose(a.data, b.data, rtol=1e-5, atol=1e-6)
+
+
+def test_masc_scan_open_loop_in_a_scanners_line_order(tiny_dataset, tmp_path):
+    """feedback none with scanner.order: each slice's planned lines go out in that order (the
+    centre late for linear / reverse), a 4-coil sensitivity combine rejects none, and every order
+    gives the image of the same lines."""
+    from masc_gadget.acquisition.episode import initial_lines
+    from sim_scanner.dataset.streams import line_order
+
+    ssim = {}
+    for order in ("", "linear", "reverse", "centric", "interleaved"):
+        report, scan_config = scan_against_serve(
+            tiny_dataset, tmp_path / (order or "default"), gadget=["gadget.coil_combine=sensitivity"],
+            scan=["scanner.feedback=none", "scanner.coils=4", "acquisition.initial=2", "acquisition.budget=6",
+                  *([f"scanner.order={order}"] if order else [])])
+        acq = scan_config["acquisition"]
+        planned = [int(x) for x in run_episode(make_policy("center-out"), 32, acq.initial, acq.budget)]
+        for subject in report.subjects:
+            assert not subject.gadget_errors
+            for sl in subject.slices:
+                assert sl.lines == (line_order(32, order, planned) if order else planned)
+                assert sl.image_source == "gadget" and sorted(sl.image_lines) == sorted(planned)
+                ssim[order, subject.subject, sl.slice] = sl.metrics["ssim"]
+    assert list(initial_lines(32, 2)) == planned[:2]
+    for (order, subject, s), value in ssim.items():
+        assert value == pytest.approx(ssim["", subject, s], abs=1e-6), order
+
+
+def test_a_line_order_is_refused_in_closed_loop_and_out_of_range_styles_are_named():
+    from sim_scanner.scanner.config import ScannerConfig
+
+    with pytest.raises(ValueError, match="order linear is for open-loop scans .* the gadget decides the order"):
+        ScannerConfig(feedback="inband", order="linear")
+    with pytest.raises(ValueError, match="order must be one of linear, reverse, centric, interleaved"):
+        ScannerConfig(feedback="none", order="spiral")
+    with pytest.raises(ValueError, match="readout_oversampling must be 1 or 2"):
+        ScannerConfig(readout_oversampling=3)
+    with pytest.raises(ValueError, match="asymmetric_echo must be in"):
+        ScannerConfig(asymmetric_echo=0.7)
