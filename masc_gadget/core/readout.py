@@ -58,14 +58,15 @@ def remove_oversampling(samples: np.ndarray, n_out: int) -> np.ndarray:
 def place_readout(samples: np.ndarray, n: int, center_sample: int) -> np.ndarray:
     """``(coils, m)`` line -> ``(coils, n)`` complex64 on the grid, ``center_sample`` at ``n // 2``.
 
-    A line of ``n`` samples whose ``center_sample`` is ``n // 2`` (or unset: 0 or beyond the
-    line, as many writers leave it) is returned as it is. ValueError when the line does not fit:
-    more samples than the grid, or its centre too far off for its samples to fall inside."""
+    A line of ``n`` samples fills the grid as it is, whatever its ``center_sample`` says (many
+    writers leave it 0; an echo a sample off the centre is the sequence's, not a gap to fill).
+    ValueError when a line does not fit: more samples than the grid, or a short line whose
+    centre is too far off for its samples to fall inside."""
     samples = np.asarray(samples)
     m = samples.shape[-1]
     if m > n:
         raise ValueError(f"a readout of {m} samples does not fit the reconstruction grid of {n}")
-    if m == n and (center_sample in (0, n // 2) or center_sample >= n):
+    if m == n:
         return samples.astype(np.complex64, copy=False)
     if not 0 <= center_sample < m:
         raise ValueError(f"center_sample {center_sample} is outside the readout of {m} samples")
