@@ -62,7 +62,8 @@ def register_eval(subparsers: argparse._SubParsersAction, common: argparse.Argum
     ev = subparsers.add_parser("eval", parents=[common], help="evaluate sampling methods with / without MAR",
                                description="Evaluate sampling methods with and without MAR on a split: "
                                "results.json, table.md, curves.png, examples.png.")
-    ev.add_argument("--data", metavar="DIR", help="dataset folder (required unless --combine)")
+    ev.add_argument("--data", metavar="DIR[,DIR...]", help="dataset folder(s) (required unless --combine): "
+                    "several are each evaluated into OUT/NAME, with OUT/summary.md beside them")
     ev.add_argument("--split", default="test", choices=["train", "val", "test"])
     ev.add_argument("--methods", metavar="LIST", help="comma-separated policy names (default: eval.methods)")
     ev.add_argument("--mar", metavar="CKPT", help="MAR network of the baselines and of learned methods without "
@@ -277,10 +278,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
     args.overrides = overrides
     config = config_from_args(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else None
-    results, figures = evaluate(config, args.data, args.split, methods, args.mar, checkpoint=args.checkpoint)
-    paths = write_outputs(results, figures, args.out)
-    print(render_table(results))
-    print("written: " + ", ".join(str(p) for p in paths.values()))
+    folders = [d.strip() for d in args.data.split(",") if d.strip()]
+    if len(folders) == 1:
+        results, figures = evaluate(config, folders[0], args.split, methods, args.mar, checkpoint=args.checkpoint)
+        paths = write_outputs(results, figures, args.out)
+        print(render_table(results))
+        print("written: " + ", ".join(str(p) for p in paths.values()))
+        return 0
+    from training.evaluation.tables import render_summary
+
+    names = [Path(d).name or d for d in folders]
+    if len(set(names)) != len(names):
+        raise CommandError(f"--data folders need distinct names (each is written to OUT/NAME), got {', '.join(names)}")
+    every = {}
+    for name, folder in zip(names, folders):
+        results, figures = evaluate(config, folder, args.split, methods, args.mar, checkpoint=args.checkpoint)
+        write_outputs(results, figures, Path(args.out) / name)
+        print(f"## {name} ({folder})\n\n{render_table(results)}")
+        every[name] = results
+    Path(args.out, "summary.md").write_text(render_summary(every))
+    print(render_summary(every))
+    print(f"written: {', '.join(str(Path(args.out) / n) for n in names)}, {Path(args.out) / 'summary.md'}")
     return 0
 
 

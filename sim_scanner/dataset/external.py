@@ -7,7 +7,11 @@ Readers turn a file into magnitude slices (:class:`Volume`):
   of the inverse FFT of ``kspace``;
 * **ISMRMRD HDF5** (a ``dataset`` group of acquisitions): each slice's lines placed at their
   ``kspace_encode_step_1``, inverse FFT, root-sum-of-squares over the coils;
-* **DICOM**: one file (2D or multi-frame) or a folder of files (sorted by InstanceNumber);
+* **DICOM**: one file (2D or multi-frame) or a folder searched recursively, one volume per series
+  (grouped by SeriesInstanceUID, sorted along the slice normal, then by InstanceNumber); only MR
+  is imported (another modality is refused by name), and a compression without a decoder is
+  refused with the plug-in to install (:data:`DECODERS`);
+* **NIfTI** (``.nii``, ``.nii.gz``, through nibabel): the slices along the third axis;
 * ``builtin``: real MR images that ship inside installed packages, never downloaded: pydicom's
   ``MR_small.dcm`` (a 64 x 64 MR slice) and, when it is already on disk, scikit-image's
   ``brain()`` (10 MR slices; scikit-image 0.26 no longer bundles it, so it is used only from a
@@ -41,7 +45,7 @@ from sim_scanner.physics.artifact2d import Artifact2DConfig, add_implant
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Volume", "builtin_volumes", "read_volumes", "simulate_external"]
+__all__ = ["DECODERS", "ImportRefused", "Volume", "builtin_volumes", "read_volumes", "simulate_external"]
 
 
 @dataclass
@@ -50,7 +54,7 @@ class Volume:
 
     name: str
     images: np.ndarray  # (S, H, W) float
-    source: str  # "fastmri", "ismrmrd", "dicom" or "builtin:..."
+    source: str  # "fastmri", "ismrmrd", "dicom", "nifti" or "builtin:..."
 
 
 def _fastmri(path: Path, f: h5py.File) -> Volume:
@@ -96,51 +100,180 @@ def _ismrmrd(path: Path) -> Volume:
     return Volume(path.stem, images, "ismrmrd")
 
 
+DECODERS = {
+    "1.2.840.10008.1.2.4.50": "pylibjpeg pylibjpeg-libjpeg",  # JPEG baseline
+    "1.2.840.10008.1.2.4.51": "pylibjpeg pylibjpeg-libjpeg",  # JPEG extended
+    "1.2.840.10008.1.2.4.57": "pylibjpeg pylibjpeg-libjpeg",  # JPEG lossless
+    "1.2.840.10008.1.2.4.70": "pylibjpeg pylibjpeg-libjpeg",  # JPEG lossless, first-order prediction
+    "1.2.840.10008.1.2.4.80": "pylibjpeg pylibjpeg-libjpeg",  # JPEG-LS lossless
+    "1.2.840.10008.1.2.4.81": "pylibjpeg pylibjpeg-libjpeg",  # JPEG-LS near-lossless
+    "1.2.840.10008.1.2.4.90": "pylibjpeg pylibjpeg-openjpeg",  # JPEG 2000 lossless
+    "1.2.840.10008.1.2.4.91": "pylibjpeg pylibjpeg-openjpeg",  # JPEG 2000
+}
+"""Transfer syntax UID -> the pydicom pixel-data plug-ins that decode it (pip package names)."""
+
+
+class ImportRefused(ValueError):
+    """A file or series that is not imported, with the one-line reason (the rest of a folder
+    still imports)."""
+
+
+def _pixels(d, name: str) -> np.ndarray:
+    """A DICOM dataset's rescaled pixels; ImportRefused naming the plug-in to install when its
+    compression has no decoder here."""
+    try:
+        pixels = np.asarray(d.pixel_array, dtype=np.float64)
+    except (RuntimeError, NotImplementedError) as err:
+        ts = d.file_meta.get("TransferSyntaxUID") if hasattr(d, "file_meta") else None
+        if ts is not None and ts.is_compressed:
+            plugin = DECODERS.get(str(ts), "pylibjpeg pylibjpeg-libjpeg pylibjpeg-openjpeg (or python-gdcm)")
+            raise ImportRefused(f"{name}: compressed as {ts.name} and no decoder for it is installed: "
+                                f"pip install {plugin}") from None
+        raise ImportRefused(f"{name}: the pixel data cannot be read ({str(err).splitlines()[0]})") from None
+    return pixels * float(getattr(d, "RescaleSlope", 1) or 1) + float(getattr(d, "RescaleIntercept", 0) or 0)
+
+
+def _check_mr(d, name: str) -> None:
+    modality = str(getattr(d, "Modality", "") or "")
+    if modality and modality.upper() != "MR":
+        description = str(getattr(d, "SeriesDescription", "") or "")
+        raise ImportRefused(f"{name}: modality {modality}{f' ({description})' if description else ''}, not MR: "
+                            "only MR images are imported")
+
+
+def _slice_key(d) -> tuple[float, int]:
+    """Where a DICOM image lies in its series: along the slice normal when the geometry is
+    there, then by InstanceNumber."""
+    position = getattr(d, "ImagePositionPatient", None)
+    orientation = getattr(d, "ImageOrientationPatient", None)
+    along = 0.0
+    if position is not None and orientation is not None and len(orientation) == 6:
+        normal = np.cross(np.asarray(orientation[:3], float), np.asarray(orientation[3:], float))
+        along = float(np.dot(normal, np.asarray(position, float)))
+    return along, int(getattr(d, "InstanceNumber", 0) or 0)
+
+
 def _dicom_files(files: list[Path], name: str) -> Volume:
+    """One DICOM series (its files, any order) as a volume; ImportRefused for a non-MR series,
+    a compression without decoder or images of different sizes."""
     import pydicom
 
     datasets = [pydicom.dcmread(str(p)) for p in files]
-    datasets.sort(key=lambda d: int(getattr(d, "InstanceNumber", 0) or 0))
+    for d in datasets:
+        _check_mr(d, name)
+    datasets.sort(key=_slice_key)
     slices = []
     for d in datasets:
-        pixels = np.asarray(d.pixel_array, dtype=np.float64)
-        pixels = pixels * float(getattr(d, "RescaleSlope", 1) or 1) + float(getattr(d, "RescaleIntercept", 0) or 0)
+        pixels = _pixels(d, name)
         slices.extend(pixels if pixels.ndim == 3 else [pixels])
     shapes = {s.shape for s in slices}
     if len(shapes) != 1:
-        raise ValueError(f"{name}: DICOM slices of different sizes {sorted(shapes)}; import them one series at a time")
+        raise ImportRefused(f"{name}: images of different sizes {sorted(shapes)} in one series")
     return Volume(name, np.stack(slices), "dicom")
 
 
+def _dicom_series(files: list[Path], root: Path) -> dict[str, list[Path]]:
+    """DICOM files grouped by SeriesInstanceUID (headers only), each named after its folder
+    and series description or number."""
+    import pydicom
+
+    series: dict[str, list[Path]] = {}
+    names: dict[str, str] = {}
+    for path in files:
+        try:
+            d = pydicom.dcmread(str(path), stop_before_pixels=True)
+        except (pydicom.errors.InvalidDicomError, OSError) as err:
+            log.warning("%s: not a readable DICOM file (%s): skipped", path, err)
+            continue
+        uid = str(getattr(d, "SeriesInstanceUID", "") or f"no-uid:{path.parent}")
+        series.setdefault(uid, []).append(path)
+        if uid not in names:
+            label = str(getattr(d, "SeriesDescription", "") or getattr(d, "SeriesNumber", "") or "series")
+            folder = path.parent.relative_to(root).as_posix() if path.parent != root else root.name
+            names[uid] = f"{folder}/{label}".replace(" ", "_")
+    counts: dict[str, int] = {}
+    out = {}
+    for uid, paths in series.items():
+        name = names[uid]
+        counts[name] = counts.get(name, 0) + 1
+        out[name if counts[name] == 1 else f"{name}-{counts[name]}"] = sorted(paths)
+    return out
+
+
+def _nifti(path: Path) -> Volume:
+    """A NIfTI volume (``.nii``, ``.nii.gz``): its slices along the third axis, as (y, x)
+    images; a 4D file's first volume."""
+    try:
+        import nibabel
+    except ImportError:
+        raise ImportRefused(f"{path}: NIfTI needs nibabel: pip install nibabel") from None
+    data = np.asarray(nibabel.load(str(path)).dataobj, dtype=np.float64)
+    if data.ndim == 4:
+        data = data[..., 0]
+    if data.ndim == 2:
+        data = data[..., None]
+    if data.ndim != 3:
+        raise ImportRefused(f"{path}: NIfTI data must be 2D, 3D or 4D, got shape {data.shape}")
+    name = path.name[:-7] if path.name.endswith(".nii.gz") else path.stem
+    return Volume(name, np.ascontiguousarray(np.moveaxis(data, 2, 0).transpose(0, 2, 1)), "nifti")
+
+
+_HDF5 = (".h5", ".hdf5", ".mrd")
+
+
+def _is_nifti(path: Path) -> bool:
+    return path.name.endswith((".nii", ".nii.gz"))
+
+
 def read_volumes(source: str | Path) -> list[Volume]:
-    """The volumes of a file or folder: fastMRI / ISMRMRD HDF5 (``.h5``), DICOM (``.dcm`` or a
-    folder of DICOM files), or a folder of such files (one volume per file, DICOM files of a
-    folder together)."""
+    """The volumes of a file or folder: fastMRI / ISMRMRD HDF5 (``.h5``), NIfTI (``.nii``,
+    ``.nii.gz``), DICOM (``.dcm`` or files with the DICM preamble). A folder is searched
+    recursively: one volume per HDF5 or NIfTI file and per DICOM series (grouped by
+    SeriesInstanceUID). In a folder, a file or series that cannot be imported (a modality other
+    than MR, a compression without decoder, ...) is skipped with a one-line warning that says why
+    and what to install, and the rest imports; ValueError when nothing does. A single file that
+    cannot be imported is an :class:`ImportRefused` error."""
     path = Path(source)
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.is_file())
-        h5 = [p for p in files if p.suffix in (".h5", ".hdf5", ".mrd")]
-        dcm = [p for p in files if p not in h5 and _is_dicom(p)]
-        volumes = [v for p in h5 for v in read_volumes(p)]
-        if dcm:
-            volumes.append(_dicom_files(dcm, path.name))
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        volumes: list[Volume] = []
+        refused: list[str] = []
+        dicom = []
+        for p in files:
+            if p.suffix in _HDF5 or _is_nifti(p):
+                try:
+                    volumes += read_volumes(p)
+                except ImportRefused as err:
+                    refused.append(str(err))
+            elif _is_dicom(p):
+                dicom.append(p)
+        for name, paths in _dicom_series(dicom, path).items():
+            try:
+                volumes.append(_dicom_files(paths, name))
+            except ImportRefused as err:
+                refused.append(str(err))
+        for reason in refused:
+            log.warning("not imported: %s", reason)
         if not volumes:
-            raise ValueError(f"{path}: no fastMRI / ISMRMRD HDF5 or DICOM files in this folder")
+            why = f": {'; '.join(refused[:3])}" if refused else ""
+            raise ValueError(f"{path}: no importable fastMRI / ISMRMRD HDF5, NIfTI or MR DICOM data in this folder{why}")
         return volumes
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file or folder")
-    if path.suffix in (".h5", ".hdf5", ".mrd"):
+    if path.suffix in _HDF5:
         with h5py.File(path, "r") as f:
             if "kspace" in f or "reconstruction_esc" in f:
                 return [_fastmri(path, f)]
             is_mrd = "dataset" in f
         if is_mrd:
             return [_ismrmrd(path)]
-        raise ValueError(f"{path}: an HDF5 file that is neither fastMRI (kspace / reconstruction_esc) nor "
-                         "ISMRMRD (a 'dataset' group)")
+        raise ImportRefused(f"{path}: an HDF5 file that is neither fastMRI (kspace / reconstruction_esc) nor "
+                            "ISMRMRD (a 'dataset' group)")
+    if _is_nifti(path):
+        return [_nifti(path)]
     if _is_dicom(path):
         return [_dicom_files([path], path.stem)]
-    raise ValueError(f"{path}: not a fastMRI / ISMRMRD HDF5 or DICOM file")
+    raise ImportRefused(f"{path}: not a fastMRI / ISMRMRD HDF5, NIfTI or DICOM file")
 
 
 def _is_dicom(path: Path) -> bool:

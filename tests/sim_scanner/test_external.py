@@ -101,7 +101,7 @@ def test_dicom_file_and_series_round_trip(tmp_path):
 
 def test_unknown_files_get_a_clear_error(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
-    with pytest.raises(ValueError, match="not a fastMRI / ISMRMRD HDF5 or DICOM file"):
+    with pytest.raises(ValueError, match="not a fastMRI / ISMRMRD HDF5, NIfTI or DICOM file"):
         read_volumes(tmp_path / "notes.txt")
     with pytest.raises(FileNotFoundError):
         read_volumes(tmp_path / "missing.h5")
@@ -160,3 +160,70 @@ def test_a_held_out_set_is_evaluated_with_the_population_order_of_the_training_s
                                                      f"eval.population_data={tiny_dataset}"])
     results, _ = evaluate(trained_on, tmp_path / "ext", "test", ["population", "random"], None, progress=False)
     assert results["population"]["data"] == str(tiny_dataset) and results["n_slices"] == 3
+
+
+def _write_dicom(path, pixels, number, series_uid, modality="MR", description="t1", syntax=None, position=None):
+    from pydicom.dataset import FileDataset, FileMetaDataset
+    from pydicom.encaps import encapsulate
+    from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, MRImageStorage, generate_uid
+
+    meta = FileMetaDataset()
+    meta.MediaStorageSOPClassUID = MRImageStorage if modality == "MR" else CTImageStorage
+    meta.MediaStorageSOPInstanceUID = generate_uid()
+    meta.TransferSyntaxUID = syntax or ExplicitVRLittleEndian
+    ds = FileDataset(str(path), {}, file_meta=meta, preamble=b"\0" * 128)
+    ds.Modality, ds.InstanceNumber, ds.SeriesInstanceUID, ds.SeriesDescription = modality, number, series_uid, description
+    ds.SOPClassUID, ds.SOPInstanceUID = meta.MediaStorageSOPClassUID, meta.MediaStorageSOPInstanceUID
+    if position is not None:
+        ds.ImagePositionPatient, ds.ImageOrientationPatient = [0, 0, position], [1, 0, 0, 0, 1, 0]
+    ds.Rows, ds.Columns = pixels.shape
+    ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, "MONOCHROME2"
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 16, 15, 0
+    if syntax is None:
+        ds.PixelData = pixels.astype(np.uint16).tobytes()
+    else:  # a compressed file this machine has no decoder for
+        ds.PixelData = encapsulate([b"\xff\xd8" + b"\0" * 32])
+        ds["PixelData"].VR = "OB"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ds.save_as(str(path), enforce_file_format=True)
+
+
+def test_a_folder_imports_every_series_recursively_and_refuses_what_it_cannot_read(tmp_path, caplog):
+    """Two MR series of different sizes in nested folders (one sorted by slice position against its
+    instance numbers), a CT series and a JPEG-LS file without decoder: the MR series import, the
+    others are one-line warnings that say why and what to install."""
+    from pydicom.uid import JPEGLSLossless
+
+    a = [(1000 * _phantom(n=32, seed=s)).astype(np.uint16) for s in range(3)]
+    b = [(1000 * _phantom(n=24, seed=10 + s)).astype(np.uint16) for s in range(2)]
+    for i, pixels in enumerate(a):  # instance numbers against the slice order: position decides
+        _write_dicom(tmp_path / "patient" / "t1" / f"IM{i}", pixels, 10 - i, "1.2.3.1", position=float(i))
+    for i, pixels in enumerate(b):
+        _write_dicom(tmp_path / "patient" / "deeper" / "t2" / f"IM{i}.dcm", pixels, i + 1, "1.2.3.2", description="t2")
+    _write_dicom(tmp_path / "patient" / "ct" / "CT0", a[0], 1, "1.2.3.3", modality="CT", description="pelvis")
+    _write_dicom(tmp_path / "patient" / "jls" / "IM0", a[0], 1, "1.2.3.4", syntax=JPEGLSLossless)
+    with caplog.at_level("WARNING"):
+        volumes = read_volumes(tmp_path)
+    by_size = {v.images.shape: v for v in volumes}
+    assert sorted(by_size) == [(2, 24, 24), (3, 32, 32)]
+    assert np.array_equal(by_size[3, 32, 32].images, np.stack(a).astype(float))
+    said = [r.getMessage() for r in caplog.records]
+    assert any("modality CT (pelvis), not MR" in m for m in said)
+    assert any("JPEG-LS" in m and "pip install pylibjpeg pylibjpeg-libjpeg" in m for m in said)
+    assert all("\n" not in m for m in said)
+    from sim_scanner.dataset.external import ImportRefused
+
+    with pytest.raises(ImportRefused, match="modality CT"):
+        read_volumes(tmp_path / "patient" / "ct" / "CT0")
+    with pytest.raises(ValueError, match="no importable .* modality CT"):
+        read_volumes(tmp_path / "patient" / "ct")
+
+
+def test_nifti_volumes_import(tmp_path):
+    nibabel = pytest.importorskip("nibabel")
+    data = np.stack([_phantom(n=20, seed=s) for s in range(4)], axis=-1).transpose(1, 0, 2)  # (x, y, z)
+    nibabel.save(nibabel.Nifti1Image(data.astype(np.float32), np.eye(4)), str(tmp_path / "head.nii.gz"))
+    (volume,) = read_volumes(tmp_path / "head.nii.gz")
+    assert volume.name == "head" and volume.source == "nifti" and volume.images.shape == (4, 20, 20)
+    np.testing.assert_allclose(volume.images[2], _phantom(n=20, seed=2), rtol=1e-6)
+    assert [v.name for v in read_volumes(tmp_path)] == ["head"]

@@ -139,3 +139,22 @@ def render_table(results: dict[str, Any]) -> str:
                  f"the setting the oracle chose its lines in (with MAR when evaluated with a MAR network).")
     out.append(note)
     return "\n".join(out) + "\n"
+
+
+def render_summary(every: dict[str, dict[str, Any]]) -> str:
+    """One table over several evaluations (``masc eval --data A,B``): per data set, acceleration
+    and row, the mean SSIM and PSNR and the test against the set's reference row over subjects."""
+    out = ["# Evaluation of several data sets", "",
+           "| data | acceleration | method | MAR | slices | subjects | SSIM | PSNR | p subjects (t, SSIM) |",
+           "|---|---|---|---|---:|---:|---:|---:|---:|"]
+    for name, results in every.items():
+        n_subjects = len(set(result_subjects(results)))
+        for acc, block in results["accelerations"].items():
+            for row in block["rows"]:
+                tests = row.get("tests")
+                p = ("reference" if row["key"] == results["reference"] else
+                     "–" if tests is None else _fmt_p(tests["ssim"]["p_ttest"]))
+                out.append(f"| {name} | {acc} | {DISPLAY_NAMES.get(row['method'], row['method'])} | "
+                           f"{'✓' if row['mar'] else '✗'} | {results['n_slices']} | {n_subjects} | "
+                           f"{_fmt('ssim', row['summary']['ssim'])} | {_fmt('psnr', row['summary']['psnr'])} | {p} |")
+    return "\n".join(out) + "\n"

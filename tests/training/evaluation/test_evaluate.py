@@ -162,3 +162,23 @@ def test_retest_rewrites_older_results_with_tests_over_subjects(eval_run, tmp_pa
     assert (old / "table.md").read_text() == (eval_run / "table.md").read_text()
     assert main(["eval", "--retest", str(old), "--out", str(tmp_path / "x")]) == 2  # in place, no --out
     assert not (tmp_path / "x").exists()
+
+
+def test_several_data_folders_in_one_run(tiny_dataset, mar_checkpoint, tmp_path):
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_dataset, other)
+    out = tmp_path / "out"
+    rc = main(["eval", "--config", str(CONFIGS / "tiny.yaml"), "--data", f"{tiny_dataset},{other}", "--split", "test",
+               "--methods", "center-out", "--mar", str(mar_checkpoint), "--out", str(out)])
+    assert rc == 0
+    for name in (tiny_dataset.name, "other"):
+        assert (out / name / "results.json").is_file() and (out / name / "table.md").is_file()
+    summary = (out / "summary.md").read_text()
+    a = json.loads((out / tiny_dataset.name / "results.json").read_text())
+    row = a["accelerations"]["10x"]["rows"][0]
+    assert f"| {tiny_dataset.name} | 10x | Center-out |" in summary and "| other | 10x |" in summary
+    assert f"{row['summary']['ssim']['mean']:.4f}" in summary
+    assert main(["eval", "--config", str(CONFIGS / "tiny.yaml"), "--data", f"{tiny_dataset},{tiny_dataset}",
+                 "--out", str(tmp_path / "x")]) == 2  # two folders of one name
