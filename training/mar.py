@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,14 +21,14 @@ import torch
 
 from masc_gadget import __version__
 from masc_gadget.acquisition.episode import AcquisitionConfig
-from masc_gadget.models.checkpoint import load_checkpoint, save_checkpoint
+from masc_gadget.models.checkpoint import Checkpoint
 from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
 from masc_gadget.core.kspace import zero_filled
 from masc_gadget.core.metrics import scale_by_target, slice_metrics, ssim
 from masc_gadget.models.unet import build_mar
 from masc_gadget.acquisition.policies import make_policy, run_episode
-from training.csvlog import append_row
+from training.run import TrainingRun, seeded
 from training.distributed import Dist, setup, shard
 from training.data import SliceSet, load_split
 
@@ -160,17 +159,14 @@ def train_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, train:
     return float(total[0] / max(float(total[1]), 1.0))
 
 
-def _resume(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            shuffle: torch.Generator, rng: np.random.Generator) -> tuple[int, dict[str, Any]]:
-    """Restore a ``.last.pt`` checkpoint in place; returns (epochs done, best val metrics)."""
-    ck = load_checkpoint(path)
+def _resume(ck: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            shuffle: torch.Generator, rng: np.random.Generator) -> int:
+    """Restore a ``.last.pt`` checkpoint in place; returns the epochs done."""
     model.load_state_dict(ck.state_dicts["mar"])
     optimizer.load_state_dict(ck.extra["optimizer"])
     shuffle.set_state(ck.extra["shuffle_state"])
     rng.bit_generator.state = json.loads(ck.metadata["numpy_rng_state"])
-    start_epoch, best = int(ck.metadata["epoch"]), dict(ck.metadata["best_val"])
-    log.info("resumed from %s at epoch %d (best val loss %.4f)", path, start_epoch, best["loss"])
-    return start_epoch, best
+    return int(ck.metadata["epoch"])
 
 
 def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str | Path | None = None,
@@ -186,32 +182,27 @@ def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str
     dist = setup()
     tcfg: MarTrainConfig = config["mar_train"]
     acq: AcquisitionConfig = config["acquisition"]
-    out = Path(out)
-    last_path = out.with_name(out.stem + ".last.pt")
-    csv_path = out.with_suffix(".csv")
     device = resolve_device(dist.device(tcfg.device))
+    run = TrainingRun(out, "loss", higher_is_better=False, main=dist.main, resume=resume)
     train = load_split(data_dir, "train", tcfg.max_train_slices)
     val = load_split(data_dir, "val", tcfg.max_val_slices)
     undersampled = tcfg.input != "full"
     if undersampled:
         acq.check(train.n_pe)
 
-    with torch.random.fork_rng(devices=[]):  # seeded weight init, global RNG left alone
-        torch.manual_seed(tcfg.seed)
-        model = build_mar(config["mar_model"]).to(device)
+    model = seeded(tcfg.seed, lambda: build_mar(config["mar_model"]).to(device))
     optimizer = torch.optim.Adam(model.parameters(), lr=tcfg.lr)
     shuffle = torch.Generator().manual_seed(tcfg.seed)
     rng = np.random.default_rng(tcfg.seed)
-    start_epoch, best = 0, {"loss": math.inf}
-    if resume is not None:
-        start_epoch, best = _resume(resume, model, optimizer, shuffle, rng)
+    start_epoch = 0
+    if run.checkpoint is not None:
+        start_epoch = _resume(run.checkpoint, model, optimizer, shuffle, rng)
+        log.info("resumed from %s at epoch %d (best val loss %.4f)", resume, start_epoch, run.best["loss"])
         if start_epoch >= tcfg.epochs:
             log.info("nothing to do: %d of %d epochs already trained", start_epoch, tcfg.epochs)
     net = dist.wrap(model)  # the same module on one process
     val_masks = (draw_masks(len(val), val.n_pe, acq, tcfg.policies, np.random.default_rng(tcfg.seed + 1))
                  if undersampled else None)
-    if start_epoch == 0 and dist.main:
-        csv_path.unlink(missing_ok=True)
 
     def metadata(epoch: int, val_metrics: dict[str, float]) -> dict[str, Any]:
         return {
@@ -223,7 +214,7 @@ def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str
             "data": str(data_dir),
             "epoch": epoch,
             "val": val_metrics,
-            "best_val": best,
+            "best_val": run.best,
             "numpy_rng_state": json.dumps(rng.bit_generator.state),
         }
 
@@ -240,15 +231,10 @@ def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str
         val_metrics = validate(model, val, tcfg.input, val_masks, tcfg.lambda_ssim, tcfg.batch_size, device)
         row = {"epoch": epoch + 1, "train_loss": train_loss, **{f"val_{k}": v for k, v in val_metrics.items()},
                "seconds": time.perf_counter() - t0}
-        improved = val_metrics["loss"] < best["loss"]
-        if improved:
-            best = {"epoch": epoch + 1, **val_metrics}
-        if dist.main:
-            if improved:
-                save_checkpoint(out, {"mar": model}, metadata(epoch + 1, val_metrics))
-            save_checkpoint(last_path, {"mar": model}, metadata(epoch + 1, val_metrics),
-                            extra_state={"optimizer": optimizer.state_dict(), "shuffle_state": shuffle.get_state()})
-            append_row(csv_path, row)
+        improved = run.improved(val_metrics, epoch=epoch + 1)
+        run.save(improved, {"mar": model}, {"mar": model}, metadata(epoch + 1, val_metrics),
+                 {"optimizer": optimizer.state_dict(), "shuffle_state": shuffle.get_state()})
+        run.log_row(row)
         dist.barrier()  # the checkpoint is on disk before any rank goes on
         bar.set_postfix(loss=f"{row['train_loss']:.4f}", val_ssim=f"{val_metrics['ssim']:.4f}")
         if dist.main:
@@ -256,6 +242,5 @@ def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str
                      epoch + 1, row["train_loss"], val_metrics["loss"], val_metrics["ssim"],
                      val_metrics["input_ssim"], val_metrics["psnr"], " *best*" if improved else "")
     bar.close()
-    if dist.main and not out.exists():  # e.g. resumed a finished run into a new path
-        save_checkpoint(out, {"mar": model}, metadata(tcfg.epochs, best))
-    return best
+    run.finish({"mar": model}, metadata(tcfg.epochs, run.best))  # e.g. resumed a finished run into a new path
+    return run.best

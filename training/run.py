@@ -1,0 +1,109 @@
+"""One training run's skeleton, shared by every trainer (MAR pre-training, co-adaptive MASC,
+DQN / SS-DDQN, the learned mask): its files, its resume, its best and last checkpoints, its
+CSV log and its seeded initialisation.
+
+Files of a run whose best checkpoint is ``OUT.pt``:
+
+* ``OUT.pt``: the best checkpoint by the run's validation metric (what is served and evaluated);
+* ``OUT.last.pt``: the latest state, with the optimizers' and generators' states (``--resume``);
+* ``OUT.csv``: one row per epoch / rollout / validation, appended (a crash keeps every row; a
+  resumed run appends to it; a fresh run starts it anew).
+
+Under ``torchrun`` only rank 0 writes (``main``); every rank keeps the same best metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from masc_gadget.models.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from training.csvlog import append_row
+
+__all__ = ["TrainingRun", "seeded"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def seeded(seed: int, build: Callable[[], T]) -> T:
+    """``build()`` with torch's global generator seeded by ``seed`` for the call only (seeded
+    weight initialisation; the caller's global RNG state is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
+
+
+class TrainingRun:
+    """The bookkeeping of one run (module docstring).
+
+    Args:
+        out: the best checkpoint's path; its folder is created.
+        metric: the validation metric that selects the best checkpoint (``ssim``, ``loss``).
+        higher_is_better: whether a larger ``metric`` is better.
+        main: whether this process writes (rank 0, or the only process).
+        resume: a ``.last.pt`` checkpoint to continue from, or None (a fresh run: the CSV log is
+            started anew).
+        kind: the checkpoint kind ``resume`` must be (its metadata ``kind``); None: any.
+        map_location: where ``resume``'s tensors are loaded.
+
+    After construction, :attr:`checkpoint` is the resumed checkpoint (None for a fresh run)
+    and :attr:`best` the best validation metrics so far (from it).
+    """
+
+    def __init__(self, out: str | Path, metric: str, higher_is_better: bool, main: bool = True,
+                 resume: str | Path | None = None, kind: str | None = None,
+                 map_location: str | torch.device = "cpu") -> None:
+        self.out = Path(out)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.last = self.out.with_name(self.out.stem + ".last.pt")
+        self.csv = self.out.with_suffix(".csv")
+        self.metric = metric
+        self.higher_is_better = higher_is_better
+        self.main = main
+        self.best: dict[str, Any] = {metric: -math.inf if higher_is_better else math.inf}
+        self.checkpoint: Checkpoint | None = None
+        if resume is not None:
+            ck = load_checkpoint(resume, map_location=map_location)
+            if kind is not None and ck.metadata.get("kind") != kind:
+                raise ValueError(f"{resume} is a {ck.metadata.get('kind')!r} checkpoint, not a {kind!r} one")
+            self.checkpoint = ck
+            self.best = dict(ck.metadata["best_val"])
+        elif main:
+            self.csv.unlink(missing_ok=True)
+
+    def improved(self, metrics: dict[str, float], **where: Any) -> bool:
+        """Whether ``metrics`` beat the best so far on the run's metric; if so they become the
+        best, with ``where`` (e.g. ``epoch=3``) in front."""
+        value, best = metrics[self.metric], self.best[self.metric]
+        better = value > best if self.higher_is_better else value < best
+        if better:
+            self.best = {**where, **metrics}
+        return better
+
+    def save(self, improved: bool, best: dict[str, torch.nn.Module], last: dict[str, torch.nn.Module],
+             metadata: dict[str, Any], extra_state: dict[str, Any]) -> None:
+        """Write the best checkpoint (when ``improved``: the ``best`` modules) and the last one
+        (the ``last`` modules and ``extra_state``, for resuming); rank 0 only."""
+        if not self.main:
+            return
+        if improved:
+            save_checkpoint(self.out, best, metadata)
+        save_checkpoint(self.last, last, metadata, extra_state=extra_state)
+
+    def log_row(self, row: dict[str, Any], fields: Sequence[str] | None = None) -> None:
+        """Append one row to the run's CSV log (rank 0 only)."""
+        if self.main:
+            append_row(self.csv, row, fields)
+
+    def finish(self, best: dict[str, torch.nn.Module], metadata: dict[str, Any]) -> None:
+        """A run that saved no best checkpoint (resumed after its last epoch into a new path)
+        saves its current modules as the best (rank 0 only)."""
+        if self.main and not self.out.exists():
+            save_checkpoint(self.out, best, metadata)
