@@ -40,9 +40,9 @@ from masc_gadget.acquisition.learned import LOUPE
 from masc_gadget.config import Config, to_dict
 from masc_gadget.core.kspace import to_hybrid
 from masc_gadget.device import resolve_device
-from masc_gadget.models.checkpoint import load_checkpoint, load_mar, save_checkpoint
+from masc_gadget.models.checkpoint import load_mar
 from masc_gadget.models.unet import build_mar
-from training.csvlog import append_row
+from training.run import TrainingRun, seeded
 from training.data import SliceSet, load_split
 from training.distributed import setup, shard
 from training.mar import mar_loss, validate
@@ -172,11 +172,10 @@ def train_loupe(config: Config, data_dir: str | Path, mar_path: str | Path | Non
     cfg: LoupeConfig = config["loupe"]
     acq = config["acquisition"]
     lambda_ssim = config["mar_train"].lambda_ssim
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    last_path, csv_path = out.with_name(out.stem + ".last.pt"), out.with_suffix(".csv")
     dist = setup()
     device = resolve_device(dist.device(cfg.device))
+    run = TrainingRun(out, "ssim", higher_is_better=True, main=dist.main, resume=resume, kind=LOUPE,
+                      map_location=device)
     train = load_split(data_dir, "train", cfg.max_train_slices)
     val = load_split(data_dir, "val", cfg.max_val_slices)
     acq.check(train.n_pe)
@@ -184,30 +183,24 @@ def train_loupe(config: Config, data_dir: str | Path, mar_path: str | Path | Non
     if mar_path:
         mar, mar_meta = load_mar(mar_path, device)
     else:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            mar, mar_meta = build_mar(config["mar_model"]).to(device), {}
+        mar, mar_meta = seeded(cfg.seed, lambda: build_mar(config["mar_model"]).to(device)), {}
     mask = LoupeMask(train.n_pe, acq.initial, acq.budget, cfg.slope, cfg.temperature, generator=gen).to(device)
     optimizer = torch.optim.Adam([{"params": mask.parameters(), "lr": cfg.lr_mask},
                                   {"params": mar.parameters(), "lr": cfg.lr_mar}])
-    start, best = 0, {"ssim": -math.inf}
-    if resume is not None:
-        ck = load_checkpoint(resume, map_location=device)
-        if ck.metadata.get("kind") != LOUPE:
-            raise ValueError(f"{resume} is a {ck.metadata.get('kind')!r} checkpoint, not a loupe one")
+    start = 0
+    if run.checkpoint is not None:
+        ck = run.checkpoint
         mask.load_state_dict(ck.state_dicts["mask"])
         mar.load_state_dict(ck.state_dicts["mar"])
         optimizer.load_state_dict(ck.extra["optimizer"])
         gen.set_state(ck.extra["generator"])
-        start, best = int(ck.metadata["epoch"]), dict(ck.metadata["best_val"])
+        start = int(ck.metadata["epoch"])
         log.info("resumed from %s after epoch %d", resume, start)
-    elif dist.main:
-        csv_path.unlink(missing_ok=True)
     hybrid = to_hybrid(train.kspace_metal.to(device))
     target = train.target.to(device)
 
     def metadata(epoch: int, val_metrics: dict[str, float]) -> dict[str, Any]:
-        return loupe_metadata(mask, mar, epoch=epoch, val=val_metrics, best_val=best, code_version=__version__,
+        return loupe_metadata(mask, mar, epoch=epoch, val=val_metrics, best_val=run.best, code_version=__version__,
                               data=str(data_dir), mar_pretrained=str(mar_path) if mar_path else None,
                               mar_pretrained_epoch=mar_meta.get("epoch"),
                               config={k: to_dict(config[k]) for k in ("acquisition", "loupe", "mar_model")})
@@ -239,29 +232,23 @@ def train_loupe(config: Config, data_dir: str | Path, mar_path: str | Path | Non
             optimizer.step()
             losses.append(dist.mean(float(loss.detach())))
         val_metrics = _validate(mar, mask, val, lambda_ssim, cfg.batch_size, device)
-        improved = val_metrics["ssim"] > best["ssim"]
-        if improved:
-            best = {"epoch": epoch + 1, **val_metrics}
+        improved = run.improved(val_metrics, epoch=epoch + 1)
         dist.check_in_sync(mask)
-        if dist.main:
-            if improved:
-                save_checkpoint(out, {"mar": mar}, metadata(epoch + 1, val_metrics))
-            save_checkpoint(last_path, {"mar": mar, "mask": mask}, metadata(epoch + 1, val_metrics),
-                            extra_state={"optimizer": optimizer.state_dict(), "generator": gen.get_state()})
+        run.save(improved, {"mar": mar}, {"mar": mar, "mask": mask}, metadata(epoch + 1, val_metrics),
+                 {"optimizer": optimizer.state_dict(), "generator": gen.get_state()})
         p = mask.probabilities().detach()[~mask.fixed]
         row = {"epoch": epoch + 1, "train_loss": float(np.mean(losses)),
                "mask/entropy": float(-(p * p.clamp_min(1e-9).log() + (1 - p) * (1 - p).clamp_min(1e-9).log()).mean()),
                **{f"val_{k}": v for k, v in val_metrics.items() if not k.startswith("input_")},
                "seconds": time.perf_counter() - t_epoch}
+        run.log_row(row)
         if dist.main:
-            append_row(csv_path, row)
             log.info("epoch %d: train loss %.4f, val SSIM %.4f, PSNR %.2f, lines %s%s", epoch + 1,
                      row["train_loss"], val_metrics["ssim"], val_metrics["psnr"], mask.order(),
                      " *best*" if improved else "")
         dist.barrier()
         bar.set_postfix(loss=f"{row['train_loss']:.4f}", val_ssim=f"{val_metrics['ssim']:.4f}")
     bar.close()
-    best["seconds"] = time.perf_counter() - t0
-    if dist.main and not out.exists():
-        save_checkpoint(out, {"mar": mar}, metadata(cfg.epochs, best))
-    return best
+    run.best["seconds"] = time.perf_counter() - t0
+    run.finish({"mar": mar}, metadata(cfg.epochs, run.best))
+    return run.best
