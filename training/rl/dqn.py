@@ -53,9 +53,9 @@ from masc_gadget import __version__
 from masc_gadget.acquisition.learned import q_metadata
 from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
-from masc_gadget.models.checkpoint import load_checkpoint, load_mar, save_checkpoint
+from masc_gadget.models.checkpoint import load_mar
 from masc_gadget.models.q_net import QNet, masked_q
-from training.csvlog import append_row
+from training.run import TrainingRun, seeded
 from training.data import load_split
 from training.distributed import Dist, setup
 from training.rl.env import BatchedAcquisitionEnv, EnvConfig
@@ -297,10 +297,9 @@ def train_dqn(config: Config, data_dir: str | Path, mar_path: str | Path | None,
     cfg: DQNConfig = config["dqn"]
     ecfg: EnvConfig = config["env"]
     acq = config["acquisition"]
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    last_path, csv_path = out.with_name(out.stem + ".last.pt"), out.with_suffix(".csv")
     device = resolve_device(dist.device(cfg.device))
+    run = TrainingRun(out, "ssim", higher_is_better=True, main=dist.main, resume=resume, kind=variant,
+                      map_location=device)
     train = load_split(data_dir, "train", cfg.max_train_slices)
     val = load_split(data_dir, "val", cfg.max_val_slices)
     acq.check(train.n_pe)
@@ -310,29 +309,24 @@ def train_dqn(config: Config, data_dir: str | Path, mar_path: str | Path | None,
     mar, mar_meta = (load_mar(mar_path, device) if mar_path else (None, {}))
     if mar is not None:
         mar.eval().requires_grad_(False)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        net = QNet(train.n_pe, *train.target.shape[1:], config["q_net"], spectral=spectral).to(device)
+    net = seeded(cfg.seed, lambda: QNet(train.n_pe, *train.target.shape[1:], config["q_net"],
+                                        spectral=spectral).to(device))
     target = copy.deepcopy(net).eval().requires_grad_(False)
     optimizer = torch.optim.Adam(net.parameters(), lr=cfg.lr)
     gen = torch.Generator().manual_seed(cfg.seed + dist.rank)  # each rank explores on its own stream
     replay = MaskReplay(cfg.replay_size, train.n_pe)
-    done_steps, best = 0, {"ssim": -math.inf}
-    if resume is not None:
-        ck = load_checkpoint(resume, map_location=device)
-        if ck.metadata.get("kind") != variant:
-            raise ValueError(f"{resume} is a {ck.metadata.get('kind')!r} checkpoint, not a {variant!r} one")
+    done_steps = 0
+    if run.checkpoint is not None:
+        ck = run.checkpoint
         net.load_state_dict(ck.state_dicts["q"])
         target.load_state_dict(ck.state_dicts["target"])
         optimizer.load_state_dict(ck.extra["optimizer"])
         gen.set_state(ck.extra["generator"])
         replay.load_state_dict(ck.extra["replay"])
-        done_steps, best = int(ck.metadata["transitions"]), dict(ck.metadata["best_val"])
+        done_steps = int(ck.metadata["transitions"])
         if dist.rank:  # the checkpoint holds rank 0's stream and memory; other ranks start their own
             gen.manual_seed(cfg.seed + dist.rank + 7919 * done_steps)
         log.info("resumed from %s after %d transitions", resume, done_steps)
-    elif dist.main:
-        csv_path.unlink(missing_ok=True)
     observes_mar = ecfg.observe_mar and mar is not None
     env = BatchedAcquisitionEnv(train, ecfg, acq.initial, acq.budget, mar, device,
                                 seed=cfg.seed + done_steps + 1_000_003 * dist.rank)
@@ -343,27 +337,20 @@ def train_dqn(config: Config, data_dir: str | Path, mar_path: str | Path | None,
              "frozen" if mar is not None else "none", device)
 
     def metadata(val_metrics: dict[str, float]) -> dict[str, Any]:
-        return q_metadata(net, variant, observes_mar, transitions=done_steps, val=val_metrics, best_val=best,
+        return q_metadata(net, variant, observes_mar, transitions=done_steps, val=val_metrics, best_val=run.best,
                           code_version=__version__, data=str(data_dir), mar_checkpoint=str(mar_path) if mar_path else None,
                           mar_epoch=mar_meta.get("epoch"),
                           config={k: to_dict(config[k]) for k in ("acquisition", "env", "q_net", "dqn")})
 
     def validate_and_save(row: dict[str, Any]) -> None:
-        nonlocal best
         result = val_env.evaluate(lambda obs: greedy_q(net, obs.image, obs.mask, obs.steps_left.float() / budget))
         val_metrics = {k: float(v.mean()) for k, v in result["metrics"].items()}
         val_metrics["return"] = float(result["returns"].mean())
         val_metrics["final_quality"] = float(result["final_quality"].mean())
-        improved = val_metrics["ssim"] > best["ssim"]
-        if improved:
-            best = {"transitions": done_steps, **val_metrics}
+        improved = run.improved(val_metrics, transitions=done_steps)
         dist.check_in_sync(net)
-        if dist.main:
-            if improved:
-                save_checkpoint(out, {"q": net}, metadata(val_metrics))
-            save_checkpoint(last_path, {"q": net, "target": target}, metadata(val_metrics),
-                            extra_state={"optimizer": optimizer.state_dict(), "generator": gen.get_state(),
-                                         "replay": replay.state_dict()})
+        run.save(improved, {"q": net}, {"q": net, "target": target}, metadata(val_metrics),
+                 {"optimizer": optimizer.state_dict(), "generator": gen.get_state(), "replay": replay.state_dict()})
         dist.barrier()
         row.update({f"val/{k}": v for k, v in val_metrics.items()})
         if dist.main:
@@ -409,12 +396,10 @@ def train_dqn(config: Config, data_dir: str | Path, mar_path: str | Path | None,
                 row[key] = float(np.mean([s[key] for s in stats])) if stats else math.nan
             validate_and_save(row)
             row["seconds"] = time.perf_counter() - t0
-            if dist.main:
-                append_row(csv_path, row, fields)
-            bar.set_postfix(ret=f"{row['charts/episodic_return']:.3f}", best_ssim=f"{best['ssim']:.4f}")
+            run.log_row(row, fields)
+            bar.set_postfix(ret=f"{row['charts/episodic_return']:.3f}", best_ssim=f"{run.best['ssim']:.4f}")
             returns, stats = [], []
     bar.close()
-    best["seconds"] = time.perf_counter() - t0
-    if dist.main and not out.exists():  # a resumed run that had nothing left to do
-        save_checkpoint(out, {"q": net}, metadata(best))
-    return best
+    run.best["seconds"] = time.perf_counter() - t0
+    run.finish({"q": net}, metadata(run.best))  # a resumed run that had nothing left to do
+    return run.best
