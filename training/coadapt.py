@@ -25,14 +25,15 @@ from typing import Any, Literal
 import torch
 
 from masc_gadget import __version__
-from masc_gadget.models.checkpoint import load_checkpoint, load_mar, save_checkpoint
+from masc_gadget.models.checkpoint import Checkpoint, load_mar
 from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
 from masc_gadget.core.kspace import zero_filled
-from masc_gadget.acquisition.learned import policy_metadata
+from masc_gadget.acquisition.learned import KIND, policy_metadata
 from masc_gadget.core.metrics import scale_by_target
 from masc_gadget.models.policy_net import PolicyNet
 from training.csvlog import append_row, plot_training
+from training.run import TrainingRun, seeded
 from training.data import SliceSet, load_split, spread_subset
 from training.distributed import Dist, setup
 from training.imitation import ImitationConfig, imitate, load_or_make_demonstrations
@@ -153,12 +154,10 @@ def finetune_mar(mar: torch.nn.Module, optimizer: torch.optim.Optimizer, kspace:
     return total / max(count, 1)
 
 
-def _resume(resume: str | Path, net: PolicyNet, optimizer: torch.optim.Optimizer, gen: torch.Generator,
-            mar: torch.nn.Module | None, mar_opt: torch.optim.Optimizer | None,
-            device: torch.device) -> tuple[int, dict[str, Any]]:
-    """Load a ``.last.pt`` checkpoint into the networks, optimizers and generator; returns
-    (rollouts done, best validation metrics so far)."""
-    ck = load_checkpoint(resume, map_location=device)
+def _resume(ck: Checkpoint, net: PolicyNet, optimizer: torch.optim.Optimizer, gen: torch.Generator,
+            mar: torch.nn.Module | None, mar_opt: torch.optim.Optimizer | None) -> int:
+    """Load a ``.last.pt`` checkpoint into the networks, optimizers and generator; returns the
+    rollouts done."""
     net.load_state_dict(ck.state_dicts["policy"])
     optimizer.load_state_dict(ck.extra["optimizer"])
     gen.set_state(ck.extra["generator"])
@@ -166,8 +165,7 @@ def _resume(resume: str | Path, net: PolicyNet, optimizer: torch.optim.Optimizer
         mar.load_state_dict(ck.state_dicts["mar"])
     if mar_opt is not None and "mar_optimizer" in ck.extra:
         mar_opt.load_state_dict(ck.extra["mar_optimizer"])
-    log.info("resumed from %s after rollout %d", resume, int(ck.metadata["rollout"]))
-    return int(ck.metadata["rollout"]), dict(ck.metadata["best_val"])
+    return int(ck.metadata["rollout"])
 
 
 @dataclass(eq=False)
@@ -179,7 +177,7 @@ class _Run:
     ecfg: EnvConfig
     data_dir: str | Path
     mar_path: str | Path | None
-    out: Path
+    files: TrainingRun
     net: PolicyNet
     optimizer: torch.optim.Optimizer
     gen: torch.Generator
@@ -193,7 +191,6 @@ class _Run:
     kspace: torch.Tensor
     target: torch.Tensor
     n_steps: int
-    best: dict[str, Any]
     bar: Any = None
     t0: float = 0.0
     dist: Dist = Dist()
@@ -203,12 +200,8 @@ class _Run:
         return self.config["masc_train"]
 
     @property
-    def last_path(self) -> Path:
-        return self.out.with_name(self.out.stem + ".last.pt")
-
-    @property
-    def csv_path(self) -> Path:
-        return self.out.with_suffix(".csv")
+    def best(self) -> dict[str, Any]:
+        return self.files.best
 
     def validate(self) -> dict[str, float]:
         """Greedy episodes on the validation split, through the current MAR network."""
@@ -258,27 +251,20 @@ class _Run:
         val_metrics = self.validate()
         self.dist.check_in_sync(self.net)
         nets = {"policy": self.net, **({"mar": self.mar} if self.mar is not None else {})}
-        improved = val_metrics["ssim"] > self.best["ssim"]
-        if improved:
-            self.best = {"rollout": rollout_number, **val_metrics}
-            if self.dist.main:
-                save_checkpoint(self.out, nets, self.metadata(rollout_number, val_metrics))
+        improved = self.files.improved(val_metrics, rollout=rollout_number)
         log.info("rollout %d: return %.3f, val SSIM %.4f, PSNR %.2f%s", rollout_number,
                  stats["charts/episodic_return"], val_metrics["ssim"], val_metrics["psnr"],
                  " *best*" if improved else "")
         extra = {"optimizer": self.optimizer.state_dict(), "generator": self.gen.get_state()}
         if self.mar_opt is not None:
             extra["mar_optimizer"] = self.mar_opt.state_dict()
-        if self.dist.main:
-            save_checkpoint(self.last_path, nets, self.metadata(rollout_number, val_metrics), extra_state=extra)
+        self.files.save(improved, nets, nets, self.metadata(rollout_number, val_metrics), extra)
         self.dist.barrier()  # the checkpoint is on disk before any rank goes on
         return {f"val/{m}": v for m, v in val_metrics.items()}
 
     def _append_csv(self, row: dict[str, Any], stats: dict[str, float]) -> None:
-        if not self.dist.main:
-            return
         fields = ["rollout", "global_step", *sorted(stats), "losses/mar", *VAL_FIELDS, "seconds"]
-        append_row(self.csv_path, row, list(dict.fromkeys(fields)))
+        self.files.log_row(row, list(dict.fromkeys(fields)))
 
 
 def warm_start(run: _Run, train: SliceSet, demos_path: str | Path | None, progress: bool) -> None:
@@ -294,7 +280,12 @@ def warm_start(run: _Run, train: SliceSet, demos_path: str | Path | None, progre
     history[-1].update(run._validate_and_save(0, {"charts/episodic_return": math.nan}))
     fields = list(dict.fromkeys([*history[0], *VAL_FIELDS]))
     for row in history:  # the main log keeps PPO's columns; rollout 0's validation ends this one
-        append_row(run.out.with_name(run.out.stem + ".imitation.csv"), row, fields)
+        append_row(_imitation_csv(run.files.out), row, fields)
+
+
+def _imitation_csv(out: Path) -> Path:
+    """The imitation warm start's log beside the run's own."""
+    return out.with_name(out.stem + ".imitation.csv")
 
 
 def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None, out: str | Path,
@@ -315,12 +306,12 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
     ecfg: EnvConfig = config["env"]
     pcfg = config["ppo"]
     acq = config["acquisition"]
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     device = resolve_device(dist.device(tcfg.device))
     if tcfg.mar_mode != "none" and not mar_path:
         raise ValueError(f"mar_mode {tcfg.mar_mode!r} needs a pre-trained MAR checkpoint (--mar); "
                          "use --set masc_train.mar_mode=none to train without MAR")
+    files = TrainingRun(out, "ssim", higher_is_better=True, main=dist.main, resume=resume, kind=KIND,
+                        map_location=device)
     if tcfg.mar_mode == "none":
         ecfg = EnvConfig(**{**to_dict(ecfg), "observe_mar": False, "reward_mar": False})
     train = load_split(data_dir, "train", tcfg.max_train_slices)
@@ -334,10 +325,8 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
 
     gen = torch.Generator().manual_seed(tcfg.seed + dist.rank)  # each rank samples its own actions
     pncfg = config["policy_net"]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(tcfg.seed)
-        net = PolicyNet(train.n_pe, *train.target.shape[1:], pncfg,
-                        prior_lines=acq.budget if pncfg.prior_weight > 0 else 0).to(device)
+    net = seeded(tcfg.seed, lambda: PolicyNet(train.n_pe, *train.target.shape[1:], pncfg,
+                                              prior_lines=acq.budget if pncfg.prior_weight > 0 else 0).to(device))
     net.prior_train = acq.lines_per_decision  # the prior marks the order's next echo train
     if net.prior_lines and resume is None:
         # the policy starts from the population-greedy order; PPO learns where to leave it
@@ -349,14 +338,14 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
     optimizer = make_optimizer(net, pcfg)
     mar_opt = torch.optim.Adam(mar.parameters(), lr=tcfg.mar_lr) if tcfg.mar_mode == "joint" else None
     lambda_ssim = config["mar_train"].lambda_ssim if tcfg.mar_loss == "pretrain" else None
-    start, best = 0, {"ssim": -math.inf}
-    if resume is not None:
-        start, best = _resume(resume, net, optimizer, gen, mar, mar_opt, device)
+    start = 0
+    if files.checkpoint is not None:
+        start = _resume(files.checkpoint, net, optimizer, gen, mar, mar_opt)
+        log.info("resumed from %s after rollout %d", resume, start)
         if dist.rank:  # a resumed rank keeps its own action stream
             gen.manual_seed(tcfg.seed + dist.rank + 7919 * start)
     elif dist.main:
-        for log_file in (out.with_suffix(".csv"), out.with_name(out.stem + ".imitation.csv")):
-            log_file.unlink(missing_ok=True)
+        _imitation_csv(files.out).unlink(missing_ok=True)
 
     k = acq.lines_per_decision
     # each rank draws its own slices: seed + rank (rank 0 as one process)
@@ -365,8 +354,8 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
     val_env = BatchedAcquisitionEnv(val, ecfg, acq.initial, acq.budget, mar, device, seed=tcfg.seed,
                                     lines_per_decision=k)
     kspace = train.kspace_clean if ecfg.kspace == "clean" else train.kspace_metal
-    run = _Run(config, ecfg, data_dir, mar_path, out, net, optimizer, gen, mar, mar_meta, mar_opt, lambda_ssim,
-               env, val_env, _Recorder(env), kspace.to(device), train.target.to(device), n_steps, best, dist=dist)
+    run = _Run(config, ecfg, data_dir, mar_path, files, net, optimizer, gen, mar, mar_meta, mar_opt, lambda_ssim,
+               env, val_env, _Recorder(env), kspace.to(device), train.target.to(device), n_steps, dist=dist)
 
     log.info("co-adaptive training: %d train / %d val slices, %d envs x %d steps per rollout, MAR %s, "
              "k-space %s, %d rollouts on %s%s", len(train), len(val), ecfg.n_envs, n_steps, tcfg.mar_mode,
@@ -386,7 +375,7 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
             on_rollout=run.after_rollout, start_iteration=start + 1, dist=dist)
     run.bar.close()
     run.best["seconds"] = time.perf_counter() - run.t0
-    if dist.main and run.csv_path.exists():
-        figure = plot_training(run.csv_path, out.with_suffix(".png"), out.with_name(out.stem + ".imitation.csv"))
+    if dist.main and files.csv.exists():
+        figure = plot_training(files.csv, files.out.with_suffix(".png"), _imitation_csv(files.out))
         log.info("training curves: %s", figure)
     return run.best
