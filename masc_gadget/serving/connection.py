@@ -61,6 +61,13 @@ class ClientError(Exception):
     """The client broke the protocol or a rule of the server; the message goes back to it."""
 
 
+LINGER_S = 0.5
+"""How long a refused connection waits for the client to stop sending before it closes."""
+
+LINGER_BYTES = 1 << 24
+"""How much a refused connection reads (and discards) at most while it lingers."""
+
+
 def clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
     """``text`` cut to ``limit`` characters."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -312,12 +319,35 @@ class Connection:
             self.stream.send_close()
 
     def _fail(self, message: str) -> None:
-        """Tell the client (and the log) what rule it broke, then close."""
+        """Tell the client (and the log) what rule it broke, then close without losing the
+        message (:meth:`_linger`)."""
         log.warning("%s: %s", self.peer, clip(message))
         self.send_error(message)
         try:
             self.stream.send_close()
         except OSError:
+            pass
+        self._linger()
+
+    def _linger(self, seconds: float = LINGER_S, limit: int = LINGER_BYTES) -> None:
+        """Half-close and discard what the client still sends, until it closes too or
+        ``seconds`` / ``limit`` bytes are spent: closing a socket with unread data resets the
+        connection, and a reset can drop the error just sent before the client reads it."""
+        sock = self.stream.sock
+        try:
+            sock.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + seconds
+            got = 0
+            while got < limit:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                sock.settimeout(left)
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    break
+                got += len(chunk)
+        except OSError:  # timed out, reset, already closed: nothing more to save
             pass
 
     def _send(self, item: Any) -> None:
