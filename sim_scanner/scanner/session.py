@@ -16,7 +16,13 @@ parameters (feedback mode, ZeroMQ address, initial, budget, policy), then acquir
   line the deterministic ``fallback`` policy chooses on its current mask, which never repeats a
   line. Every slice therefore always gets exactly ``initial + budget`` lines;
 * ``feedback = "none"`` is open loop (a plain MRD client): the initial lines and the fallback
-  order are streamed without waiting.
+  order are streamed without waiting (with ``order``: those lines in a scanner's order,
+  linear, reverse, centric or interleaved).
+
+On request the lines go out as a scanner records them (``readout_oversampling``, ``coils``,
+``noise``, ``asymmetric_echo``, ``channel_mask``: :mod:`sim_scanner.dataset.streams`), with the
+header that describes them; the scanner's own bookkeeping and zero-filled images stay on the
+simulator's grid.
 
 The scanner is the authority on what was acquired: it keeps its own k-space of every line it
 acquired, so when the gadget dies mid-scan it finishes on the fallback order (sending nothing)
@@ -62,6 +68,7 @@ from masc_gadget.core.metrics import slice_metrics
 from masc_gadget.core.served import served_images
 from masc_gadget.mrd.header import flag_mask
 from sim_scanner.dataset import mrd_hdf5 as mrd
+from sim_scanner.dataset.streams import StreamStyle, line_order, styled_acquisition, styled_header, styled_kspace
 from sim_scanner.dataset.layout import (
     ScanInput,
     read_manifest,
@@ -84,7 +91,6 @@ from sim_scanner.scanner.config import (
     SOURCE_INITIAL,
     ScannerConfig,
 )
-from sim_scanner.dataset.streams import StreamStyle, line_order, styled_acquisition, styled_header, styled_kspace
 from sim_scanner.scanner.link import _DecisionBoard, _GadgetLink, _ZmqPump
 from sim_scanner.scanner.report import ScanReport, SliceReport, SubjectReport, _log_subject, _totals
 
