@@ -37,9 +37,11 @@ from pathlib import Path
 
 import h5py
 import ismrmrd
+import torch
 import ismrmrd.xsd as xsd
 import numpy as np
 
+from masc_gadget.core.kspace import fft2c, ifft2c
 from masc_gadget.mrd.header import parse_header, serialize_header
 
 __all__ = ["ORDERS", "StreamStyle", "coil_sensitivities", "line_order", "read_stream", "scanner_like",
@@ -125,14 +127,6 @@ def coil_sensitivities(n_coils: int, shape: tuple[int, int], radius: float = 0.7
     return (maps / np.sqrt((np.abs(maps) ** 2).sum(axis=0))).astype(np.complex64)
 
 
-def _ifft2c(k: np.ndarray) -> np.ndarray:
-    return np.fft.fftshift(np.fft.ifft2(np.fft.ifftshift(k, axes=(-2, -1)), norm="ortho"), axes=(-2, -1))
-
-
-def _fft2c(x: np.ndarray) -> np.ndarray:
-    return np.fft.fftshift(np.fft.fft2(np.fft.ifftshift(x, axes=(-2, -1)), norm="ortho"), axes=(-2, -1))
-
-
 def _slices(acquisitions: Sequence[ismrmrd.Acquisition], n_pe: int, n_ro: int
             ) -> dict[int, tuple[ismrmrd.AcquisitionHeader, np.ndarray]]:
     """Per slice: the header of its first line and its (coils, n_pe, n_ro) k-space."""
@@ -147,28 +141,6 @@ def _slices(acquisitions: Sequence[ismrmrd.Acquisition], n_pe: int, n_ro: int
             out[s] = (acq.getHead(), np.zeros((data.shape[0], n_pe, n_ro), np.complex64))
         out[s][1][:, line] = data
     return out
-
-
-def _header(header_xml: str, style: StreamStyle, n_pe: int, n_ro: int, coils: int) -> str:
-    header = parse_header(header_xml)
-    encoding = header.encoding[0]
-    recon = encoding.encodedSpace
-    encoded = xsd.encodingSpaceType(
-        matrixSize=xsd.matrixSizeType(x=n_ro * style.readout_oversampling, y=n_pe, z=recon.matrixSize.z),
-        fieldOfView_mm=xsd.fieldOfViewMm(x=recon.fieldOfView_mm.x * style.readout_oversampling,
-                                         y=recon.fieldOfView_mm.y, z=recon.fieldOfView_mm.z))
-    encoding.encodedSpace = encoded
-    encoding.reconSpace = recon
-    kept = _kept_lines(n_pe, style)
-    limits = encoding.encodingLimits
-    if limits is not None:
-        limits.kspace_encoding_step_0 = xsd.limitType(minimum=0, maximum=n_ro * style.readout_oversampling - 1,
-                                                      center=n_ro * style.readout_oversampling // 2)
-        limits.kspace_encoding_step_1 = xsd.limitType(minimum=kept[0], maximum=kept[-1], center=n_pe // 2)
-    if header.acquisitionSystemInformation is None:
-        header.acquisitionSystemInformation = xsd.acquisitionSystemInformationType()
-    header.acquisitionSystemInformation.receiverChannels = coils
-    return serialize_header(header)
 
 
 def _kept_lines(n_pe: int, style: StreamStyle) -> list[int]:
@@ -189,7 +161,7 @@ def styled_kspace(kspace: np.ndarray, style: StreamStyle, rng: np.random.Generat
     chol = np.linalg.cholesky(cov)
     out = np.zeros((n_slices, coils, n_pe, n_out), np.complex64)
     for s in range(n_slices):
-        image = _ifft2c(kspace[s].astype(np.complex128))  # (own coils, n_pe, n_ro)
+        image = ifft2c(torch.from_numpy(kspace[s].astype(np.complex128))).numpy()  # (own coils, n_pe, n_ro)
         if style.readout_oversampling == 2:
             pad = np.zeros((*image.shape[:-1], n_out), np.complex128)
             pad[..., n_ro // 2:n_ro // 2 + n_ro] = image
@@ -197,7 +169,7 @@ def styled_kspace(kspace: np.ndarray, style: StreamStyle, rng: np.random.Generat
         if maps is not None:
             combined = image[0] if own == 1 else np.sqrt((np.abs(image) ** 2).sum(0)) * np.exp(1j * np.angle(image[0]))
             image = maps * combined[None]
-        k = _fft2c(image)
+        k = fft2c(torch.from_numpy(image)).numpy()
         if style.noise > 0:
             white = rng.normal(size=(2, coils, n_pe, n_out)) * style.noise
             k = k + np.einsum("ij,jyx->iyx", chol, white[0] + 1j * white[1])
@@ -228,8 +200,26 @@ def styled_acquisition(template: ismrmrd.AcquisitionHeader, line_samples: np.nda
 def styled_header(header_xml: str, style: StreamStyle, coils: int) -> str:
     """The header of the styled stream: encoded space over the oversampled readout, recon space
     the original one, phase-encoding limits of the lines acquired, ``coils`` receiver channels."""
-    space = parse_header(header_xml).encoding[0].encodedSpace
-    return _header(header_xml, style, int(space.matrixSize.y), int(space.matrixSize.x), coils)
+    header = parse_header(header_xml)
+    encoding = header.encoding[0]
+    recon = encoding.encodedSpace
+    n_ro, n_pe = int(recon.matrixSize.x), int(recon.matrixSize.y)
+    encoded = xsd.encodingSpaceType(
+        matrixSize=xsd.matrixSizeType(x=n_ro * style.readout_oversampling, y=n_pe, z=recon.matrixSize.z),
+        fieldOfView_mm=xsd.fieldOfViewMm(x=recon.fieldOfView_mm.x * style.readout_oversampling,
+                                         y=recon.fieldOfView_mm.y, z=recon.fieldOfView_mm.z))
+    encoding.encodedSpace = encoded
+    encoding.reconSpace = recon
+    kept = _kept_lines(n_pe, style)
+    limits = encoding.encodingLimits
+    if limits is not None:
+        limits.kspace_encoding_step_0 = xsd.limitType(minimum=0, maximum=n_ro * style.readout_oversampling - 1,
+                                                      center=n_ro * style.readout_oversampling // 2)
+        limits.kspace_encoding_step_1 = xsd.limitType(minimum=kept[0], maximum=kept[-1], center=n_pe // 2)
+    if header.acquisitionSystemInformation is None:
+        header.acquisitionSystemInformation = xsd.acquisitionSystemInformationType()
+    header.acquisitionSystemInformation.receiverChannels = coils
+    return serialize_header(header)
 
 
 def scanner_like(header_xml: str, acquisitions: Sequence[ismrmrd.Acquisition], style: StreamStyle,
