@@ -29,7 +29,12 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
                             "a simplified implant's artifacts with the 2D model (section artifact2d): a held-out test "
                             "set in the project's layout. 'builtin' uses the real MR images shipped inside installed "
                             "packages (nothing is downloaded).")
-    ex.add_argument("--source", required=True, metavar="PATH|builtin", help="a file, a folder, or builtin")
+    ex.add_argument("--source", required=True, metavar="PATH|builtin[:PKG,...]",
+                    help="a file, a folder, or builtin (the real MR images inside installed packages: pydicom, "
+                    "scikit-image, nilearn, dipy; builtin:pydicom,dipy picks some)")
+    ex.add_argument("--train", metavar="NAMES", help="volumes (names or name prefixes, comma-separated) for the "
+                    "train split; a volume is one subject, never divided (default: every volume in test)")
+    ex.add_argument("--val", metavar="NAMES", help="volumes for the validation split (as --train)")
     ex.add_argument("--out", required=True, metavar="DIR", help="dataset folder to write")
     ex.add_argument("--draws", type=int, default=1, metavar="N",
                     help="implant poses drawn per imported slice (default 1)")
@@ -100,15 +105,24 @@ def cmd_dataset(args: argparse.Namespace) -> int:
     return 0
 
 
+def _names(text: str | None) -> list[str]:
+    return [n.strip() for n in (text or "").split(",") if n.strip()]
+
+
 def cmd_external(args: argparse.Namespace) -> int:
     from masc_gadget.cli import config_from_args
-    from sim_scanner.dataset.external import builtin_volumes, read_volumes, simulate_external
+    from sim_scanner.dataset.external import assign_splits, builtin_volumes, read_volumes, simulate_external
 
     config = config_from_args(args)
-    volumes = builtin_volumes() if args.source == "builtin" else read_volumes(args.source)
-    manifest = simulate_external(config, volumes, args.out, draws=args.draws)
-    names = ", ".join(f"{v['name']} ({v['slices']} slices)" for v in manifest["external"])
-    print(f"external dataset written to {args.out}: test split, {names}, {args.draws} draw(s) per slice")
+    if args.source == "builtin" or args.source.startswith("builtin:"):
+        packages = [p for p in args.source.partition(":")[2].split(",") if p]
+        volumes = builtin_volumes(packages or None)
+    else:
+        volumes = read_volumes(args.source)
+    splits = assign_splits(volumes, _names(args.train), _names(args.val))
+    manifest = simulate_external(config, volumes, args.out, draws=args.draws, splits=splits)
+    names = ", ".join(f"{v['name']} ({v['slices']} slices, {v['split']})" for v in manifest["external"])
+    print(f"external dataset written to {args.out}: {names}; {args.draws} draw(s) per slice")
     return 0
 
 

@@ -18,7 +18,8 @@ def register_train(subparsers: argparse._SubParsersAction, common: argparse.Argu
     mar = actions.add_parser("mar", parents=[common], help="pre-train the MAR U-Net (stage 1)",
                              description="Pre-train the MAR U-Net on paired metal / clean images "
                              "with L1 + lambda (1 - SSIM); best checkpoint by validation loss.")
-    mar.add_argument("--data", required=True, metavar="DIR", help="dataset folder")
+    mar.add_argument("--data", required=True, metavar="DIR[,DIR...]", help="dataset folder(s): several are "
+                     "trained on together (e.g. the hip simulation and real anatomy, masc simulate external)")
     mar.add_argument("--out", required=True, metavar="CKPT", help="best checkpoint (.pt); "
                      "<CKPT stem>.last.pt and .csv are written beside it")
     mar.add_argument("--resume", metavar="CKPT", help="continue from a .last.pt checkpoint")
@@ -314,4 +315,83 @@ def cmd_diversity(args: argparse.Namespace) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
         print(f"written: {args.out}")
+    return 0
+
+
+def register_mar_check(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    mc = subparsers.add_parser("mar-check", parents=[common], help="does a MAR network do no harm; its OOD score's ROC",
+                               description="Check MAR networks on a split of each data folder: the output for fully "
+                               "sampled clean images (should not change), the correction of a fixed policy's "
+                               "zero-filled images against them (tests over subjects), and how well each OOD score "
+                               "flags the slices the network harms (ROC). --calibrate picks the score and threshold "
+                               "(use it on the validation split only).")
+    mc.add_argument("--mar", required=True, metavar="NAME=CKPT[,...]", help="MAR checkpoints (or shipped:NAME), "
+                    "each named for the report")
+    mc.add_argument("--data", required=True, metavar="DIR[,DIR...]", help="dataset folder(s), each reported apart")
+    mc.add_argument("--split", default="val", choices=["train", "val", "test"])
+    mc.add_argument("--policy", default="center-out", help="the fixed policy whose lines are corrected "
+                    "(default center-out); its budget is the config's acquisition section")
+    mc.add_argument("--reference", metavar="NAME", help="the network the others are compared with")
+    mc.add_argument("--calibrate", action="store_true", help="choose each network's OOD score and threshold on "
+                    "this split (pooled over the folders) and write OUT/ood.json")
+    mc.add_argument("--out", required=True, metavar="DIR", help="results.json, report.md, roc.png")
+    mc.set_defaults(func=cmd_mar_check)
+
+
+def cmd_mar_check(args: argparse.Namespace) -> int:
+    import torch
+
+    from masc_gadget.cli import CommandError, config_from_args
+    from masc_gadget.models.checkpoint import load_mar
+    from training.evaluation.marcheck import mar_check
+
+    config = config_from_args(args)
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    mars = {}
+    for item in args.mar.split(","):
+        name, sep, path = item.partition("=")
+        if not sep:
+            name, path = Path(item).stem, item
+        mars[name] = load_mar(path, "cpu")[0]
+    if args.reference and args.reference not in mars:
+        raise CommandError(f"--reference {args.reference!r} names none of the networks: {', '.join(mars)}")
+    if args.calibrate and args.split != "val":
+        raise CommandError("--calibrate chooses thresholds: use it on the validation split (--split val)")
+    ood = {n: {"score": m.ood.score, "threshold": m.ood.threshold} for n, m in mars.items()
+           if getattr(m, "ood", None) is not None}
+    acq = config["acquisition"]
+    mar_check(mars, args.data, args.split, acq.initial, acq.budget, args.out, policy=args.policy,
+              reference=args.reference, ood=ood, do_calibrate=args.calibrate)
+    print((Path(args.out) / "report.md").read_text())
+    return 0
+
+
+def register_export(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    ex = subparsers.add_parser("export", parents=[common], help="a trained checkpoint as a shipped model",
+                               description="Write a trained checkpoint as a shipped one: float16 weights, no "
+                               "optimizer state, a provenance json beside it; --ood stores the OOD calibration "
+                               "of masc mar-check --calibrate in it.")
+    ex.add_argument("checkpoint", metavar="CKPT", help="trained checkpoint (.pt)")
+    ex.add_argument("--out", required=True, metavar="PT", help="the shipped checkpoint (.pt; .json beside it)")
+    ex.add_argument("--command", default="", help="the commands that trained it, for the provenance record")
+    ex.add_argument("--ood", metavar="OOD.json[:NAME]", help="the calibration to store (the entry NAME of "
+                    "ood.json; default: its only entry)")
+    ex.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import json
+
+    from masc_gadget.cli import CommandError
+    from training.export import export_checkpoint
+
+    ood = None
+    if args.ood:
+        path, _, name = args.ood.partition(":")
+        entries = json.loads(Path(path).read_text())
+        if not name and len(entries) != 1:
+            raise CommandError(f"{path} holds {', '.join(entries)}: name one, --ood {path}:NAME")
+        ood = entries[name or next(iter(entries))]
+    record = export_checkpoint(args.checkpoint, args.out, command=args.command, ood=ood)
+    print(f"shipped model written to {args.out} ({record['size_bytes']} bytes) with {Path(args.out).with_suffix('.json')}")
     return 0

@@ -126,11 +126,15 @@ class _Recorder:
 def finetune_mar(mar: torch.nn.Module, optimizer: torch.optim.Optimizer, kspace: torch.Tensor,
                  target: torch.Tensor, slices: torch.Tensor, masks: torch.Tensor, epochs: int,
                  batch_size: int, generator: torch.Generator,
-                 lambda_ssim: float | None = None, dist: Dist = Dist()) -> float:
+                 lambda_ssim: float | None = None, dist: Dist = Dist(),
+                 clean_kspace: torch.Tensor | None = None, clean_fraction: float = 0.0) -> float:
     """Fine-tuning of ``mar`` on the zero-filled images of (slice, mask) pairs, both images
     scaled by the target's maximum: MSE (paper), or with ``lambda_ssim`` the pre-training loss
     ``L1 + lambda_ssim (1 - SSIM)``. BatchNorm statistics stay frozen (eval mode): the network
-    is well initialised and only needs mild correction. Returns the mean loss."""
+    is well initialised and only needs mild correction. With ``clean_kspace`` and a
+    ``clean_fraction`` > 0, that fraction of the pairs is built from the clean k-space instead
+    (the do-no-harm recipe of ``mar_train.clean_fraction``, kept while co-adapting). Returns the
+    mean loss."""
     mar.eval()
     total, count = 0.0, 0
     device = next(mar.parameters()).device
@@ -139,7 +143,11 @@ def finetune_mar(mar: torch.nn.Module, optimizer: torch.optim.Optimizer, kspace:
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
             s = slices[idx].to(kspace.device)
-            inputs = zero_filled(kspace[s], masks[idx].to(kspace.device)).to(device)
+            k = kspace[s]
+            if clean_kspace is not None and clean_fraction > 0:
+                pick = (torch.rand(len(idx), generator=generator) < clean_fraction).to(k.device)
+                k = torch.where(pick[:, None, None], clean_kspace[s], k)
+            inputs = zero_filled(k, masks[idx].to(kspace.device)).to(device)
             if lambda_ssim is None:
                 pred, tgt = scale_by_target(mar(inputs), target[s].to(device))
                 loss = torch.mean((pred - tgt) ** 2)
@@ -194,6 +202,8 @@ class _Run:
     bar: Any = None
     t0: float = 0.0
     dist: Dist = Dist()
+    clean_kspace: torch.Tensor | None = None
+    """The clean k-space of the training slices, where ``mar_train.clean_fraction`` > 0."""
 
     @property
     def tcfg(self) -> MascTrainConfig:
@@ -233,7 +243,8 @@ class _Run:
         if self.mar_opt is not None:
             stats["losses/mar"] = finetune_mar(self.mar, self.mar_opt, self.kspace, self.target, slices, masks,
                                                tcfg.mar_epochs, tcfg.mar_batch_size, self.gen, self.lambda_ssim,
-                                               self.dist)
+                                               self.dist, self.clean_kspace,
+                                               self.config["mar_train"].clean_fraction)
             self.env.set_mar(self.mar)
             rollout.cursor.obs = self.env.observation
         row: dict[str, Any] = {"rollout": rollout_number,
@@ -355,7 +366,9 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
                                     lines_per_decision=k)
     kspace = train.kspace_clean if ecfg.kspace == "clean" else train.kspace_metal
     run = _Run(config, ecfg, data_dir, mar_path, files, net, optimizer, gen, mar, mar_meta, mar_opt, lambda_ssim,
-               env, val_env, _Recorder(env), kspace.to(device), train.target.to(device), n_steps, dist=dist)
+               env, val_env, _Recorder(env), kspace.to(device), train.target.to(device), n_steps, dist=dist,
+               clean_kspace=(train.kspace_clean.to(device)
+                             if config["mar_train"].clean_fraction > 0 and mar_opt is not None else None))
 
     log.info("co-adaptive training: %d train / %d val slices, %d envs x %d steps per rollout, MAR %s, "
              "k-space %s, %d rollouts on %s%s", len(train), len(val), ecfg.n_envs, n_steps, tcfg.mar_mode,

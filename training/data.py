@@ -65,8 +65,43 @@ def spread_subset(data: SliceSet, count: int) -> SliceSet:
     return data.subset(np.unique(np.linspace(0, len(data) - 1, count).round().astype(np.int64)))
 
 
-def load_split(data_dir: str | Path, split: str, max_slices: int = 0) -> SliceSet:
-    """Read the fast arrays of every subject of ``split`` (first ``max_slices`` slices if > 0)."""
+def data_dirs(data: str | Path | list[str | Path]) -> list[Path]:
+    """The dataset folders named by ``data``: a path, a comma-separated list of paths, or a list."""
+    if isinstance(data, (list, tuple)):
+        return [Path(d) for d in data]
+    return [Path(d) for d in str(data).split(",") if d]
+
+
+def load_split(data_dir: str | Path | list[str | Path], split: str, max_slices: int = 0) -> SliceSet:
+    """Read the fast arrays of every subject of ``split`` (first ``max_slices`` slices if > 0).
+
+    Several folders (a list or ``A,B``) are concatenated in order, every subject named
+    ``FOLDER/sub-XXXX`` so that subjects of different folders stay apart; a folder with no
+    subject in ``split`` is skipped (ValueError when none has one). ``max_slices`` applies to
+    each folder."""
+    dirs = data_dirs(data_dir)
+    if len(dirs) != 1:
+        sets = [_load_one(d, split, max_slices, prefix=f"{d.name}/") for d in dirs if _has_split(d, split)]
+        if not sets:
+            raise ValueError(f"no subject of split {split!r} in {', '.join(map(str, dirs))}")
+        return SliceSet(*(torch.cat([getattr(s, f) for s in sets]) for f in _TENSORS),
+                        [name for s in sets for name in s.subjects], np.concatenate([s.slices for s in sets]))
+    return _load_one(dirs[0], split, max_slices)
+
+
+def _has_split(data_dir: Path, split: str) -> bool:
+    try:
+        return bool(split_files(data_dir, split))
+    except ValueError as err:
+        if "has no subjects" in str(err):
+            return False
+        raise
+
+
+_TENSORS = ("kspace_metal", "kspace_clean", "target", "metal_image", "implant_mask")
+
+
+def _load_one(data_dir: Path, split: str, max_slices: int = 0, prefix: str = "") -> SliceSet:
     parts: dict[str, list[np.ndarray]] = {k: [] for k in ("km", "kc", "t", "m", "mask")}
     subjects: list[str] = []
     slices: list[np.ndarray] = []
@@ -83,7 +118,7 @@ def load_split(data_dir: str | Path, split: str, max_slices: int = 0) -> SliceSe
         parts["t"].append(tgt)
         parts["m"].append(met)
         parts["mask"].append(mask)
-        subjects += [path.stem] * km.shape[0]
+        subjects += [prefix + path.stem] * km.shape[0]
         slices.append(np.arange(km.shape[0]))
         if max_slices and len(subjects) >= max_slices:
             break

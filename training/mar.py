@@ -30,7 +30,7 @@ from masc_gadget.models.unet import build_mar
 from masc_gadget.acquisition.policies import make_policy, run_episode
 from training.run import TrainingRun, seeded
 from training.distributed import Dist, setup, shard
-from training.data import SliceSet, load_split
+from training.data import SliceSet, data_dirs, load_split
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,12 @@ class MarTrainConfig:
     input: Literal["full", "undersampled", "mixed"] = "full"
     """Network input: fully sampled metal images (paper), zero-filled undersampled ones drawn from
     the baseline policies, or half of each."""
+    clean_fraction: float = 0.0
+    """Fraction of the training and validation inputs built from the *clean* k-space (the same
+    slice without the implant's field), target unchanged: a fully sampled one is an identity
+    pair, an undersampled one asks for de-aliasing only. They teach the residual network to leave
+    alone what needs no correction (the do-no-harm recipe uses 0.25; 0 draws nothing, so the
+    random streams of earlier recipes are unchanged)."""
     policies: tuple[str, ...] = ("center-out", "random", "random-lowbias", "equispaced")
     """Policies that draw the undersampling masks of ``undersampled`` / ``mixed`` inputs."""
     device: str = "auto"
@@ -67,6 +73,8 @@ class MarTrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0.0 <= self.clean_fraction <= 1.0:
+            raise ValueError(f"clean_fraction must be in [0, 1], got {self.clean_fraction}")
         if self.lambda_ssim < 0:
             raise ValueError(f"lambda_ssim must be >= 0, got {self.lambda_ssim}")
         if not self.policies:
@@ -94,14 +102,28 @@ def draw_masks(n: int, n_pe: int, acq: AcquisitionConfig, policies: tuple[str, .
     return torch.from_numpy(masks)
 
 
+def draw_clean(n: int, fraction: float, rng: np.random.Generator) -> torch.Tensor | None:
+    """(n,) bool: which slices' inputs come from the clean k-space (None when ``fraction`` is 0,
+    drawing nothing)."""
+    return torch.from_numpy(rng.random(n) < fraction) if fraction > 0 else None
+
+
 def network_inputs(data: SliceSet, index: torch.Tensor, mode: str, masks: torch.Tensor | None,
-                   device: torch.device, positions: torch.Tensor | None = None) -> torch.Tensor:
+                   device: torch.device, positions: torch.Tensor | None = None,
+                   clean: torch.Tensor | None = None) -> torch.Tensor:
     """(B, H, W) input images for slices ``index``: full metal images and / or zero-filled ones
-    (``mixed``: by the parity of each slice's ``positions`` in its minibatch, default 0, 1, ...)."""
+    (``mixed``: by the parity of each slice's ``positions`` in its minibatch, default 0, 1, ...);
+    where ``clean[index]`` is set, of the clean k-space instead of the metal one."""
+    pick = None if clean is None else clean[index].to(device)
     full = data.metal_image[index].to(device)
+    if pick is not None:
+        full = torch.where(pick[:, None, None], data.target[index].to(device), full)
     if mode == "full":
         return full
-    under = zero_filled(data.kspace_metal[index].to(device), masks[index].to(device))
+    kspace = data.kspace_metal[index].to(device)
+    if pick is not None:
+        kspace = torch.where(pick[:, None, None], data.kspace_clean[index].to(device), kspace)
+    under = zero_filled(kspace, masks[index].to(device))
     if mode == "undersampled":
         return under
     positions = torch.arange(len(index)) if positions is None else positions
@@ -111,18 +133,23 @@ def network_inputs(data: SliceSet, index: torch.Tensor, mode: str, masks: torch.
 
 @torch.no_grad()
 def validate(model: torch.nn.Module, data: SliceSet, mode: str, masks: torch.Tensor | None,
-             lambda_ssim: float, batch_size: int, device: torch.device) -> dict[str, float]:
-    """Mean loss and metrics of ``model`` on ``data`` (and of the uncorrected input)."""
+             lambda_ssim: float, batch_size: int, device: torch.device,
+             clean: torch.Tensor | None = None) -> dict[str, float]:
+    """Mean loss and metrics of ``model`` on ``data`` (and of the uncorrected input). With
+    ``clean`` (the do-no-harm recipe) also ``identity_ssim``: the SSIM of the output against the
+    input for the fully sampled clean images, which need no change."""
     model.eval()
     sums: dict[str, float] = {}
     n = len(data)
     for start in range(0, n, batch_size):
         index = torch.arange(start, min(start + batch_size, n))
-        inputs = network_inputs(data, index, mode, masks, device)
+        inputs = network_inputs(data, index, mode, masks, device, clean=clean)
         target = data.target[index].to(device)
         pred = model(inputs)
         batch = {"loss": float(mar_loss(pred, target, lambda_ssim)) * len(index),
                  "input_loss": float(mar_loss(inputs, target, lambda_ssim)) * len(index)}
+        if clean is not None:
+            batch["identity_ssim"] = float(slice_metrics(model(target), target)["ssim"].sum())
         for key, value in slice_metrics(pred, target).items():
             batch[key] = float(value.sum())
         for key, value in slice_metrics(inputs, target).items():
@@ -134,7 +161,7 @@ def validate(model: torch.nn.Module, data: SliceSet, mode: str, masks: torch.Ten
 
 def train_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, train: SliceSet,
                 order: torch.Tensor, masks: torch.Tensor | None, tcfg: MarTrainConfig,
-                device: torch.device, dist: Dist = Dist()) -> float:
+                device: torch.device, dist: Dist = Dist(), clean: torch.Tensor | None = None) -> float:
     """One pass over ``train`` in ``order`` (minibatches of ``tcfg.batch_size``); returns the
     mean training loss. Under ``torchrun`` each rank trains on its share of every global
     minibatch (:func:`~training.distributed.shard`), its loss weighted by that share, so the
@@ -148,7 +175,7 @@ def train_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, train:
             continue  # BatchNorm needs two samples, and every rank one
         positions = shard(torch.arange(len(index)), dist)
         local = index[positions]
-        inputs = network_inputs(train, local, tcfg.input, masks, device, positions)
+        inputs = network_inputs(train, local, tcfg.input, masks, device, positions, clean)
         loss = mar_loss(model(inputs), train.target[local].to(device), tcfg.lambda_ssim)
         optimizer.zero_grad(set_to_none=True)
         (loss * (len(local) * dist.world / len(index))).backward()
@@ -203,6 +230,7 @@ def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str
     net = dist.wrap(model)  # the same module on one process
     val_masks = (draw_masks(len(val), val.n_pe, acq, tcfg.policies, np.random.default_rng(tcfg.seed + 1))
                  if undersampled else None)
+    val_clean = draw_clean(len(val), tcfg.clean_fraction, np.random.default_rng(tcfg.seed + 2))
 
     def metadata(epoch: int, val_metrics: dict[str, float]) -> dict[str, Any]:
         return {
@@ -211,7 +239,7 @@ def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str
             "mar_model": to_dict(config["mar_model"]),
             "mar_train": to_dict(tcfg),
             "acquisition": to_dict(acq),
-            "data": str(data_dir),
+            "data": ",".join(str(d) for d in data_dirs(data_dir)),
             "epoch": epoch,
             "val": val_metrics,
             "best_val": run.best,
@@ -226,9 +254,11 @@ def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str
     for epoch in bar:
         t0 = time.perf_counter()
         masks = draw_masks(len(train), train.n_pe, acq, tcfg.policies, rng) if undersampled else None
+        clean = draw_clean(len(train), tcfg.clean_fraction, rng)
         train_loss = train_epoch(net, optimizer, train, torch.randperm(len(train), generator=shuffle),
-                                 masks, tcfg, device, dist)
-        val_metrics = validate(model, val, tcfg.input, val_masks, tcfg.lambda_ssim, tcfg.batch_size, device)
+                                 masks, tcfg, device, dist, clean)
+        val_metrics = validate(model, val, tcfg.input, val_masks, tcfg.lambda_ssim, tcfg.batch_size, device,
+                               val_clean)
         row = {"epoch": epoch + 1, "train_loss": train_loss, **{f"val_{k}": v for k, v in val_metrics.items()},
                "seconds": time.perf_counter() - t0}
         improved = run.improved(val_metrics, epoch=epoch + 1)
@@ -238,9 +268,11 @@ def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str
         dist.barrier()  # the checkpoint is on disk before any rank goes on
         bar.set_postfix(loss=f"{row['train_loss']:.4f}", val_ssim=f"{val_metrics['ssim']:.4f}")
         if dist.main:
-            log.info("epoch %d: train loss %.4f, val loss %.4f, val SSIM %.4f (input %.4f), PSNR %.2f%s",
+            log.info("epoch %d: train loss %.4f, val loss %.4f, val SSIM %.4f (input %.4f), PSNR %.2f%s%s",
                      epoch + 1, row["train_loss"], val_metrics["loss"], val_metrics["ssim"],
-                     val_metrics["input_ssim"], val_metrics["psnr"], " *best*" if improved else "")
+                     val_metrics["input_ssim"], val_metrics["psnr"],
+                     f", identity SSIM {val_metrics['identity_ssim']:.4f}" if "identity_ssim" in val_metrics else "",
+                     " *best*" if improved else "")
     bar.close()
     run.finish({"mar": model}, metadata(tcfg.epochs, run.best))  # e.g. resumed a finished run into a new path
     return run.best

@@ -54,6 +54,7 @@ from masc_gadget.acquisition.batcher import DecisionBatcher, DecisionRequest, sp
 from masc_gadget.acquisition.episode import AcquisitionState, EpisodeBatch, check_episode, select_trains
 from masc_gadget.acquisition.policies import SamplingPolicy, slice_rng
 from masc_gadget.core.coils import COMBINES, coil_combine
+from masc_gadget.core.ood import fallback_rule
 from masc_gadget.core.served import served_images
 from masc_gadget.device import resolve_device
 
@@ -86,6 +87,7 @@ class _Served(NamedTuple):
     zero_filled: np.ndarray  # (B, n_pe, n_readout) float32
     image: np.ndarray  # (B, n_pe, n_readout) float32
     mar_used: np.ndarray  # (B,) bool
+    ood_score: np.ndarray  # (B,) float32, NaN without an OOD rule
 
 
 def _is_int(value: Any) -> bool:
@@ -118,6 +120,9 @@ class EngineSettings:
     new decision once every line of its train has arrived (or a line nobody asked for)."""
     coil_combine: str = "rss"
     """How the coils' images become one: ``rss`` or ``sensitivity`` (gadget section)."""
+    mar_fallback: str = "auto"
+    """When a slice is served zero-filled instead of MAR-corrected (``gadget.mar_fallback``:
+    ``auto``, ``off`` or a threshold; :func:`masc_gadget.core.ood.fallback_rule`)."""
 
     def __post_init__(self) -> None:
         for name in ("n_pe", "n_readout", "initial", "budget", "seed", "n_coils", "lines_per_decision"):
@@ -162,7 +167,10 @@ class SliceResult:
     policy: str
     """Name of the policy that made the decisions."""
     mar: str
-    """"none", or the MAR checkpoint's file name (and epoch)."""
+    """"none", or the MAR checkpoint's file name (and epoch); for a slice served zero-filled
+    although a network is loaded, why (:data:`NON_FINITE_MAR`, or its OOD score)."""
+    ood_score: float = float("nan")
+    """The MAR image's OOD score (:mod:`masc_gadget.core.ood`; NaN without an OOD rule)."""
 
 
 @dataclass(eq=False)
@@ -219,6 +227,7 @@ class AcquisitionEngine:
         self.mar = None if mar is None else mar.to(self.device).eval()
         self.mar_name = mar_name or ("none" if mar is None else type(mar).__name__)
         self.sees_mar = policy.sees_mar(self.mar is not None)
+        self.ood = fallback_rule(self.mar, settings.mar_fallback)
         """Whether the policy is shown the MAR image (else the zero-filled one)."""
         self._slices: dict[int, _Slice] = {}
         self.batcher = batcher
@@ -280,15 +289,22 @@ class AcquisitionEngine:
         with torch.no_grad():
             zf, corrected = self._forward(kspace, mask, self.mar is not None)
             zf_finite = torch.isfinite(zf.flatten(1)).all(dim=1).cpu().numpy()
-            served = served_images(zf, corrected)
+            served = served_images(zf, corrected, ood=self.ood, mask=torch.from_numpy(mask).to(zf.device),
+                                   mar=self.mar)
         if not zf_finite.all():
             log.error("slice(s) %s: zero-filled image not finite; non-finite pixels set to 0",
                       [k for k, ok in zip(keys, zf_finite) if not ok])
         used = served.mar_used.cpu().numpy()
-        if self.mar is not None and not used.all():
+        scores = served.ood_score.cpu().numpy()
+        flagged = [k for k, ok, sc in zip(keys, used, scores) if not ok and self.ood is not None
+                   and sc > self.ood.threshold]
+        if flagged:
+            log.warning("slice(s) %s: OOD score above %.3g (%s): the zero-filled image is returned as the MAR "
+                        "series", flagged, self.ood.threshold, self.ood.score)
+        if self.mar is not None and not used.all() and len(flagged) < int((~used).sum()):
             log.error("slice(s) %s: MAR image not finite; the zero-filled image is returned",
-                      [k for k, ok in zip(keys, used) if not ok])
-        return _Served(served.zero_filled.cpu().numpy(), served.image.cpu().numpy(), used)
+                      [k for k, ok in zip(keys, used) if not ok and k not in flagged])
+        return _Served(served.zero_filled.cpu().numpy(), served.image.cpu().numpy(), used, scores)
 
     # --- lines ------------------------------------------------------------------------------------
 
@@ -594,13 +610,21 @@ class AcquisitionEngine:
                 lines=b.episode.lines(0),
                 decided=list(b.decided),
                 policy=self.policy_name,
-                mar=self.mar_name if self.mar is None or served.mar_used[i] else NON_FINITE_MAR,
+                mar=self._mar_label(bool(served.mar_used[i]), float(served.ood_score[i])),
+                ood_score=float(served.ood_score[i]),
             )
             for i, (k, b) in enumerate(zip(keys, bufs))
         ]
         for k in keys:
             del self._slices[k]
         return results
+
+    def _mar_label(self, used: bool, score: float) -> str:
+        if self.mar is None or used:
+            return self.mar_name
+        if self.ood is not None and score > self.ood.threshold:
+            return f"none (OOD score {score:.3g} > {self.ood.threshold:.3g}, {self.ood.score})"
+        return NON_FINITE_MAR
 
     def followed(self, slice: int) -> bool:
         """Whether every line of the slice after its first ``initial`` ones is a line the

@@ -38,6 +38,7 @@ from torch import nn
 from masc_gadget import __version__
 from masc_gadget.config import from_dict
 from masc_gadget.device import resolve_device
+from masc_gadget.core.ood import OodCalibration
 from masc_gadget.models.unet import MarModelConfig, MarNet, build_mar
 
 FORMAT = "masc-checkpoint"
@@ -253,6 +254,7 @@ def mar_from_checkpoint(ck: Checkpoint, path: str | Path, device: torch.device) 
         model.load_state_dict(ck.state_dicts["mar"])
     except RuntimeError as err:
         raise ValueError(f"{path}: 'mar' weights do not match mar_model {cfg}: {err}") from None
+    model.ood = OodCalibration.from_metadata(ck.metadata.get("ood"), str(path))
     return model.to(device).eval()
 
 

@@ -20,6 +20,7 @@ import yaml
 
 from masc_gadget.acquisition.episode import AcquisitionConfig
 from masc_gadget.config import QUOTE_CHARS, ConfigError, from_dict, quote
+from masc_gadget.core.ood import check_fallback_setting
 from masc_gadget.mrd.header import parse_xml
 
 __all__ = ["GadgetConfig", "GadgetSettings", "SETTINGS", "parameters_json", "settings_from_json", "settings_from_xml",
@@ -56,13 +57,20 @@ class GadgetConfig:
     connection, because gadgetron_ismrmrd_client aborts on messages it does not expect."""
     zmq_address: str = ""
     """ZeroMQ PUSH address of the side channel (the scanner binds it); "" = off."""
-    return_zero_filled: bool = False
-    """Also return the zero-filled image of each slice, as image series 2."""
+    return_zero_filled: bool = True
+    """Also return the zero-filled image of each slice, as image series 2 (a derived series beside
+    the MAR one, series 1, as scanners return derived images); false: series 1 only."""
+    mar_fallback: str = "auto"
+    """When a slice's MAR image is served zero-filled instead (:mod:`masc_gadget.core.ood`):
+    ``auto`` when its OOD score passes the threshold calibrated for the network on validation
+    data (stored in its checkpoint; a network without one is always used), ``off`` never (the
+    score is still reported), or a number: that threshold."""
     coil_combine: Literal["rss", "sensitivity"] = "rss"
     """How a multi-coil scan's channels become one image before MAR: ``rss`` (root-sum-of-squares)
     or ``sensitivity`` (adaptive combine with sensitivities from the acquired centre lines)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "mar_fallback", check_fallback_setting(self.mar_fallback))
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {quote(self.device)}")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -363,6 +364,8 @@ def _meta(result: SliceResult, zero_filled: bool, pe_offset: int = 0) -> ismrmrd
             meta[key] = [int(v) - pe_offset for v in values]
     meta["MASC.policy"] = _meta_text(result.policy)
     meta["MASC.mar"] = "none (zero-filled)" if zero_filled else _meta_text(result.mar)
+    if not zero_filled and math.isfinite(result.ood_score):
+        meta["MASC.ood_score"] = f"{result.ood_score:.4g}"
     meta["MASC.version"] = _meta_text(__version__)
     meta["DataRole"] = "Image"
     meta["ImageComments"] = "MASC zero-filled" if zero_filled else "MASC MAR-corrected"

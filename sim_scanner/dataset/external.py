@@ -45,7 +45,8 @@ from sim_scanner.physics.artifact2d import Artifact2DConfig, add_implant
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DECODERS", "ImportRefused", "Volume", "builtin_volumes", "read_volumes", "simulate_external"]
+__all__ = ["BUILTIN", "DECODERS", "ImportRefused", "Volume", "assign_splits", "builtin_volumes", "read_volumes",
+           "simulate_external"]
 
 
 @dataclass
@@ -284,26 +285,88 @@ def _is_dicom(path: Path) -> bool:
     return len(head) == 132 and head[128:] == b"DICM"
 
 
-def builtin_volumes() -> list[Volume]:
-    """Real MR images shipped inside installed packages (module docstring); nothing is
-    downloaded. Raises when none is available."""
-    volumes = []
-    try:
-        import pydicom.data
+def _pydicom_volumes() -> list[Volume]:
+    import pydicom.data
 
-        path = Path(pydicom.data.get_testdata_file("MR_small.dcm", download=False) or "")
-        if path.is_file():
-            volumes.append(Volume("pydicom-MR_small", _dicom_files([path], "MR_small").images, "builtin:pydicom"))
-    except ImportError:
-        log.warning("pydicom is not installed: its MR example is not used")
+    path = Path(pydicom.data.get_testdata_file("MR_small.dcm", download=False) or "")
+    return [Volume("pydicom-MR_small", _dicom_files([path], "MR_small").images, "builtin:pydicom")] if path.is_file() else []
+
+
+def _skimage_volumes() -> list[Volume]:
     brain = _local_skimage_brain()
-    if brain is not None:
-        volumes.append(Volume("skimage-brain", brain, "builtin:scikit-image"))
-    else:
+    if brain is None:
         log.info("scikit-image's brain() is not on this machine (scikit-image >= 0.19 fetches it on first use; "
                  "this importer never downloads): not used")
+        return []
+    return [Volume("skimage-brain", brain, "builtin:scikit-image")]
+
+
+def _with_signal(images: np.ndarray, min_fraction: float = 0.15) -> np.ndarray:
+    """The slices of a volume in which at least ``min_fraction`` of the pixels are above 10 % of
+    the volume's 99th percentile (drops the empty slices at a volume's ends)."""
+    level = 0.1 * np.percentile(images, 99)
+    keep = (images > level).mean(axis=(1, 2)) >= min_fraction
+    return images[keep]
+
+
+def _nilearn_volumes() -> list[Volume]:
+    """nilearn's bundled MNI152 2009a T1 template (1 mm), every 3rd axial slice with signal."""
+    import nilearn
+
+    path = Path(nilearn.__file__).parent / "datasets" / "data" / "mni_icbm152_t1_tal_nlin_sym_09a_converted.nii.gz"
+    if not path.is_file():
+        return []
+    images = _with_signal(_nifti(path).images)[::3]
+    return [Volume("nilearn-MNI152-T1", images, "builtin:nilearn")]
+
+
+_DIPY_FILES = {
+    "S0_10slices.nii.gz": "dipy-S0_10slices",  # b0 EPI of a brain, 10 slices
+    "aniso_vox.nii.gz": "dipy-aniso_vox",  # a brain at 4 x 4 x 5 mm (ascm_out_test is its denoised copy)
+    "test_piesno.nii.gz": "dipy-test_piesno",  # diffusion-weighted brain slices
+    "t1_coronal_slice.npy": "dipy-t1_coronal_slice",  # one coronal T1 slice
+}
+
+
+def _dipy_volumes() -> list[Volume]:
+    """The real MR images among dipy's bundled data files (:data:`_DIPY_FILES`)."""
+    import dipy
+
+    root = Path(dipy.__file__).parent / "data" / "files"
+    volumes = []
+    for file, name in _DIPY_FILES.items():
+        path = root / file
+        if not path.is_file():
+            continue
+        images = np.load(path)[None].astype(np.float64) if file.endswith(".npy") else _nifti(path).images
+        volumes.append(Volume(name, _with_signal(images), "builtin:dipy"))
+    return volumes
+
+
+BUILTIN = {"pydicom": _pydicom_volumes, "scikit-image": _skimage_volumes, "nilearn": _nilearn_volumes,
+           "dipy": _dipy_volumes}
+"""Package -> the real MR images it ships (read from the installed package, never downloaded).
+pydicom-data, nibabel's test data and the raw data of twixtools and pypulseq are deliberately
+absent: they are kept for independent checks of models trained on these."""
+
+
+def builtin_volumes(packages: list[str] | None = None) -> list[Volume]:
+    """Real MR images shipped inside installed packages (:data:`BUILTIN`; all of them by
+    default); nothing is downloaded. A package that is not installed is skipped with a warning
+    naming it; ValueError when no image is available."""
+    names = list(BUILTIN) if not packages else packages
+    unknown = [n for n in names if n not in BUILTIN]
+    if unknown:
+        raise ValueError(f"unknown builtin source(s) {', '.join(unknown)}: choose from {', '.join(BUILTIN)}")
+    volumes = []
+    for name in names:
+        try:
+            volumes += BUILTIN[name]()
+        except ImportError:
+            log.warning("%s is not installed: its MR images are not used (pip install %s)", name, name)
     if not volumes:
-        raise ValueError("no builtin real MR image is available: install pydicom, or pass --source FILE|DIR")
+        raise ValueError(f"no builtin real MR image is available from {', '.join(names)}: pip install "
+                         "pydicom nilearn dipy, or pass --source FILE|DIR")
     return volumes
 
 
@@ -348,15 +411,37 @@ def _fft2c(image: np.ndarray) -> np.ndarray:
     return fft2c(torch.from_numpy(image)).numpy()
 
 
+def assign_splits(volumes: list[Volume], train: list[str] = (), val: list[str] = ()) -> list[str]:
+    """The split of each volume: ``train`` / ``val`` name volumes (exactly, or by a prefix such as
+    ``dipy``); every other volume is ``test``. A volume is one subject, so a split never divides
+    a volume's slices. ValueError for a name that matches no volume or both lists."""
+    splits = ["test"] * len(volumes)
+    for split, names in (("train", train), ("val", val)):
+        for name in names:
+            hits = [i for i, v in enumerate(volumes) if v.name == name or v.name.startswith(name)]
+            if not hits:
+                raise ValueError(f"--{split} {name!r} matches no volume; the volumes are: "
+                                 f"{', '.join(v.name for v in volumes)}")
+            for i in hits:
+                if splits[i] != "test" and splits[i] != split:
+                    raise ValueError(f"volume {volumes[i].name!r} is named for both train and val")
+                splits[i] = split
+    return splits
+
+
 def simulate_external(config: Config, volumes: list[Volume], out: str | Path, draws: int = 1,
-                      progress: bool = True) -> dict:
-    """Write the paired dataset of ``volumes`` to ``out`` (all in the test split): each volume's
-    slices (``draws`` implant draws per slice) through the 2D artifact model of section
-    ``artifact2d``, at ``sequence.matrix``. Returns the manifest."""
+                      progress: bool = True, splits: list[str] | None = None) -> dict:
+    """Write the paired dataset of ``volumes`` to ``out``: each volume's slices (``draws``
+    implant draws per slice) through the 2D artifact model of section ``artifact2d``, at
+    ``sequence.matrix``. Each volume is one subject, in the split ``splits[i]`` (default: all
+    in test, a held-out set; :func:`assign_splits`). Returns the manifest."""
     from tqdm.auto import tqdm
 
     if draws < 1:
         raise ValueError(f"draws must be >= 1, got {draws}")
+    splits = ["test"] * len(volumes) if splits is None else list(splits)
+    if len(splits) != len(volumes) or not set(splits) <= {"train", "val", "test"}:
+        raise ValueError(f"splits must give train, val or test for each of the {len(volumes)} volumes, got {splits}")
     acfg: Artifact2DConfig = config["artifact2d"]
     seq = config["sequence"]
     matrix = tuple(seq.matrix)
@@ -365,11 +450,13 @@ def simulate_external(config: Config, volumes: list[Volume], out: str | Path, dr
     out = Path(out)
     prepare_folder(out)
     ids = [subject_id(i) for i in range(len(volumes))]
-    manifest = write_manifest(out, config, {"train": [], "val": [], "test": ids})
-    manifest_extra = {"external": [{"subject": sid, "name": v.name, "source": v.source, "slices": len(v.images)}
-                                   for sid, v in zip(ids, volumes)]}
+    manifest = write_manifest(out, config, {name: [sid for sid, s in zip(ids, splits) if s == name]
+                                            for name in ("train", "val", "test")})
+    manifest_extra = {"external": [{"subject": sid, "name": v.name, "source": v.source, "slices": len(v.images),
+                                    "split": split} for sid, v, split in zip(ids, volumes, splits)]}
     rng = np.random.default_rng(config["dataset"].seed)
-    for sid, volume in tqdm(list(zip(ids, volumes)), desc="external", unit="volume", disable=not progress):
+    for sid, volume, split in tqdm(list(zip(ids, volumes, splits)), desc="external", unit="volume",
+                                   disable=not progress):
         clean, metal, implant, field, draws_meta = [], [], [], [], []
         for image in volume.images:
             base = prepare_slice(image, matrix)
@@ -396,7 +483,7 @@ def simulate_external(config: Config, volumes: list[Volume], out: str | Path, dr
             implant={"model": "artifact2d", "draws": draws_meta, "config": to_dict(acfg)},
             scanner={"sequence": {"n_slices": n, "b0_t": acfg.b0_t, "readout_bw_hz_per_px": acfg.readout_bw_hz_per_px}},
         )
-        write_subject(data, subject_file(out, "test", sid), config, "test")
+        write_subject(data, subject_file(out, split, sid), config, split)
     manifest.update(manifest_extra)
     (out / "external.json").write_text(json.dumps(manifest_extra, indent=1) + "\n")
     log.info("external dataset %s: %d volumes, %d slices", out, len(volumes),

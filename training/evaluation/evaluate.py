@@ -22,6 +22,7 @@ from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
 from masc_gadget.core.kspace import zero_filled
 from masc_gadget.core.metrics import METRICS, slice_metrics
+from masc_gadget.core.ood import OodCalibration, fallback_rule
 from masc_gadget.core.served import served_images
 from masc_gadget.acquisition.policies import FixedOrder, SamplingPolicy, make_policy, slice_rng
 from training.data import SliceSet, load_split, spread_subset
@@ -94,7 +95,8 @@ class Trajectories:
 
 def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: int, budget: int,
                mar: torch.nn.Module | None, seed: int, batch_size: int, device: torch.device,
-               example_index: list[int] = (), progress: bool = False, lines_per_decision: int = 1) -> Trajectories:
+               example_index: list[int] = (), progress: bool = False, lines_per_decision: int = 1,
+               ood: OodCalibration | None = None) -> Trajectories:
     """Run ``policy`` on every slice (batched), scoring the served zero-filled and MAR images
     (:func:`masc_gadget.core.served.served_images`, the gadget's pixels) after the initial lines
     and after each line. The policy observes what it observes in the gadget: the unclamped
@@ -104,7 +106,9 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
     target, under ``mar`` when given, one line at a time. ``progress``: a bar over the slices
     (the oracle is slow). ``lines_per_decision`` k > 1: the policy chooses echo trains of k
     lines from the image before each train (:func:`select_trains`); the curves still have one
-    point per line."""
+    point per line. ``ood``: the gadget's rule for serving a slice zero-filled when its MAR
+    image's OOD score is too high (:func:`masc_gadget.core.ood.fallback_rule`), applied to the
+    scored MAR images as the gadget applies it."""
     from tqdm.auto import tqdm
 
     n, n_pe = len(data), data.n_pe
@@ -125,7 +129,8 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
             images = {False: zero_filled(kspace, episodes.mask)}  # what a policy observes
             if mar is not None:
                 images[True] = mar(images[False])
-            served = served_images(images[False], images.get(True))  # what the gadget returns
+            served = served_images(images[False], images.get(True), ood=ood, mask=episodes.mask,
+                                   mar=mar)  # what the gadget returns
             scored = {False: served.zero_filled, True: served.image}
             for m in settings:
                 for key, value in slice_metrics(scored[m], target).items():
@@ -323,7 +328,8 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
             policy = population[acc] if method == POPULATION else policies[method]
             traj = run_method(policy, data, initial, budget, method_mar[method], ecfg.seed, ecfg.batch_size,
                               device, examples, progress=progress and isinstance(policy, GreedyOracle),
-                              lines_per_decision=config["acquisition"].lines_per_decision)
+                              lines_per_decision=config["acquisition"].lines_per_decision,
+                              ood=fallback_rule(method_mar[method], config["gadget"].mar_fallback))
             block = results["accelerations"].setdefault(acc, {
                 "initial": initial, "budget": budget, "n_pe": data.n_pe,
                 "lines_per_decision": config["acquisition"].lines_per_decision,

@@ -138,7 +138,8 @@ def test_lines_beyond_the_header_slice_limit_are_rejected_inside_gadgetron_too(s
     stats = process(iter(stream), parsed, GadgetSettings(device="cpu"), sent.append, on_error=errors.append,
                     cache=ModelCache())
     assert stats["rejected"] == 1 and f"slice {n_slices + 100}" in errors[0] and "slice limit" in errors[0]
-    assert [im.slice for im in sent if isinstance(im, ismrmrd.Image)] == [0]
+    # the slice's MAR series and its zero-filled series
+    assert [(im.slice, im.image_series_index) for im in sent if isinstance(im, ismrmrd.Image)] == [(0, 1), (0, 2)]
 
 
 def test_message_1028_feedback_is_refused_through_gadgetron():

@@ -76,7 +76,8 @@ def _drain(stream, timeout=10.0):
         except ConnectionClosed:
             break
         if msg.id == ID_IMAGE:
-            images[msg.payload.slice] = msg.payload
+            if msg.payload.image_series_index == 1:  # the MAR series (2: zero-filled)
+                images[msg.payload.slice] = msg.payload
         elif msg.id == ID_TEXT:
             texts.append(msg.payload)
         elif msg.id == ID_ACQUISITION and is_feedback(msg.payload):
@@ -104,7 +105,8 @@ def closed_loop(port, header, acqs, params, config_name="default"):
         while len(lines[s]) < N_LINES:
             msg = stream.read_message()
             if msg.id == ID_IMAGE:
-                images[msg.payload.slice] = msg.payload
+                if msg.payload.image_series_index == 1:  # the MAR series (2: zero-filled)
+                    images[msg.payload.slice] = msg.payload
                 continue
             if msg.id == ID_TEXT:
                 texts.append(msg.payload)

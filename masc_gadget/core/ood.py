@@ -1,0 +1,147 @@
+"""Out-of-distribution scores of a MAR image: how far the network is from what it was trained for.
+
+A MAR network meets anatomy, contrasts and artifacts it never saw. Each score below is computed
+per slice from what the gadget has at the end of a scan (the zero-filled image of the acquired
+lines, the network's output, the line mask), is 0 for an untouched image and grows with how
+much, or how inconsistently, the network changed it:
+
+``consistency``
+    The network's output, sent back through the scan's own sampling (centred 2D FFT, the
+    acquired lines only, inverse FFT, magnitude), against the zero-filled image it came from:
+    ``||ZF_M(F g) - ZF|| / ||ZF||``. A correction that stays with the acquired data scores low;
+    one that invents structure the acquired lines do not contain scores high. No extra network
+    pass.
+``residual``
+    The relative size of the correction, ``||g - ZF|| / ||ZF||``. No extra network pass.
+``flip``
+    Test-time augmentation: the output for the readout-mirrored input, mirrored back, against the
+    output, ``||g - flip(g(flip ZF))|| / ||g||``. Mirroring along the readout leaves the line mask
+    unchanged, so a network on familiar ground answers alike; one pass more.
+
+Which score the gadget uses, and the threshold above which it returns the zero-filled image
+instead, are chosen on a validation split by ``masc mar-check`` and stored in the MAR
+checkpoint (metadata ``ood``); see :func:`masc_gadget.core.served.served_images`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from masc_gadget.core.kspace import fft2c, zero_filled
+
+__all__ = ["SCORES", "OodCalibration", "calibration_of", "consistency_score", "fallback_rule", "flip_score",
+           "ood_score", "residual_score"]
+
+SCORES = ("consistency", "residual", "flip")
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    num = (a - b).flatten(1).norm(dim=1)
+    den = ref.flatten(1).norm(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+    return (num / den).float()
+
+
+def consistency_score(zero_filled_image: torch.Tensor, corrected: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) ``||ZF_M(F g) - ZF|| / ||ZF||`` (module docstring); images (B, H, W) real, mask
+    (B, H) bool over the phase-encoding rows."""
+    resampled = zero_filled(fft2c(corrected.to(torch.complex64)), mask)
+    return _relative(resampled, zero_filled_image, zero_filled_image)
+
+
+def residual_score(zero_filled_image: torch.Tensor, corrected: torch.Tensor) -> torch.Tensor:
+    """(B,) ``||g - ZF|| / ||ZF||``."""
+    return _relative(corrected, zero_filled_image, zero_filled_image)
+
+
+@torch.no_grad()
+def flip_score(mar: Callable[[torch.Tensor], torch.Tensor], zero_filled_image: torch.Tensor,
+               corrected: torch.Tensor) -> torch.Tensor:
+    """(B,) ``||g - flip(g(flip ZF))|| / ||g||`` with ``flip`` along the readout (last) axis."""
+    mirrored = mar(zero_filled_image.flip(-1)).flip(-1)
+    return _relative(corrected, mirrored, corrected)
+
+
+def ood_score(kind: str, zero_filled_image: torch.Tensor, corrected: torch.Tensor, mask: torch.Tensor,
+              mar: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """(B,) the score ``kind`` (one of :data:`SCORES`) of B slices, float32; non-finite
+    outputs score +inf."""
+    if kind == "consistency":
+        score = consistency_score(zero_filled_image, corrected, mask)
+    elif kind == "residual":
+        score = residual_score(zero_filled_image, corrected)
+    elif kind == "flip":
+        if mar is None:
+            raise ValueError("the flip score needs the MAR network")
+        score = flip_score(mar, zero_filled_image, corrected)
+    else:
+        raise ValueError(f"unknown OOD score {kind!r}: choose from {', '.join(SCORES)}")
+    return torch.where(torch.isfinite(score), score, torch.full_like(score, float("inf")))
+
+
+@dataclass(frozen=True)
+class OodCalibration:
+    """Which score a MAR network is judged by, and the threshold above which its slice is served
+    zero-filled (``inf``: scored, never replaced)."""
+
+    score: str
+    threshold: float
+
+    def __post_init__(self) -> None:
+        if self.score not in SCORES:
+            raise ValueError(f"unknown OOD score {self.score!r}: choose from {', '.join(SCORES)}")
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not self.threshold > 0:
+            raise ValueError(f"the OOD threshold must be a number > 0, got {self.threshold!r}")
+
+    @classmethod
+    def from_metadata(cls, section: Any, where: str) -> OodCalibration | None:
+        """The calibration stored in a checkpoint's metadata (``ood``: {score, threshold}), or
+        None when there is none; ValueError naming ``where`` when it is malformed."""
+        if section is None:
+            return None
+        try:
+            return cls(str(section["score"]), float(section["threshold"]))
+        except (TypeError, KeyError, ValueError) as err:
+            raise ValueError(f"{where}: metadata 'ood' must be {{score, threshold}}: {err}") from None
+
+
+def calibration_of(mar: Any) -> OodCalibration | None:
+    """The calibration a loaded MAR network carries (attribute ``ood``, set by the checkpoint
+    loader), or None."""
+    found = getattr(mar, "ood", None)
+    return found if isinstance(found, OodCalibration) else None
+
+
+def fallback_rule(mar: Any, setting: str) -> OodCalibration | None:
+    """The rule a gadget serves ``mar``'s images by, from the ``gadget.mar_fallback`` setting:
+    ``auto`` the network's own calibration (None without one: always its image); ``off`` scored
+    by its calibration's score but never replaced; a number, that threshold on the calibration's
+    score (``consistency`` for a network without one)."""
+    if mar is None:
+        return None
+    calibration = calibration_of(mar)
+    if setting == "auto":
+        return calibration
+    kind = calibration.score if calibration is not None else "consistency"
+    if setting == "off":
+        return OodCalibration(kind, math.inf) if calibration is not None else None
+    return OodCalibration(kind, float(setting))
+
+
+def check_fallback_setting(value: Any) -> str:
+    """``value`` as a valid ``gadget.mar_fallback`` (``auto``, ``off`` or a number > 0, as text);
+    ValueError otherwise."""
+    text = str(value).strip().lower()
+    if text in ("auto", "off"):
+        return text
+    try:
+        number = float(text)
+    except ValueError:
+        number = math.nan
+    if not (number > 0 and math.isfinite(number)):
+        raise ValueError(f"mar_fallback must be auto, off or a threshold > 0, got {str(value)[:40]!r}")
+    return repr(number)

@@ -1,0 +1,263 @@
+"""``masc mar-check``: does a MAR network do no harm, and does its OOD score know when it does?
+
+For every slice of a split, per dataset folder and per MAR network:
+
+* **identity**: the network's output for the fully sampled *clean* image (no implant, every
+  line), against that image. An image that needs no correction should come back unchanged
+  (target SSIM >= 0.98);
+* **correction**: the zero-filled image of the lines a fixed policy acquires (``center-out`` by
+  default, 2 + 11 of 128 lines on the small config) from the metal k-space, and the network's
+  served image of it (:func:`~masc_gadget.core.served.served_images`), both against the clean
+  fully sampled image; paired tests over subjects (a real volume is one subject);
+* **OOD scores** (:mod:`masc_gadget.core.ood`) of each corrected slice, and how well each
+  separates the slices the network harmed (served SSIM below the zero-filled one) from those it
+  helped: the ROC and its area.
+
+``--calibrate`` (on the validation split) picks the score with the largest pooled area and the
+threshold that maximises the mean served SSIM when slices scoring above it are served
+zero-filled, and writes them to ``OUT/ood.json`` for ``masc export --ood``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from masc_gadget.acquisition.policies import make_policy, run_episode
+from masc_gadget.core.kspace import zero_filled
+from masc_gadget.core.metrics import slice_metrics
+from masc_gadget.core.ood import SCORES, ood_score
+from masc_gadget.core.served import served_images
+from training.data import SliceSet, data_dirs, load_split
+from training.evaluation.stats import mean_std, subject_tests
+
+log = logging.getLogger(__name__)
+
+__all__ = ["calibrate", "mar_check", "roc", "slice_rows"]
+
+
+def policy_masks(name: str, n: int, n_pe: int, initial: int, budget: int) -> torch.Tensor:
+    """(n, n_pe) bool: the lines ``name`` acquires on each of n slices (seeded per slice)."""
+    policy = make_policy(name)
+    masks = torch.zeros(n, n_pe, dtype=torch.bool)
+    for i in range(n):
+        masks[i, torch.as_tensor(run_episode(policy, n_pe, initial, budget, np.random.default_rng(i)))] = True
+    return masks
+
+
+@torch.no_grad()
+def slice_rows(mar: torch.nn.Module, data: SliceSet, masks: torch.Tensor, batch_size: int = 32) -> dict[str, np.ndarray]:
+    """Per-slice metrics of ``mar`` on ``data`` under line ``masks`` (module docstring)."""
+    out: dict[str, list[np.ndarray]] = {}
+
+    def add(key: str, value: torch.Tensor) -> None:
+        out.setdefault(key, []).append(value.detach().cpu().double().numpy())
+
+    for start in range(0, len(data), batch_size):
+        index = torch.arange(start, min(start + batch_size, len(data)))
+        target = data.target[index]
+        identity = mar(target)
+        for key, value in slice_metrics(identity, target).items():
+            add(f"identity_{key}", value)
+        zf = zero_filled(data.kspace_metal[index], masks[index])
+        corrected = mar(zf)
+        served = served_images(zf, corrected)
+        for name, image in (("zf", served.zero_filled), ("mar", served.image)):
+            for key, value in slice_metrics(image, target).items():
+                if key in ("ssim", "psnr", "nmse"):
+                    add(f"{name}_{key}", value)
+        for kind in SCORES:
+            add(f"score_{kind}", ood_score(kind, zf, corrected, masks[index], mar))
+    return {key: np.concatenate(values) for key, values in out.items()}
+
+
+def roc(scores: np.ndarray, harmed: np.ndarray) -> dict[str, Any]:
+    """ROC of ``scores`` as a detector of ``harmed`` (higher score = more likely harmed):
+    false / true positive rates over every threshold, and the area (Mann-Whitney U / n_pos n_neg,
+    ties counted half). NaN area when one class is empty."""
+    scores = np.asarray(scores, dtype=np.float64)
+    harmed = np.asarray(harmed, dtype=bool)
+    n_pos, n_neg = int(harmed.sum()), int((~harmed).sum())
+    if n_pos == 0 or n_neg == 0:
+        return {"auc": math.nan, "fpr": [], "tpr": [], "n_harmed": n_pos, "n_helped": n_neg}
+    thresholds = np.unique(scores)[::-1]
+    tpr = [0.0] + [float((scores[harmed] >= t).mean()) for t in thresholds]
+    fpr = [0.0] + [float((scores[~harmed] >= t).mean()) for t in thresholds]
+    pos, neg = scores[harmed][:, None], scores[~harmed][None, :]
+    auc = float(((pos > neg).sum() + 0.5 * (pos == neg).sum()) / (n_pos * n_neg))
+    return {"auc": auc, "fpr": fpr, "tpr": tpr, "n_harmed": n_pos, "n_helped": n_neg}
+
+
+def fallback_ssim(rows: dict[str, np.ndarray], kind: str, threshold: float) -> np.ndarray:
+    """Per-slice served SSIM when slices whose score exceeds ``threshold`` are served zero-filled."""
+    above = rows[f"score_{kind}"] > threshold
+    return np.where(above, rows["zf_ssim"], rows["mar_ssim"])
+
+
+def calibrate(rows: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The score with the largest ROC area on ``rows`` (pooled validation slices) and the
+    threshold maximising the mean served SSIM with the zero-filled fallback (ties: the highest
+    threshold, i.e. the fewest fallbacks)."""
+    harmed = rows["mar_ssim"] < rows["zf_ssim"]
+    areas = {kind: roc(rows[f"score_{kind}"], harmed)["auc"] for kind in SCORES}
+    kind = max(SCORES, key=lambda k: -1.0 if math.isnan(areas[k]) else areas[k])
+    candidates = np.unique(np.concatenate([rows[f"score_{kind}"], [np.inf]]))
+    means = np.array([fallback_ssim(rows, kind, t).mean() for t in candidates])
+    best = candidates[np.flatnonzero(means >= means.max() - 1e-12)[-1]]
+    if np.isfinite(best):  # midway to the next score above, so it does not sit on a slice
+        above = candidates[candidates > best]
+        best = float((best + above[0]) / 2) if len(above) and np.isfinite(above[0]) else float(best)
+    return {"score": kind, "threshold": float(best), "auc": {k: float(v) for k, v in areas.items()},
+            "val_served_ssim": float(fallback_ssim(rows, kind, best).mean()),
+            "val_mar_ssim": float(rows["mar_ssim"].mean()), "val_zf_ssim": float(rows["zf_ssim"].mean()),
+            "fallback_fraction": float((rows[f"score_{kind}"] > best).mean()), "n_slices": int(len(harmed))}
+
+
+def _summary(rows: dict[str, np.ndarray], subjects: list[str], reference: dict[str, np.ndarray] | None,
+             ood: dict[str, Any] | None) -> dict[str, Any]:
+    harmed = rows["mar_ssim"] < rows["zf_ssim"]
+    summary: dict[str, Any] = {
+        "n_slices": int(len(subjects)), "n_subjects": len(set(subjects)),
+        **{key: mean_std(rows[key]) for key in ("identity_ssim", "identity_psnr", "zf_ssim", "mar_ssim",
+                                                 "zf_psnr", "mar_psnr")},
+        "mar_vs_zf_ssim": subject_tests(rows["mar_ssim"], rows["zf_ssim"], subjects),
+        "mar_vs_zf_psnr": subject_tests(rows["mar_psnr"], rows["zf_psnr"], subjects),
+        "harmed_fraction": float(harmed.mean()),
+        "roc": {kind: roc(rows[f"score_{kind}"], harmed) for kind in SCORES},
+    }
+    if ood is not None:
+        served = fallback_ssim(rows, ood["score"], ood["threshold"])
+        summary["fallback"] = {"score": ood["score"], "threshold": ood["threshold"],
+                               "fraction": float((rows[f"score_{ood['score']}"] > ood["threshold"]).mean()),
+                               "ssim": mean_std(served),
+                               "vs_zf_ssim": subject_tests(served, rows["zf_ssim"], subjects),
+                               "vs_mar_ssim": subject_tests(served, rows["mar_ssim"], subjects)}
+    if reference is not None:
+        summary["vs_reference_ssim"] = subject_tests(rows["mar_ssim"], reference["mar_ssim"], subjects)
+        summary["vs_reference_psnr"] = subject_tests(rows["mar_psnr"], reference["mar_psnr"], subjects)
+    return summary
+
+
+def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: str, initial: int, budget: int,
+              out: str | Path, policy: str = "center-out", reference: str | None = None,
+              ood: dict[str, dict[str, Any]] | None = None, do_calibrate: bool = False,
+              batch_size: int = 32) -> dict[str, Any]:
+    """Run the check of every network in ``mars`` (name -> MarNet) on ``split`` of each folder of
+    ``data``; ``reference`` names the network the others are compared with; ``ood`` gives each
+    network's stored calibration (name -> {score, threshold}). Writes ``OUT/results.json``,
+    ``OUT/report.md``, ``OUT/roc.png`` (and ``OUT/ood.json`` with ``do_calibrate``)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"split": split, "policy": policy, "lines": [initial, budget], "folders": {}}
+    pooled: dict[str, dict[str, list[np.ndarray]]] = {name: {} for name in mars}
+    per_folder_rows: dict[str, dict[str, dict[str, np.ndarray]]] = {}
+    subjects_of: dict[str, list[str]] = {}
+    for folder in data_dirs(data):
+        sliceset = load_split(folder, split)
+        masks = policy_masks(policy, len(sliceset), sliceset.n_pe, initial, budget)
+        subjects_of[folder.name] = list(sliceset.subjects)
+        per_folder_rows[folder.name] = {}
+        for name, mar in mars.items():
+            log.info("mar-check: %s on %s/%s (%d slices)", name, folder, split, len(sliceset))
+            rows = slice_rows(mar, sliceset, masks, batch_size)
+            per_folder_rows[folder.name][name] = rows
+            for key, value in rows.items():
+                pooled[name].setdefault(key, []).append(value)
+    calibration = None
+    if do_calibrate:
+        calibration = {name: calibrate({k: np.concatenate(v) for k, v in pooled[name].items()}) for name in mars}
+        (out / "ood.json").write_text(json.dumps(calibration, indent=1) + "\n")
+        ood = {**(ood or {}), **calibration}
+    for folder, by_name in per_folder_rows.items():
+        subjects = subjects_of[folder]
+        ref_rows = by_name.get(reference) if reference else None
+        results["folders"][folder] = {
+            name: {"summary": _summary(rows, subjects, ref_rows if name != reference else None,
+                                       (ood or {}).get(name)),
+                   "slices": {"subject": subjects, **{k: v.tolist() for k, v in rows.items()}}}
+            for name, rows in by_name.items()}
+    if calibration is not None:
+        results["calibration"] = calibration
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "report.md").write_text(render_report(results))
+    roc_figure(results, out / "roc.png")
+    return results
+
+
+def _f(value: float, digits: int = 3) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
+
+
+def _p(value: float) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:.1e}" if value < 1e-3 else f"{value:.3f}"
+
+
+def render_report(results: dict[str, Any]) -> str:
+    """The markdown report of :func:`mar_check`."""
+    lines = [f"# MAR check: {results['split']} split, {results['policy']} lines ({results['lines'][0]} + "
+             f"{results['lines'][1]})", "",
+             "Identity: SSIM of the output for the fully sampled clean image against that image. Zero-filled and "
+             "MAR: against the clean fully sampled image. p: paired t-test over subjects (volumes).", ""]
+    for folder, by_name in results["folders"].items():
+        lines += [f"## {folder}", "",
+                  "| MAR network | subjects / slices | identity SSIM | zero-filled SSIM | MAR SSIM | dSSIM (p) | "
+                  "dPSNR dB (p) | harmed | AUC consistency / residual / flip | with fallback SSIM (served zero-filled) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for name, entry in by_name.items():
+            s = entry["summary"]
+            ts, tp = s["mar_vs_zf_ssim"], s["mar_vs_zf_psnr"]
+            aucs = " / ".join(_f(s["roc"][k]["auc"], 2) for k in SCORES)
+            fb = s.get("fallback")
+            fallback = f"{_f(fb['ssim']['mean'])} ({100 * fb['fraction']:.0f} %)" if fb else "-"
+            lines.append(f"| {name} | {s['n_subjects']} / {s['n_slices']} | {_f(s['identity_ssim']['mean'])} | "
+                         f"{_f(s['zf_ssim']['mean'])} | {_f(s['mar_ssim']['mean'])} | {ts['diff']:+.3f} "
+                         f"({_p(ts['p_ttest'])}) | {tp['diff']:+.2f} ({_p(tp['p_ttest'])}) | "
+                         f"{100 * s['harmed_fraction']:.0f} % | {aucs} | {fallback} |")
+        refs = [(n, e["summary"]) for n, e in by_name.items() if "vs_reference_ssim" in e["summary"]]
+        if refs:
+            lines += ["", "Against the reference network (same lines, served images):", ""]
+            for name, s in refs:
+                r, q = s["vs_reference_ssim"], s["vs_reference_psnr"]
+                lines.append(f"- {name}: dSSIM {r['diff']:+.4f} (p {_p(r['p_ttest'])}), dPSNR {q['diff']:+.2f} dB "
+                             f"(p {_p(q['p_ttest'])}) over {r['n_subjects']} subjects")
+        lines.append("")
+    if "calibration" in results:
+        lines += ["## Calibration (pooled over the folders)", ""]
+        for name, c in results["calibration"].items():
+            lines.append(f"- {name}: score `{c['score']}` (AUC {', '.join(f'{k} {v:.3f}' for k, v in c['auc'].items())}), "
+                         f"threshold {c['threshold']:.4g}: {100 * c['fallback_fraction']:.0f} % of slices served "
+                         f"zero-filled, mean served SSIM {c['val_served_ssim']:.4f} (MAR always "
+                         f"{c['val_mar_ssim']:.4f}, zero-filled always {c['val_zf_ssim']:.4f})")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def roc_figure(results: dict[str, Any], path: Path) -> None:
+    """ROC curves of the OOD scores (one panel per folder, a line per network and score)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folders = list(results["folders"])
+    fig, axes = plt.subplots(1, len(folders), figsize=(4.2 * len(folders), 4), squeeze=False)
+    styles = {"consistency": "-", "residual": "--", "flip": ":"}
+    for ax, folder in zip(axes[0], folders):
+        for i, (name, entry) in enumerate(results["folders"][folder].items()):
+            for kind in SCORES:
+                r = entry["summary"]["roc"][kind]
+                if r["fpr"]:
+                    ax.plot(r["fpr"], r["tpr"], styles[kind], color=f"C{i}", label=f"{name} {kind} ({r['auc']:.2f})")
+        ax.plot([0, 1], [0, 1], color="0.7", lw=0.8)
+        ax.set(title=f"{folder}: harmed vs helped slices", xlabel="false positive rate (helped slices flagged)",
+               ylabel="true positive rate (harmed slices flagged)", xlim=(0, 1), ylim=(0, 1))
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
