@@ -3,6 +3,7 @@ conserves signal away from the implant and moves it near it; the written set loa
 
 import numpy as np
 import pytest
+import torch
 
 from masc_gadget.config import load_config
 from sim_scanner.dataset.external import Volume, prepare_slice, read_volumes, simulate_external
@@ -227,3 +228,38 @@ def test_nifti_volumes_import(tmp_path):
     assert volume.name == "head" and volume.source == "nifti" and volume.images.shape == (4, 20, 20)
     np.testing.assert_allclose(volume.images[2], _phantom(n=20, seed=2), rtol=1e-6)
     assert [v.name for v in read_volumes(tmp_path)] == ["head"]
+
+
+def test_volumes_go_to_the_named_splits_whole_and_several_folders_load_as_one(tmp_path, tiny_dataset):
+    from sim_scanner.dataset.external import assign_splits
+
+    config = load_config(CONFIGS / "tiny.yaml")
+    volumes = [Volume(name, np.stack([_phantom(40, s + i) for s in range(n)]), "test")
+               for i, (name, n) in enumerate((("dipy-a", 2), ("dipy-b", 1), ("nilearn-c", 3)))]
+    splits = assign_splits(volumes, train=["nilearn"], val=["dipy-b"])
+    assert splits == ["test", "val", "train"]
+    manifest = simulate_external(config, volumes, tmp_path / "real", progress=False, splits=splits)
+    assert manifest["splits"] == {"train": ["sub-0002"], "val": ["sub-0001"], "test": ["sub-0000"]}
+    assert [v["split"] for v in manifest["external"]] == splits
+    both = load_split(f"{tiny_dataset},{tmp_path / 'real'}", "train")
+    hip = load_split(tiny_dataset, "train")
+    assert len(both) == len(hip) + 3
+    assert both.subjects[-1] == "real/sub-0002" and both.subjects[0].startswith(f"{tiny_dataset.name}/")
+    assert torch.equal(both.target[: len(hip)], hip.target)
+    with pytest.raises(ValueError, match="--val 'nope' matches no volume; the volumes are: dipy-a, dipy-b, nilearn-c"):
+        assign_splits(volumes, val=["nope"])
+    with pytest.raises(ValueError, match="named for both train and val"):
+        assign_splits(volumes, train=["dipy"], val=["dipy-b"])
+    simulate_external(config, volumes[:1], tmp_path / "only-train", progress=False, splits=["train"])
+    with pytest.raises(ValueError, match="no subject of split 'val' in"):
+        load_split([tmp_path / "only-train", tmp_path / "only-train"], "val")
+
+
+def test_builtin_sources_are_named_and_an_unknown_one_is_refused():
+    from sim_scanner.dataset.external import BUILTIN, builtin_volumes
+
+    assert set(BUILTIN) == {"pydicom", "scikit-image", "nilearn", "dipy"}
+    with pytest.raises(ValueError, match="unknown builtin source\\(s\\) pydicom-data: choose from pydicom"):
+        builtin_volumes(["pydicom-data"])
+    volumes = builtin_volumes(["pydicom"])
+    assert [v.name for v in volumes] == ["pydicom-MR_small"] and volumes[0].images.shape == (1, 64, 64)

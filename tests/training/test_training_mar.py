@@ -72,3 +72,27 @@ def test_loss_is_scale_invariant_and_zero_at_target():
 def test_config_rejects_unknown_policy():
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         MarTrainConfig(policies=("nope",))
+
+
+def test_clean_inputs_are_the_clean_images_and_training_reports_how_unchanged_they_stay(tiny_dataset, tmp_path):
+    from masc_gadget.core.kspace import zero_filled
+    from training.data import load_split
+    from training.mar import draw_clean, network_inputs
+
+    data = load_split(tiny_dataset, "val")
+    index = torch.arange(len(data))
+    masks = torch.zeros(len(data), data.n_pe, dtype=torch.bool)
+    masks[:, : data.n_pe // 2] = True
+    every = torch.ones(len(data), dtype=torch.bool)
+    assert torch.equal(network_inputs(data, index, "full", None, torch.device("cpu"), clean=every), data.target)
+    under = network_inputs(data, index, "undersampled", masks, torch.device("cpu"), clean=every)
+    assert torch.equal(under, zero_filled(data.kspace_clean, masks))
+    assert torch.equal(network_inputs(data, index, "full", None, torch.device("cpu"), clean=~every), data.metal_image)
+    assert draw_clean(5, 0.0, np.random.default_rng(0)) is None  # no draw: earlier recipes keep their streams
+    assert draw_clean(1000, 0.25, np.random.default_rng(0)).float().mean() == pytest.approx(0.25, abs=0.05)
+    best = train_mar(_config("mar_train.epochs=2", "mar_train.clean_fraction=0.5"),
+                     f"{tiny_dataset},{tiny_dataset}", tmp_path / "c.pt", progress=False)
+    assert 0.5 < best["identity_ssim"] <= 1.0
+    assert load_mar(tmp_path / "c.pt")[1]["data"] == f"{tiny_dataset},{tiny_dataset}"
+    with pytest.raises(ValueError, match="clean_fraction must be in \\[0, 1\\], got 1.5"):
+        MarTrainConfig(clean_fraction=1.5)

@@ -257,7 +257,10 @@ def roc_figure(results: dict[str, Any], path: Path) -> None:
         ax.plot([0, 1], [0, 1], color="0.7", lw=0.8)
         ax.set(title=f"{folder}: harmed vs helped slices", xlabel="false positive rate (helped slices flagged)",
                ylabel="true positive rate (harmed slices flagged)", xlim=(0, 1), ylim=(0, 1))
-        ax.legend(fontsize=7, loc="lower right")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="lower right")
+        else:  # one class only (e.g. no slice harmed): no curve to draw
+            ax.text(0.5, 0.5, "no slice harmed\nor none helped", ha="center", va="center", color="0.4")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,0 +1,108 @@
+"""OOD scores of MAR images and the zero-filled fallback of the one serving path."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from masc_gadget.core.kspace import fft2c, zero_filled
+from masc_gadget.core.ood import (SCORES, OodCalibration, check_fallback_setting, consistency_score, fallback_rule,
+                                  flip_score, ood_score, residual_score)
+from masc_gadget.core.served import served_images
+
+
+def _scan(seed=0, n=16):
+    gen = torch.Generator().manual_seed(seed)
+    image = torch.zeros(2, n, n)
+    image[:, 4:12, 3:13] = 1.0 + 0.2 * torch.rand(2, 8, 10, generator=gen)
+    mask = torch.zeros(2, n, dtype=torch.bool)
+    mask[:, n // 2 - 3: n // 2 + 3] = True
+    return zero_filled(fft2c(image.to(torch.complex64)), mask), mask
+
+
+def test_untouched_images_score_low_and_invented_structure_scores_high():
+    zf, mask = _scan()
+    invented = zf.clone()
+    invented[:, 2:4, 2:4] += 3 * zf.max()  # structure the acquired lines do not hold
+    for kind in ("consistency", "residual"):
+        calm = ood_score(kind, zf, zf, mask)
+        wild = ood_score(kind, zf, invented, mask)
+        assert (wild > 2 * calm).all() and (wild > 0.1).all(), kind
+    assert torch.equal(residual_score(zf, zf), torch.zeros(2))
+    assert consistency_score(zf, zf, mask).max() < 0.2  # magnitude only: small, not zero
+
+
+def test_the_flip_score_is_zero_for_a_mirror_symmetric_network_and_not_for_a_lopsided_one():
+    zf, mask = _scan(1)
+    assert torch.allclose(flip_score(lambda x: 2 * x, zf, 2 * zf), torch.zeros(2), atol=1e-6)
+    ramp = torch.linspace(0, 1, zf.shape[-1])
+    lopsided = lambda x: x * ramp  # noqa: E731
+    assert (flip_score(lopsided, zf, lopsided(zf)) > 0.3).all()
+
+
+def test_non_finite_outputs_score_infinite_and_unknown_scores_are_refused():
+    zf, mask = _scan()
+    bad = zf.clone()
+    bad[0, 0, 0] = float("nan")
+    assert torch.isinf(ood_score("residual", zf, bad, mask))[0]
+    with pytest.raises(ValueError, match="unknown OOD score 'x': choose from consistency, residual, flip"):
+        ood_score("x", zf, zf, mask)
+    with pytest.raises(ValueError, match="flip score needs the MAR network"):
+        ood_score("flip", zf, zf, mask)
+
+
+def test_served_images_fall_back_to_zero_filled_above_the_threshold_only():
+    zf, mask = _scan()
+    corrected = zf.clone()
+    corrected[0, 2:4, 2:4] += 5 * zf.max()  # slice 0 strays far, slice 1 is left alone
+    scores = residual_score(zf, corrected)
+    rule = OodCalibration("residual", float(scores.mean()))
+    served = served_images(zf, corrected, ood=rule, mask=mask)
+    assert served.mar_used.tolist() == [False, True]
+    assert torch.equal(served.image[0], zf[0].clamp_min(0)) and torch.equal(served.image[1], corrected[1].clamp_min(0))
+    assert torch.allclose(served.ood_score, scores)
+    never = served_images(zf, corrected, ood=OodCalibration("residual", math.inf), mask=mask)
+    assert never.mar_used.all() and torch.isfinite(never.ood_score).all()
+    plain = served_images(zf, corrected)
+    assert plain.mar_used.all() and torch.isnan(plain.ood_score).all()
+    with pytest.raises(ValueError, match="consistency score needs the"):
+        served_images(zf, corrected, ood=OodCalibration("consistency", 1.0))
+
+
+def test_the_fallback_setting_and_the_stored_calibration():
+    class Net(torch.nn.Module):
+        pass
+
+    net = Net()
+    assert fallback_rule(None, "auto") is None and fallback_rule(net, "auto") is None
+    assert fallback_rule(net, "0.5") == OodCalibration("consistency", 0.5)
+    net.ood = OodCalibration("flip", 0.25)
+    assert fallback_rule(net, "auto") == net.ood
+    assert fallback_rule(net, "off") == OodCalibration("flip", math.inf)
+    assert fallback_rule(net, "0.1") == OodCalibration("flip", 0.1)
+    assert [check_fallback_setting(v) for v in ("AUTO", " off", "0.3", 2)] == ["auto", "off", "0.3", "2.0"]
+    for bad in ("-1", "0", "nan", "inf", "sometimes"):
+        with pytest.raises(ValueError, match="mar_fallback must be auto, off or a threshold > 0"):
+            check_fallback_setting(bad)
+    assert OodCalibration.from_metadata(None, "x.pt") is None
+    assert OodCalibration.from_metadata({"score": "residual", "threshold": 0.2, "auc": {}}, "x.pt").threshold == 0.2
+    for bad in ({"score": "residual"}, {"score": "nope", "threshold": 1}, {"score": "flip", "threshold": -1}, "x"):
+        with pytest.raises(ValueError, match="x.pt: metadata 'ood' must be"):
+            OodCalibration.from_metadata(bad, "x.pt")
+    assert set(SCORES) == {"consistency", "residual", "flip"}
+
+
+def test_an_exported_calibration_is_loaded_with_the_network(tmp_path, perturbed_mar):
+    from masc_gadget.models.checkpoint import load_mar
+    from training.export import export_checkpoint
+
+    record = export_checkpoint(perturbed_mar, tmp_path / "m.pt", ood={"score": "residual", "threshold": 0.3})
+    mar, meta = load_mar(tmp_path / "m.pt")
+    assert mar.ood == OodCalibration("residual", 0.3) and meta["ood"]["threshold"] == 0.3
+    assert record["ood"]["score"] == "residual" and "git_commit" in record
+    assert load_mar(perturbed_mar)[0].ood is None
+    with pytest.raises(ValueError, match="metadata 'ood' must be"):
+        export_checkpoint(perturbed_mar, tmp_path / "n.pt", ood={"score": "residual"})
+    assert not (tmp_path / "n.pt").exists()
+    np.testing.assert_equal(sorted(meta), sorted(set(meta)))

@@ -1,0 +1,54 @@
+"""masc mar-check: identity, correction with tests over subjects, OOD ROC and calibration."""
+
+import json
+
+import numpy as np
+import pytest
+
+from masc_gadget.cli import main
+from masc_gadget.models.checkpoint import load_mar
+from training.evaluation.marcheck import calibrate, roc
+
+from tests.conftest import CONFIGS
+
+
+def test_roc_area_counts_pairs_and_ties_half():
+    harmed = np.array([True, True, False, False])
+    assert roc(np.array([3.0, 4.0, 1.0, 2.0]), harmed)["auc"] == 1.0
+    assert roc(np.array([1.0, 2.0, 3.0, 4.0]), harmed)["auc"] == 0.0
+    assert roc(np.ones(4), harmed)["auc"] == 0.5
+    assert np.isnan(roc(np.ones(3), np.zeros(3, dtype=bool))["auc"])
+    curve = roc(np.array([3.0, 4.0, 1.0, 2.0]), harmed)
+    assert curve["tpr"][0] == curve["fpr"][0] == 0.0 and curve["tpr"][-1] == curve["fpr"][-1] == 1.0
+
+
+def test_calibration_serves_zero_filled_exactly_where_it_pays():
+    rows = {"zf_ssim": np.array([0.5, 0.5, 0.5, 0.5]), "mar_ssim": np.array([0.7, 0.6, 0.3, 0.2]),
+            "score_consistency": np.array([0.1, 0.2, 0.3, 0.4]), "score_residual": np.array([0.4, 0.1, 0.2, 0.3]),
+            "score_flip": np.array([0.2, 0.1, 0.4, 0.3])}
+    c = calibrate(rows)
+    assert c["score"] == "consistency" and c["auc"]["consistency"] == 1.0
+    assert 0.2 < c["threshold"] < 0.3 and c["fallback_fraction"] == 0.5
+    assert c["val_served_ssim"] == pytest.approx(np.mean([0.7, 0.6, 0.5, 0.5]))
+
+
+def test_the_command_checks_calibrates_and_the_export_carries_the_calibration(tiny_dataset, perturbed_mar, tmp_path,
+                                                                              capsys):
+    out = tmp_path / "check"
+    assert main(["mar-check", "--config", str(CONFIGS / "tiny.yaml"), "--mar", f"p={perturbed_mar}",
+                 "--data", f"{tiny_dataset}", "--split", "val", "--calibrate", "--out", str(out)]) == 0
+    report = capsys.readouterr().out
+    assert f"## {tiny_dataset.name}" in report and "| p | 1 / 4 |" in report
+    results = json.loads((out / "results.json").read_text())
+    summary = results["folders"][tiny_dataset.name]["p"]["summary"]
+    assert 0 < summary["identity_ssim"]["mean"] < 1 and summary["mar_vs_zf_ssim"]["n_subjects"] >= 1
+    assert set(summary["roc"]) == {"consistency", "residual", "flip"} and (out / "roc.png").stat().st_size > 0
+    ood = json.loads((out / "ood.json").read_text())["p"]
+    assert ood["score"] in summary["roc"] and ood["threshold"] > 0
+    shipped = tmp_path / "shipped.pt"
+    assert main(["export", str(perturbed_mar), "--out", str(shipped), "--ood", f"{out / 'ood.json'}:p"]) == 0
+    mar, meta = load_mar(shipped)
+    assert mar.ood.score == ood["score"] and mar.ood.threshold == pytest.approx(ood["threshold"])
+    assert main(["mar-check", "--config", str(CONFIGS / "tiny.yaml"), "--mar", f"p={perturbed_mar}",
+                 "--data", f"{tiny_dataset}", "--split", "test", "--calibrate", "--out", str(out)]) == 2
+    assert "use it on the validation split" in capsys.readouterr().err
