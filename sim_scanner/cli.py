@@ -35,6 +35,10 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     ex.add_argument("--train", metavar="NAMES", help="volumes (names or name prefixes, comma-separated) for the "
                     "train split; a volume is one subject, never divided (default: every volume in test)")
     ex.add_argument("--val", metavar="NAMES", help="volumes for the validation split (as --train)")
+    ex.add_argument("--train-draws", type=int, metavar="N", help="implant poses per slice of a training volume "
+                    "(default --draws)")
+    ex.add_argument("--augment", action="store_true", help="each training draw in a random orientation (90-degree "
+                    "rotations and mirroring)")
     ex.add_argument("--out", required=True, metavar="DIR", help="dataset folder to write")
     ex.add_argument("--draws", type=int, default=1, metavar="N",
                     help="implant poses drawn per imported slice (default 1)")
@@ -120,7 +124,8 @@ def cmd_external(args: argparse.Namespace) -> int:
     else:
         volumes = read_volumes(args.source)
     splits = assign_splits(volumes, _names(args.train), _names(args.val))
-    manifest = simulate_external(config, volumes, args.out, draws=args.draws, splits=splits)
+    manifest = simulate_external(config, volumes, args.out, draws=args.draws, splits=splits,
+                                 train_draws=args.train_draws, train_augment=args.augment)
     names = ", ".join(f"{v['name']} ({v['slices']} slices, {v['split']})" for v in manifest["external"])
     print(f"external dataset written to {args.out}: {names}; {args.draws} draw(s) per slice")
     return 0

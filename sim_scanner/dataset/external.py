@@ -45,8 +45,8 @@ from sim_scanner.physics.artifact2d import Artifact2DConfig, add_implant
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BUILTIN", "DECODERS", "ImportRefused", "Volume", "assign_splits", "builtin_volumes", "read_volumes",
-           "simulate_external"]
+__all__ = ["BUILTIN", "DECODERS", "ImportRefused", "Volume", "assign_splits", "augment", "builtin_volumes",
+           "read_volumes", "simulate_external"]
 
 
 @dataclass
@@ -429,16 +429,27 @@ def assign_splits(volumes: list[Volume], train: list[str] = (), val: list[str] =
     return splits
 
 
+def augment(image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """``image`` in one of its 8 orientations (a random multiple of 90 degrees, mirrored or not):
+    the same anatomy as seen in another plane orientation or readout direction."""
+    image = np.rot90(image, int(rng.integers(4)))
+    return np.ascontiguousarray(image[:, ::-1] if rng.integers(2) else image)
+
+
 def simulate_external(config: Config, volumes: list[Volume], out: str | Path, draws: int = 1,
-                      progress: bool = True, splits: list[str] | None = None) -> dict:
+                      progress: bool = True, splits: list[str] | None = None, train_draws: int | None = None,
+                      train_augment: bool = False) -> dict:
     """Write the paired dataset of ``volumes`` to ``out``: each volume's slices (``draws``
     implant draws per slice) through the 2D artifact model of section ``artifact2d``, at
     ``sequence.matrix``. Each volume is one subject, in the split ``splits[i]`` (default: all
-    in test, a held-out set; :func:`assign_splits`). Returns the manifest."""
+    in test, a held-out set; :func:`assign_splits`). Training volumes get ``train_draws`` draws
+    (default ``draws``), each in a random orientation with ``train_augment`` (:func:`augment`).
+    Returns the manifest."""
     from tqdm.auto import tqdm
 
-    if draws < 1:
-        raise ValueError(f"draws must be >= 1, got {draws}")
+    train_draws = draws if train_draws is None else train_draws
+    if draws < 1 or train_draws < 1:
+        raise ValueError(f"draws must be >= 1, got {draws} (train {train_draws})")
     splits = ["test"] * len(volumes) if splits is None else list(splits)
     if len(splits) != len(volumes) or not set(splits) <= {"train", "val", "test"}:
         raise ValueError(f"splits must give train, val or test for each of the {len(volumes)} volumes, got {splits}")
@@ -458,10 +469,11 @@ def simulate_external(config: Config, volumes: list[Volume], out: str | Path, dr
     for sid, volume, split in tqdm(list(zip(ids, volumes, splits)), desc="external", unit="volume",
                                    disable=not progress):
         clean, metal, implant, field, draws_meta = [], [], [], [], []
+        training = split == "train"
         for image in volume.images:
             base = prepare_slice(image, matrix)
-            for _ in range(draws):
-                result = add_implant(base, acfg, rng)
+            for _ in range(train_draws if training else draws):
+                result = add_implant(augment(base, rng) if training and train_augment else base, acfg, rng)
                 clean.append(result.clean)
                 metal.append(result.metal)
                 implant.append(result.implant)

@@ -263,3 +263,13 @@ def test_builtin_sources_are_named_and_an_unknown_one_is_refused():
         builtin_volumes(["pydicom-data"])
     volumes = builtin_volumes(["pydicom"])
     assert [v.name for v in volumes] == ["pydicom-MR_small"] and volumes[0].images.shape == (1, 64, 64)
+
+
+def test_augmented_training_draws_are_the_slice_in_one_of_its_eight_orientations():
+    from sim_scanner.dataset.external import augment
+
+    image = np.arange(12.0).reshape(3, 4)
+    seen = {augment(image, np.random.default_rng(seed)).tobytes() for seed in range(200)}
+    orientations = {np.ascontiguousarray(m).tobytes() for k in range(4)
+                    for m in (np.rot90(image, k), np.rot90(image, k)[:, ::-1])}
+    assert seen == orientations

@@ -65,6 +65,9 @@ def slice_rows(mar: torch.nn.Module, data: SliceSet, masks: torch.Tensor, batch_
         identity = mar(target)
         for key, value in slice_metrics(identity, target).items():
             add(f"identity_{key}", value)
+        every = torch.ones(len(index), data.n_pe, dtype=torch.bool)
+        for kind in SCORES:  # what the fallback rule makes of an image that needs no change
+            add(f"identity_score_{kind}", ood_score(kind, target, identity, every, mar))
         zf = zero_filled(data.kspace_metal[index], masks[index])
         corrected = mar(zf)
         served = served_images(zf, corrected)
@@ -133,8 +136,11 @@ def _summary(rows: dict[str, np.ndarray], subjects: list[str], reference: dict[s
     }
     if ood is not None:
         served = fallback_ssim(rows, ood["score"], ood["threshold"])
+        kept = rows[f"identity_score_{ood['score']}"] > ood["threshold"]  # served as acquired: SSIM 1
         summary["fallback"] = {"score": ood["score"], "threshold": ood["threshold"],
                                "fraction": float((rows[f"score_{ood['score']}"] > ood["threshold"]).mean()),
+                               "identity_ssim": mean_std(np.where(kept, 1.0, rows["identity_ssim"])),
+                               "identity_fraction": float(kept.mean()),
                                "ssim": mean_std(served),
                                "vs_zf_ssim": subject_tests(served, rows["zf_ssim"], subjects),
                                "vs_mar_ssim": subject_tests(served, rows["mar_ssim"], subjects)}
@@ -203,18 +209,23 @@ def render_report(results: dict[str, Any]) -> str:
     lines = [f"# MAR check: {results['split']} split, {results['policy']} lines ({results['lines'][0]} + "
              f"{results['lines'][1]})", "",
              "Identity: SSIM of the output for the fully sampled clean image against that image. Zero-filled and "
-             "MAR: against the clean fully sampled image. p: paired t-test over subjects (volumes).", ""]
+             "MAR: against the clean fully sampled image. p: paired t-test over subjects (volumes). Harmed: slices "
+             "whose MAR image scores below the zero-filled one. With fallback: as served under the network's OOD "
+             "rule (a flagged slice is served zero-filled; a flagged clean, fully sampled image comes back as "
+             "acquired).", ""]
     for folder, by_name in results["folders"].items():
         lines += [f"## {folder}", "",
                   "| MAR network | subjects / slices | identity SSIM | zero-filled SSIM | MAR SSIM | dSSIM (p) | "
-                  "dPSNR dB (p) | harmed | AUC consistency / residual / flip | with fallback SSIM (served zero-filled) |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "dPSNR dB (p) | harmed | AUC consistency / residual / flip | with fallback: SSIM (served zero-filled) "
+                  "| with fallback: identity SSIM |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name, entry in by_name.items():
             s = entry["summary"]
             ts, tp = s["mar_vs_zf_ssim"], s["mar_vs_zf_psnr"]
             aucs = " / ".join(_f(s["roc"][k]["auc"], 2) for k in SCORES)
             fb = s.get("fallback")
             fallback = f"{_f(fb['ssim']['mean'])} ({100 * fb['fraction']:.0f} %)" if fb else "-"
+            fallback += f" | {_f(fb['identity_ssim']['mean'])}" if fb else " | -"
             lines.append(f"| {name} | {s['n_subjects']} / {s['n_slices']} | {_f(s['identity_ssim']['mean'])} | "
                          f"{_f(s['zf_ssim']['mean'])} | {_f(s['mar_ssim']['mean'])} | {ts['diff']:+.3f} "
                          f"({_p(ts['p_ttest'])}) | {tp['diff']:+.2f} ({_p(tp['p_ttest'])}) | "

@@ -45,6 +45,8 @@ def test_the_command_checks_calibrates_and_the_export_carries_the_calibration(ti
     assert set(summary["roc"]) == {"consistency", "residual", "flip"} and (out / "roc.png").stat().st_size > 0
     ood = json.loads((out / "ood.json").read_text())["p"]
     assert ood["score"] in summary["roc"] and ood["threshold"] > 0
+    fallback = summary["fallback"]  # a flagged clean image is served as acquired
+    assert fallback["identity_ssim"]["mean"] >= summary["identity_ssim"]["mean"] and 0 <= fallback["fraction"] <= 1
     shipped = tmp_path / "shipped.pt"
     assert main(["export", str(perturbed_mar), "--out", str(shipped), "--ood", f"{out / 'ood.json'}:p"]) == 0
     mar, meta = load_mar(shipped)
