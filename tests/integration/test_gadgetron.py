@@ -110,10 +110,11 @@ def _stock_client(port: int, subject: Path, xml: Path, out: Path) -> subprocess.
     return done
 
 
-def _images(path: Path) -> np.ndarray:
-    """(n, y, x) float32 magnitude images of the client's output, by slice."""
+def _images(path: Path, series: int = 1) -> np.ndarray:
+    """(n, y, x) float32 magnitude images of one series of the client's output, by slice."""
     with h5py.File(path, "r") as f:
-        group = f["out"][next(iter(f["out"]))]
+        assert sorted(f["out"]) == ["image_1", "image_2"]  # the MAR and the zero-filled series
+        group = f["out"][f"image_{series}"]
         data = group["data"][()]
         header = group["header"][()]
     order = np.argsort(header["slice"])
@@ -134,7 +135,8 @@ def _offline(subject: Path, xml: Path, lines: dict[int, list[int]] | None = None
     settings = settings_from_xml(xml.read_text(), GadgetSettings()).updated(
         {"feedback": "none", "zmq_address": ""}, "test")
     process(iter(acqs), parse_header(header), settings, images.append, cache=ModelCache())
-    images = sorted((im for im in images if isinstance(im, ismrmrd.Image)), key=lambda im: im.slice)
+    images = sorted((im for im in images if isinstance(im, ismrmrd.Image) and im.image_series_index == 1),
+                    key=lambda im: im.slice)  # series 1: the MAR image (series 2: zero-filled)
     return np.stack([im.data[0, 0] for im in images])
 
 
