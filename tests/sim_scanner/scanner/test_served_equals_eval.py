@@ -101,3 +101,37 @@ def test_served_image_scores_equal_masc_eval(tiny_dataset, tmp_path, perturbed_m
     # MAR is on and changes the image: the equality is not that of two zero-filled images
     nomar = next(r for r in results["accelerations"]["10x"]["rows"] if r["key"] == f"{policy}+nomar")
     assert np.max(np.abs(np.subtract(row["per_slice"]["ssim"], nomar["per_slice"]["ssim"]))) > 1e-3
+
+
+def test_the_ood_fallback_is_served_and_scored_alike(tiny_dataset, tmp_path, perturbed_mar):
+    """A MAR network calibrated so that about half the slices score above its threshold: the
+    gadget serves those zero-filled, and masc eval scores exactly what it served."""
+    from masc_gadget.acquisition.policies import make_policy, run_episode
+    from masc_gadget.core.kspace import zero_filled
+    from masc_gadget.core.ood import residual_score
+    from masc_gadget.models.checkpoint import load_mar
+    from training.data import load_split
+    from training.export import export_checkpoint
+
+    data = load_split(tiny_dataset, "test")
+    mask = torch.zeros(len(data), N, dtype=torch.bool)
+    mask[:, torch.as_tensor(run_episode(make_policy("center-out"), N, INITIAL, BUDGET))] = True
+    with torch.no_grad():
+        zf = zero_filled(data.kspace_metal, mask)
+        scores = residual_score(zf, load_mar(perturbed_mar)[0](zf))
+    threshold = float(scores.median())
+    calibrated = tmp_path / "calibrated.pt"
+    export_checkpoint(perturbed_mar, calibrated, ood={"score": "residual", "threshold": threshold})
+    served = _scan(tiny_dataset, tmp_path / "scan", "center-out",
+                   [f"acquisition.seed={SEED}", f"gadget.mar_checkpoint={calibrated}"])
+    config = load_config(CONFIGS / "tiny.yaml", [
+        f"eval.accelerations={{10x: [{INITIAL}, {BUDGET}]}}", f"eval.seed={SEED}", "eval.examples=0"])
+    results, _ = evaluate(config, tiny_dataset, "test", ["center-out"], calibrated, progress=False)
+    rows = {r["key"]: r for r in results["accelerations"]["10x"]["rows"]}
+    mar, nomar = rows["center-out"]["per_slice"]["ssim"], rows["center-out+nomar"]["per_slice"]["ssim"]
+    for i, label in enumerate(results["slices"]):
+        assert abs(served[label].metrics["ssim"] - mar[i]) < 1e-5, label
+    fell_back = (scores > threshold).numpy()
+    assert fell_back.any() and not fell_back.all()
+    np.testing.assert_allclose(np.asarray(mar)[fell_back], np.asarray(nomar)[fell_back], atol=1e-6)
+    assert np.abs(np.subtract(mar, nomar))[~fell_back].max() > 1e-3
