@@ -343,9 +343,37 @@ def _dipy_volumes() -> list[Volume]:
     return volumes
 
 
+def _pydicom_example_volumes() -> list[Volume]:
+    """pydicom's ``examples.overlay``: an abdominal MR slice (300 x 484, liver)."""
+    import pydicom.data
+
+    path = Path(pydicom.data.get_testdata_file("examples_overlay.dcm", download=False) or "")
+    if not path.is_file():
+        return []
+    return [Volume("pydicom-overlay", _dicom_files([path], "overlay").images, "builtin:pydicom")]
+
+
+def _matplotlib_volumes() -> list[Volume]:
+    """matplotlib's sample ``s1045.ima.gz``: a 256 x 256 MR head slice (16-bit, little-endian)."""
+    import gzip
+
+    import matplotlib
+
+    path = Path(matplotlib.get_data_path()) / "sample_data" / "s1045.ima.gz"
+    if not path.is_file():
+        return []
+    with gzip.open(path, "rb") as fh:
+        pixels = np.frombuffer(fh.read(), dtype="<u2")
+    if pixels.size != 256 * 256:
+        return []
+    return [Volume("matplotlib-s1045", pixels.reshape(1, 256, 256).astype(np.float64), "builtin:matplotlib")]
+
+
 BUILTIN = {"pydicom": _pydicom_volumes, "scikit-image": _skimage_volumes, "nilearn": _nilearn_volumes,
-           "dipy": _dipy_volumes}
-"""Package -> the real MR images it ships (read from the installed package, never downloaded).
+           "dipy": _dipy_volumes, "pydicom-examples": _pydicom_example_volumes, "matplotlib": _matplotlib_volumes}
+"""Package -> the real MR images it ships (read from the installed package, never downloaded),
+in the order they are imported (a source added later comes last, so that the implant draws of
+the earlier ones do not change).
 pydicom-data, nibabel's test data and the raw data of twixtools and pypulseq are deliberately
 absent: they are kept for independent checks of models trained on these."""
 

@@ -258,11 +258,12 @@ def test_volumes_go_to_the_named_splits_whole_and_several_folders_load_as_one(tm
 def test_builtin_sources_are_named_and_an_unknown_one_is_refused():
     from sim_scanner.dataset.external import BUILTIN, builtin_volumes
 
-    assert set(BUILTIN) == {"pydicom", "scikit-image", "nilearn", "dipy"}
+    assert list(BUILTIN) == ["pydicom", "scikit-image", "nilearn", "dipy", "pydicom-examples", "matplotlib"]
     with pytest.raises(ValueError, match="unknown builtin source\\(s\\) pydicom-data: choose from pydicom"):
         builtin_volumes(["pydicom-data"])
-    volumes = builtin_volumes(["pydicom"])
-    assert [v.name for v in volumes] == ["pydicom-MR_small"] and volumes[0].images.shape == (1, 64, 64)
+    volumes = builtin_volumes(["pydicom", "pydicom-examples", "matplotlib"])
+    assert [(v.name, v.images.shape) for v in volumes] == [
+        ("pydicom-MR_small", (1, 64, 64)), ("pydicom-overlay", (1, 300, 484)), ("matplotlib-s1045", (1, 256, 256))]
 
 
 def test_augmented_training_draws_are_the_slice_in_one_of_its_eight_orientations():
