@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +205,36 @@ def _p(value: float) -> str:
     return "-" if value is None or not math.isfinite(value) else f"{value:.1e}" if value < 1e-3 else f"{value:.3f}"
 
 
+def seed_groups(names: list[str]) -> dict[str, list[str]]:
+    """Networks named ``RECIPE_sN`` grouped by recipe (two seeds or more)."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        match = re.fullmatch(r"(.+)_s\d+", name)
+        if match:
+            groups.setdefault(match.group(1), []).append(name)
+    return {recipe: members for recipe, members in groups.items() if len(members) > 1}
+
+
+def _seed_rows(by_name: dict[str, Any]) -> list[str]:
+    """Mean ± sd over the seeds of each recipe (seed_groups), as extra table rows."""
+    rows = []
+    for recipe, members in seed_groups(list(by_name)).items():
+        def spread(key: str, digits: int = 3) -> str:
+            values = np.array([by_name[m]["summary"][key]["mean"] for m in members])
+            return f"{values.mean():.{digits}f} ± {values.std(ddof=1):.{digits}f}"
+
+        def diff(key: str, digits: int) -> str:
+            values = np.array([by_name[m]["summary"][key]["diff"] for m in members])
+            worst = max(by_name[m]["summary"][key]["p_ttest"] for m in members)
+            return f"{values.mean():+.{digits}f} ± {values.std(ddof=1):.{digits}f} (max {_p(worst)})"
+
+        harmed = np.array([by_name[m]["summary"]["harmed_fraction"] for m in members])
+        rows.append(f"| **{recipe}, {len(members)} seeds** (mean ± sd) | | {spread('identity_ssim')} | "
+                    f"{spread('zf_ssim')} | {spread('mar_ssim')} | {diff('mar_vs_zf_ssim', 3)} | "
+                    f"{diff('mar_vs_zf_psnr', 2)} | {100 * harmed.mean():.0f} % | | | |")
+    return rows
+
+
 def render_report(results: dict[str, Any]) -> str:
     """The markdown report of :func:`mar_check`."""
     lines = [f"# MAR check: {results['split']} split, {results['policy']} lines ({results['lines'][0]} + "
@@ -230,6 +261,7 @@ def render_report(results: dict[str, Any]) -> str:
                          f"{_f(s['zf_ssim']['mean'])} | {_f(s['mar_ssim']['mean'])} | {ts['diff']:+.3f} "
                          f"({_p(ts['p_ttest'])}) | {tp['diff']:+.2f} ({_p(tp['p_ttest'])}) | "
                          f"{100 * s['harmed_fraction']:.0f} % | {aucs} | {fallback} |")
+        lines += _seed_rows(by_name)
         refs = [(n, e["summary"]) for n, e in by_name.items() if "vs_reference_ssim" in e["summary"]]
         if refs:
             lines += ["", "Against the reference network (same lines, served images):", ""]

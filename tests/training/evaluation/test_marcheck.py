@@ -54,3 +54,17 @@ def test_the_command_checks_calibrates_and_the_export_carries_the_calibration(ti
     assert main(["mar-check", "--config", str(CONFIGS / "tiny.yaml"), "--mar", f"p={perturbed_mar}",
                  "--data", f"{tiny_dataset}", "--split", "test", "--calibrate", "--out", str(out)]) == 2
     assert "use it on the validation split" in capsys.readouterr().err
+
+
+def test_networks_named_by_seed_are_summarised_over_their_seeds():
+    from training.evaluation.marcheck import _seed_rows, seed_groups
+
+    assert seed_groups(["new_s0", "new_s1", "old", "x_s3"]) == {"new": ["new_s0", "new_s1"]}
+    stat = lambda m, d, p: {"mean": m, "diff": d, "p_ttest": p}  # noqa: E731
+    by_name = {f"new_s{i}": {"summary": {"identity_ssim": stat(0.9 + i / 100, 0, 1), "zf_ssim": stat(0.5, 0, 1),
+                                          "mar_ssim": stat(0.6, 0, 1), "mar_vs_zf_ssim": stat(0, 0.1 * (i + 1), 10.0 ** -i),
+                                          "mar_vs_zf_psnr": stat(0, 1.0, 0.01), "harmed_fraction": 0.5 * i}}
+               for i in range(2)}
+    (row,) = _seed_rows(by_name)
+    assert row.startswith("| **new, 2 seeds**") and "0.905 ± 0.007" in row and "+0.150 ± 0.071 (max 1.000)" in row
+    assert "25 %" in row
