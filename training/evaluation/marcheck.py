@@ -288,13 +288,23 @@ def roc_figure(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    folders = list(results["folders"])
-    fig, axes = plt.subplots(1, len(folders), figsize=(4.2 * len(folders), 4), squeeze=False)
+    panels = {folder: {name: entry["summary"]["roc"] for name, entry in by_name.items()}
+              for folder, by_name in results["folders"].items()}
+    if len(panels) > 1:  # the pooled slices, on which --calibrate chooses
+        names = list(next(iter(results["folders"].values())))
+        pooled = {}
+        for name in names:
+            slices = [results["folders"][f][name]["slices"] for f in results["folders"]]
+            harmed = np.concatenate([np.less(sl["mar_ssim"], sl["zf_ssim"]) for sl in slices])
+            pooled[name] = {kind: roc(np.concatenate([sl[f"score_{kind}"] for sl in slices]), harmed)
+                            for kind in SCORES}
+        panels["all folders, pooled"] = pooled
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), squeeze=False)
     styles = {"consistency": "-", "residual": "--", "flip": ":"}
-    for ax, folder in zip(axes[0], folders):
-        for i, (name, entry) in enumerate(results["folders"][folder].items()):
+    for ax, (folder, by_name) in zip(axes[0], panels.items()):
+        for i, (name, curves) in enumerate(by_name.items()):
             for kind in SCORES:
-                r = entry["summary"]["roc"][kind]
+                r = curves[kind]
                 if r["fpr"]:
                     ax.plot(r["fpr"], r["tpr"], styles[kind], color=f"C{i}", label=f"{name} {kind} ({r['auc']:.2f})")
         ax.plot([0, 1], [0, 1], color="0.7", lw=0.8)
