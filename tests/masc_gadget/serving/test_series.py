@@ -10,31 +10,17 @@ from masc_gadget.serving.models import ModelCache
 from masc_gadget.serving.settings import GadgetSettings
 from training.export import export_checkpoint
 
+from tests.masc_gadget.serving.hostile import header_xml, line
+
 N_PE, N_RO = 16, 8
 
 
-def _header():
-    return parse_header(
-        '<?xml version="1.0"?><ismrmrdHeader xmlns="http://www.ismrm.org/ISMRMRD">'
-        "<experimentalConditions><H1resonanceFrequency_Hz>63500000</H1resonanceFrequency_Hz>"
-        f"</experimentalConditions><encoding><encodedSpace><matrixSize><x>{N_RO}</x><y>{N_PE}</y>"
-        "<z>1</z></matrixSize><fieldOfView_mm><x>200</x><y>200</y><z>5</z></fieldOfView_mm>"
-        f"</encodedSpace><reconSpace><matrixSize><x>{N_RO}</x><y>{N_PE}</y><z>1</z></matrixSize>"
-        "<fieldOfView_mm><x>200</x><y>200</y><z>5</z></fieldOfView_mm></reconSpace><encodingLimits>"
-        f"<kspace_encoding_step_1><minimum>0</minimum><maximum>{N_PE - 1}</maximum><center>{N_PE // 2}"
-        "</center></kspace_encoding_step_1><slice><minimum>0</minimum><maximum>1</maximum>"
-        "<center>0</center></slice></encodingLimits><trajectory>cartesian</trajectory></encoding>"
-        "</ismrmrdHeader>")
-
-
 def _scan():
+    """Two fully sampled slices, each ending on ACQ_LAST_IN_SLICE."""
     acqs = []
     for s in (0, 1):
         for pe in range(N_PE):
-            rng = np.random.default_rng([3, s, pe])
-            data = (rng.standard_normal((1, N_RO)) + 1j * rng.standard_normal((1, N_RO))).astype(np.complex64)
-            acq = ismrmrd.Acquisition.from_array(data)
-            acq.idx.slice, acq.idx.kspace_encode_step_1 = s, pe
+            acq = line(s, pe, seed=3, n_ro=N_RO)
             if pe == N_PE - 1:
                 acq.set_flag(ismrmrd.ACQ_LAST_IN_SLICE)
             acqs.append(acq)
@@ -45,7 +31,7 @@ def _images(mar_path, **settings):
     sent = []
     base = GadgetSettings(policy="center-out", initial=2, budget=3, device="cpu", mar_checkpoint=str(mar_path),
                           **settings)
-    process(iter(_scan()), _header(), base, sent.append, cache=ModelCache())
+    process(iter(_scan()), parse_header(header_xml(N_PE, N_RO, slices=2)), base, sent.append, cache=ModelCache())
     return [x for x in sent if isinstance(x, ismrmrd.Image)]
 
 
