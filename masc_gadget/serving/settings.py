@@ -60,7 +60,7 @@ class GadgetConfig:
     return_zero_filled: bool = True
     """Also return the zero-filled image of each slice, as image series 2 (a derived series beside
     the MAR one, series 1, as scanners return derived images); false: series 1 only."""
-    mar_fallback: str = "auto"
+    mar_fallback: str | float = "auto"
     """When a slice's MAR image is served zero-filled instead (:mod:`masc_gadget.core.ood`):
     ``auto`` when its OOD score passes the threshold calibrated for the network on validation
     data (stored in its checkpoint; a network without one is always used), ``off`` never (the

@@ -66,6 +66,16 @@ def test_a_slice_whose_ood_score_passes_the_calibrated_threshold_is_served_zero_
         assert _meta(mar)["MASC.mar"] == "calibrated.pt"
 
 
+def test_the_fallback_setting_takes_a_number_from_json_and_text_from_xml():
+    from masc_gadget.serving.settings import settings_from_json, settings_from_xml
+
+    base = GadgetSettings()
+    assert base.mar_fallback == "auto" and base.return_zero_filled is True
+    assert settings_from_json('{"mar_fallback": 0.5}', base).mar_fallback == "0.5"
+    xml = '<configuration><property name="mar_fallback" value="off"/></configuration>'
+    assert settings_from_xml(xml, base).mar_fallback == "off"
+
+
 def test_a_bad_fallback_setting_is_refused_by_name():
     with pytest.raises(ValueError, match="mar_fallback must be auto, off or a threshold > 0, got 'never'"):
         GadgetSettings(mar_fallback="never")
