@@ -145,12 +145,13 @@ del _key, _section
 
 
 def _is_text(key: str) -> bool:
-    """Whether setting ``key`` holds text (a ``str`` or a choice of strings)."""
+    """Whether setting ``key`` holds text (a ``str``, a choice of strings, or a union that takes
+    a ``str``, such as ``str | float``: the text as written, parsed by the setting's own check)."""
     cls = _SECTIONS[SETTINGS[key]]
     hint = typing.get_type_hints(cls)[key]
     if typing.get_origin(hint) is Literal:
         return all(isinstance(a, str) for a in typing.get_args(hint))
-    return hint is str
+    return hint is str or str in typing.get_args(hint)
 
 
 def _typed(key: str, text: str) -> Any:
