@@ -391,7 +391,8 @@ def builtin_volumes(packages: list[str] | None = None) -> list[Volume]:
         try:
             volumes += BUILTIN[name]()
         except ImportError:
-            log.warning("%s is not installed: its MR images are not used (pip install %s)", name, name)
+            package = {"pydicom-examples": "pydicom"}.get(name, name)
+            log.warning("%s is not installed: its MR images are not used (pip install %s)", package, package)
     if not volumes:
         raise ValueError(f"no builtin real MR image is available from {', '.join(names)}: pip install "
                          "pydicom nilearn dipy, or pass --source FILE|DIR")
