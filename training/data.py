@@ -81,21 +81,13 @@ def load_split(data_dir: str | Path | list[str | Path], split: str, max_slices: 
     each folder."""
     dirs = data_dirs(data_dir)
     if len(dirs) != 1:
-        sets = [_load_one(d, split, max_slices, prefix=f"{d.name}/") for d in dirs if _has_split(d, split)]
+        sets = [_load_one(d, split, max_slices, prefix=f"{d.name}/") for d in dirs
+                if split_files(d, split, allow_empty=True)]
         if not sets:
             raise ValueError(f"no subject of split {split!r} in {', '.join(map(str, dirs))}")
         return SliceSet(*(torch.cat([getattr(s, f) for s in sets]) for f in _TENSORS),
                         [name for s in sets for name in s.subjects], np.concatenate([s.slices for s in sets]))
     return _load_one(dirs[0], split, max_slices)
-
-
-def _has_split(data_dir: Path, split: str) -> bool:
-    try:
-        return bool(split_files(data_dir, split))
-    except ValueError as err:
-        if "has no subjects" in str(err):
-            return False
-        raise
 
 
 _TENSORS = ("kspace_metal", "kspace_clean", "target", "metal_image", "implant_mask")

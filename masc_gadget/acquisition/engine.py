@@ -227,8 +227,9 @@ class AcquisitionEngine:
         self.mar = None if mar is None else mar.to(self.device).eval()
         self.mar_name = mar_name or ("none" if mar is None else type(mar).__name__)
         self.sees_mar = policy.sees_mar(self.mar is not None)
-        self.ood = fallback_rule(self.mar, settings.mar_fallback)
         """Whether the policy is shown the MAR image (else the zero-filled one)."""
+        self.ood = fallback_rule(self.mar, settings.mar_fallback)
+        """The rule that serves a slice zero-filled when its MAR image's OOD score is too high."""
         self._slices: dict[int, _Slice] = {}
         self.batcher = batcher
         self._batch_key = (id(policy), id(self.mar), self.sees_mar, str(self.device),
@@ -296,14 +297,14 @@ class AcquisitionEngine:
                       [k for k, ok in zip(keys, zf_finite) if not ok])
         used = served.mar_used.cpu().numpy()
         scores = served.ood_score.cpu().numpy()
-        flagged = [k for k, ok, sc in zip(keys, used, scores) if not ok and self.ood is not None
-                   and sc > self.ood.threshold]
-        if flagged:
-            log.warning("slice(s) %s: OOD score above %.3g (%s): the zero-filled image is returned as the MAR "
-                        "series", flagged, self.ood.threshold, self.ood.score)
-        if self.mar is not None and not used.all() and len(flagged) < int((~used).sum()):
-            log.error("slice(s) %s: MAR image not finite; the zero-filled image is returned",
-                      [k for k, ok in zip(keys, used) if not ok and k not in flagged])
+        if self.mar is not None and not used.all():
+            flagged = self.ood is not None and scores > self.ood.threshold
+            if np.any(flagged):
+                log.warning("slice(s) %s: OOD score above %.3g (%s): the zero-filled image is returned as the "
+                            "MAR series", [k for k, f in zip(keys, flagged) if f], self.ood.threshold, self.ood.score)
+            if np.any(~used & ~flagged):
+                log.error("slice(s) %s: MAR image not finite; the zero-filled image is returned",
+                          [k for k, ok, f in zip(keys, used, np.broadcast_to(flagged, used.shape)) if not ok and not f])
         return _Served(served.zero_filled.cpu().numpy(), served.image.cpu().numpy(), used, scores)
 
     # --- lines ------------------------------------------------------------------------------------

@@ -155,8 +155,9 @@ def prepare_folder(out: str | Path, clean: bool = True) -> None:
                 stale.unlink()
 
 
-def split_files(data_dir: str | Path, split: str) -> list[Path]:
-    """Subject files of ``split`` (sorted), with errors that say what is wrong."""
+def split_files(data_dir: str | Path, split: str, allow_empty: bool = False) -> list[Path]:
+    """Subject files of ``split`` (sorted), with errors that say what is wrong (an empty split
+    is one, unless ``allow_empty``)."""
     data_dir = Path(data_dir)
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
@@ -165,7 +166,7 @@ def split_files(data_dir: str | Path, split: str) -> list[Path]:
             f"{data_dir} is not a MASC dataset (no {MANIFEST}); create one with masc simulate dataset"
         )
     files = sorted((data_dir / split).glob(f"*{SUBJECT_SUFFIX}"))
-    if not files:
+    if not files and not allow_empty:
         raise ValueError(f"{data_dir} has no subjects in split {split!r}")
     return files
 
