@@ -51,6 +51,7 @@ __all__ = [
     "ZmqFeedbackReceiver",
     "decision_from_acquisition",
     "decision_from_json",
+    "tcp_port",
     "allowed_endpoints",
     "check_endpoint",
     "decision_json",
@@ -228,6 +229,12 @@ def _parse_tcp(endpoint: str, pattern: bool) -> tuple[str, str] | None:
     if port == "*":
         return (match["host"].lower(), port) if pattern else None
     return (match["host"].lower(), port) if 1 <= int(port) <= 65535 else None
+
+
+def tcp_port(address: str) -> int | None:
+    """The port of a ``tcp://HOST:PORT`` endpoint, else None."""
+    parsed = _parse_tcp(address, pattern=False) if isinstance(address, str) else None
+    return None if parsed is None else int(parsed[1])
 
 
 def _check_pattern(pattern: Any) -> str:

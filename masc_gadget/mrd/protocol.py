@@ -102,6 +102,9 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 # The stream
 
+EAGER_BYTES = 1 << 20
+"""Bytes of a field allocated before they arrive; a longer field's buffer doubles as it fills."""
+
 
 class MrdStream:
     """MRD messages over a connected stream socket (TCP or AF_UNIX).
@@ -119,9 +122,11 @@ class MrdStream:
     cannot renew (:class:`ReadTimeout`).
     """
 
-    def __init__(self, sock: socket.socket, limits: Limits = Limits(), quick_ack: bool = False):
+    def __init__(self, sock: socket.socket, limits: Limits = Limits(), quick_ack: bool = False,
+                 accept: frozenset[int] | None = None):
         self.sock = sock
         self.limits = limits
+        self.accept = accept  # message ids this side reads; others are refused at their id
         self._read_lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._close_lock = threading.Lock()
@@ -201,6 +206,9 @@ class MrdStream:
             reader = self._readers.get(message_id)
             if reader is None:  # its length is unknown: the stream cannot be resynchronised
                 raise ProtocolError(f"unknown message id {message_id}")
+            if self.accept is not None and message_id not in self.accept:
+                raise ProtocolError(f"message {message_id} ({MESSAGE_NAMES[message_id]}) is not accepted here; "
+                                    "accepted: " + ", ".join(f"{i} ({MESSAGE_NAMES[i]})" for i in sorted(self.accept)))
             return Message(message_id, reader())
         except ConnectionClosed as error:
             if not error.clean:
@@ -212,12 +220,19 @@ class MrdStream:
             raise
 
     def _recv_exact(self, n: int, what: str, at_boundary: bool = False) -> bytearray:
-        """Receive exactly n bytes (n already checked against the limits); loop on short reads."""
-        buffer = bytearray(n)
-        view = memoryview(buffer)
+        """Receive exactly n bytes (n already checked against the limits); loop on short reads.
+        Beyond :data:`EAGER_BYTES` the buffer grows as bytes arrive, so a length a peer
+        announces costs memory only once the peer has sent that much."""
+        buffer = bytearray(min(n, EAGER_BYTES))
         got = 0
         while got < n:
-            count = self._recv_into(view[got:], n - got, what)
+            if got == len(buffer):
+                buffer.extend(bytes(min(len(buffer), n - got)))  # doubles, up to n
+            view = memoryview(buffer)
+            try:
+                count = self._recv_into(view[got:], len(buffer) - got, what)
+            finally:
+                view.release()
             if count == 0:
                 if at_boundary and got == 0:
                     raise ConnectionClosed("connection closed by the peer", clean=True)

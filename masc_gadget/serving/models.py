@@ -55,7 +55,7 @@ from masc_gadget.serving.settings import GadgetSettings
 log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_CACHE", "ModelCache", "Models", "ModelsConfig", "build_engine", "check_playable", "check_requested",
-           "load_models"]
+           "load_models", "warm_up"]
 
 CHECKPOINT_KEYS = ("mar_checkpoint", "policy_checkpoint")
 """The settings that name checkpoints."""
@@ -379,3 +379,29 @@ def build_engine(settings: GadgetSettings, n_pe: int, n_readout: int, cache: Mod
         with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
             policy = make_policy(settings.policy)
     return AcquisitionEngine(scan, policy, mar=models.mar, mar_name=models.mar_name, batcher=batcher)
+
+
+def warm_up(settings: GadgetSettings, cache: ModelCache = DEFAULT_CACHE, n_pe: int = 64,
+            n_readout: int = 64) -> float:
+    """Load the models of ``settings`` into ``cache`` and run one decision and one final
+    reconstruction on a dummy slice (a learned policy on its own image size), so that the first
+    line of a scan does not pay for the process's kernel set-up; returns the seconds it took."""
+    import time
+
+    import numpy as np
+
+    start = time.perf_counter()
+    policy = load_models(settings, cache).policy
+    net = getattr(policy, "net", None)
+    if net is not None:
+        n_pe, n_readout = net.n_pe, net.width
+    initial = min(settings.initial, n_pe - 1)
+    engine = build_engine(settings, n_pe, n_readout, cache, initial=initial, budget=1)
+    zeros = np.zeros(n_readout, np.complex64)
+    for line in range(n_pe // 2 - initial // 2, n_pe // 2 - initial // 2 + initial):
+        engine.on_line(0, line, zeros)
+    engine.finish_slice(0)
+    seconds = time.perf_counter() - start
+    log.info("warmed up in %.2f s (policy %s, MAR %s, device %s)", seconds, settings.policy,
+             settings.mar_checkpoint or "off", engine.device)
+    return seconds

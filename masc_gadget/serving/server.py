@@ -1,162 +1,70 @@
-"""``masc serve``: the standalone MRD server running the MASC gadget.
+"""The listener of ``masc serve`` and of Gadgetron's connect mode: one accept loop, one
+:class:`~masc_gadget.serving.host.Host`, one set of protections.
 
-Speaks the client dialect of ``gadgetron_ismrmrd_client`` and of the python-ismrmrd-server
-client: config by name (1) or script (2), header (3), an optional text (5) with JSON parameters,
-acquisitions, close (4). Many connections at once, each in its own thread and isolated: a bad
-message gets a text (5) error back to that client only, and the server keeps serving.
+``masc serve`` speaks the client dialect of ``gadgetron_ismrmrd_client`` and of the
+python-ismrmrd-server client: config by name (1) or script (2), header (3), an optional text (5)
+with JSON parameters, acquisitions, close (4). Connect mode (``python -m
+masc_gadget.serving.gadget PORT``) is the same listener in the ``gadgetron`` dialect
+(:mod:`masc_gadget.serving.connection`). Many connections at once, each in its own thread and
+isolated: a bad message gets an error back to that client only, and the server keeps serving.
 
-Hostile clients are bounded (:mod:`masc_gadget.serving.connection`): connections still in their
-handshake are at most ``max_pending`` and must finish it within ``handshake_timeout_s``; a
-connection takes one of the ``max_connections`` slots only after a valid header (and token); an
-optional allow-list and shared token restrict who may connect. The port is listened on only
-after the warm-up. SIGTERM and SIGINT shut it down within a few seconds: every open connection
-gets the close message.
+Hostile clients are bounded: connections still in their handshake are at most ``max_pending``
+(``max_pending_per_peer`` per address), and a new one beyond that closes the oldest, so idle
+sockets cannot lock a real client out; a connection takes one of the ``max_connections`` slots
+(``max_connections_per_peer`` per address) only after a valid header and token, and a slot holder
+silent for ``reclaim_idle_s`` gives its slot to a client waiting for one; an optional allow-list
+and shared token restrict who may connect. The port is listened on only after the warm-up.
+SIGTERM and SIGINT shut it down within a few seconds: every open connection gets the images of
+its open slices (from the lines acquired so far), then an error naming the shutdown.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import queue
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from masc_gadget.acquisition.batcher import DecisionBatcher
-from masc_gadget.acquisition.engine import AcquisitionEngine
-from masc_gadget.config import Config, quote
-from masc_gadget.mrd.protocol import frame_close, frame_text
-from masc_gadget.serving.connection import ClientError, Connection, NamedConfigs
-from masc_gadget.serving.gadget import configure, warm_up
-from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache
-from masc_gadget.serving.settings import GadgetSettings
+from masc_gadget.config import Config
+from masc_gadget.mrd.protocol import frame_close, frame_error, frame_text
+from masc_gadget.serving.connection import Connection
+from masc_gadget.serving.host import Host, ServerConfig, is_loopback, peer_allowed
+from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache, warm_up
 
-__all__ = ["ClientError", "MascServer", "NamedConfigs", "ServerConfig", "register"]
+__all__ = ["MascServer", "ServerConfig", "register", "serve_connect_mode"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    """The standalone server (config section ``server``)."""
-
-    host: str = "127.0.0.1"
-    """Address to listen on (loopback by default; any other address logs a warning)."""
-    port: int = 9002
-    """TCP port (9002 is the MRD / FIRE convention)."""
-    max_connections: int = 32
-    """Connections served at once (slots, taken after a valid header and token)."""
-    max_pending: int = 64
-    """Connections still in their handshake at once; more are refused with an error."""
-    idle_timeout_s: float = 300.0
-    """A connection silent for this long is closed."""
-    handshake_timeout_s: float = 10.0
-    """Configuration, header (and token) must arrive, and a slot be free, within this time."""
-    message_timeout_s: float = 60.0
-    """Every message must arrive whole within this time of its first byte."""
-    max_matrix: tuple[int, int] = (1024, 1024)
-    """Largest encoded matrix a header may announce: (phase-encoding lines, readout samples)."""
-    max_slices: int = 256
-    """Most slices a header may announce (encodingLimits slice maximum + 1), and the slice
-    indices accepted when the header has no slice limit."""
-    max_kspace_bytes: int = 4 * 2**30
-    """Largest k-space a scan may hold, slices x receive coils x matrix x 8 bytes (4 GiB): a
-    multi-coil scan's buffers grow with its coils, so one whose header and first line announce
-    more is refused before anything is allocated for it."""
-    allow: tuple[str, ...] = ()
-    """Client addresses allowed to connect (IPs or CIDR networks); empty: every address."""
-    token: str = ""
-    """Shared secret a client must send as ``{"token": "..."}`` in its JSON parameters (message
-    5, right after the header); "" = no token needed."""
-    threads: int = 1
-    """torch CPU threads of the server process (0: torch's default, one per core). Decisions
-    of all connections run batched on one worker; on a busy machine more threads per forward
-    mostly contend with each other."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.threads < 0:
-            raise ValueError(f"threads must be >= 0 (0 = torch's default), got {self.threads}")
-        for name in ("max_connections", "max_pending", "max_slices", "max_kspace_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("idle_timeout_s", "handshake_timeout_s", "message_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if len(self.max_matrix) != 2 or min(self.max_matrix) < 1:
-            raise ValueError(f"max_matrix must be two sizes >= 1 (PE lines, readout samples), got {self.max_matrix}")
-        allowed_networks(self.allow)
-
-    def networks(self) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
-        """The allow-list, parsed."""
-        return allowed_networks(self.allow)
-
-
-def allowed_networks(allow: tuple[str, ...]) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
-    """IP networks of ``allow`` (a plain address is a one-address network); ValueError naming a
-    bad entry."""
-    networks = []
-    for entry in allow:
-        try:
-            networks.append(ipaddress.ip_network(str(entry).strip(), strict=False))
-        except ValueError:
-            raise ValueError(f"allow: {quote(entry)} is not an IP address or CIDR network") from None
-    return networks
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` is a loopback address (or ``localhost``)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _peer_allowed(address: str, networks: list) -> bool:
-    if not networks:
-        return True
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return any(ip.version == net.version and ip in net for net in networks)
-
-
 class MascServer:
-    """Threaded MRD server; ``start()`` binds, warms up, listens and returns (host, port)."""
+    """Threaded MRD server; ``start()`` binds, warms up, listens and returns (host, port).
+
+    ``dialect``: ``mrd`` (``masc serve``) or ``gadgetron`` (connect mode, Gadgetron is the
+    client). ``serving`` is the :class:`~masc_gadget.serving.host.Host` every connection gets."""
 
     def __init__(self, config: Config, host: str | None = None, port: int | None = None,
-                 config_folders: list[Path] | None = None, cache: ModelCache = DEFAULT_CACHE) -> None:
+                 config_folders: list[Path] | None = None, cache: ModelCache = DEFAULT_CACHE,
+                 dialect: str = "mrd") -> None:
         scfg: ServerConfig = config["server"]
         self.host = host or scfg.host
         self.port = scfg.port if port is None else port
         self.scfg = scfg
-        folders = list(config_folders or [])
-        if config.source:
-            folders.insert(0, Path(config.source).parent)
-        folders.append(Path.cwd() / "configs")
-        self.named = NamedConfigs(config, folders)
-        self.cache = cache
-        configure(config, cache)  # the models and feedback sections: what clients may choose
-        self.batcher = DecisionBatcher(AcquisitionEngine.run_group)
+        self.dialect = dialect
+        self.serving = Host.from_config(config, config_folders, cache)
         self._networks = scfg.networks()
         self._sock: socket.socket | None = None
         self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(scfg.max_connections)
-        self._pending = 0
+        self._lock = threading.Condition()
+        self._pending: OrderedDict[Connection, None] = OrderedDict()  # oldest first
+        self._slots: dict[Connection, None] = {}
         self._connections: dict[Connection, threading.Thread] = {}
         self._accept: threading.Thread | None = None
-        GadgetSettings.from_config(config)  # fail early on a bad config
 
     def start(self) -> tuple[str, int]:
         """Bind (so that a taken port fails at once), warm up, then listen: the port accepts
@@ -170,6 +78,7 @@ class MascServer:
             sock.close()
             raise OSError(f"cannot listen on {self.host}:{self.port}: {err.strerror or err}") from None
         self.port = sock.getsockname()[1]
+        self.serving.own_ports.add(self.port)
         if self.scfg.threads:
             torch.set_num_threads(self.scfg.threads)
         try:
@@ -185,18 +94,23 @@ class MascServer:
         if not is_loopback(self.host):
             log.warning("listening on %s, reachable from other hosts: %s", self.host,
                         "; ".join(self._access_summary()))
-        log.info("MASC server listening on %s:%d", self.host, self.port)
+        if self.dialect == "gadgetron" and self.scfg.token:
+            log.warning("server.token is not asked of Gadgetron streams (Gadgetron forwards no text "
+                        "messages): keep connect mode on loopback or behind server.allow")
+        what = "MASC gadget (connect mode)" if self.dialect == "gadgetron" else "MASC server"
+        log.info("%s listening on %s:%d", what, self.host, self.port)
         return self.host, self.port
 
     def _access_summary(self) -> list[str]:
         return [f"allow-list {', '.join(self.scfg.allow)}" if self.scfg.allow
                 else "no allow-list (server.allow): every address may connect",
-                "token required" if self.scfg.token else "no token (server.token): no authentication"]
+                "token required" if self.scfg.token and self.dialect == "mrd"
+                else "no token (server.token): no authentication"]
 
     def warm_up(self, n_pe: int = 64, n_readout: int = 64) -> float:
         """Load the default models and run one decision and one reconstruction before the first
-        client (:func:`masc_gadget.serving.gadget.warm_up`); returns the seconds it took."""
-        return warm_up(GadgetSettings.from_config(self.named.config), self.cache, n_pe, n_readout)
+        client (:func:`masc_gadget.serving.models.warm_up`); returns the seconds it took."""
+        return warm_up(self.serving.default, self.serving.cache, n_pe, n_readout)
 
     # ---------------------------------------------------------------------------- connections
 
@@ -215,62 +129,93 @@ class MascServer:
                 conn.close()
 
     def _admit(self, conn: socket.socket, addr: tuple) -> None:
-        """Check a new connection against the allow-list and ``max_pending``; start its thread."""
+        """Check a new connection against the allow-list; make room among the connections in
+        their handshake (the oldest goes); start its thread."""
         peer = f"{addr[0]}:{addr[1]}"
-        if not _peer_allowed(addr[0], self._networks):
+        if not peer_allowed(addr[0], self._networks):
             log.warning("refused %s: not in the allow-list (server.allow)", peer)
-            _refuse(conn, "this client address is not allowed to connect (server.allow)")
+            _refuse(conn, "this client address is not allowed to connect (server.allow)", self.dialect)
             return
+        connection = Connection(conn, peer, self.serving, self.dialect, self._take_slot)
         with self._lock:
-            busy = self._pending >= self.scfg.max_pending
-            if not busy:
-                self._pending += 1
-        if busy:
-            log.warning("refused %s: %d connections already in their handshake", peer, self.scfg.max_pending)
-            _refuse(conn, f"server busy: {self.scfg.max_pending} connections are already in their "
-                    "handshake (server.max_pending); try again later")
-            return
-        log.info("connection from %s", peer)
-        connection = None
-        try:
-            connection = Connection(conn, peer, self.named, self.cache, self.scfg, self._take_slot,
-                                    self.batcher)
+            same_peer = [c for c in self._pending if c.address == connection.address]
+            if len(same_peer) >= self.scfg.max_pending_per_peer:
+                self._evict(same_peer[0], f"{self.scfg.max_pending_per_peer} connections from this address "
+                            "were in their handshake (server.max_pending_per_peer)")
+            elif len(self._pending) >= self.scfg.max_pending:
+                self._evict(next(iter(self._pending)), f"{self.scfg.max_pending} connections were in their "
+                            "handshake (server.max_pending)")
+            self._pending[connection] = None
             thread = threading.Thread(target=self._serve, args=(connection,), name=f"masc-{peer}", daemon=True)
-            with self._lock:
-                self._connections[connection] = thread
+            self._connections[connection] = thread
+        log.info("connection from %s", peer)
+        try:
             thread.start()
         except BaseException:
             with self._lock:
-                self._pending -= 1
+                self._pending.pop(connection, None)
                 self._connections.pop(connection, None)
             raise
 
+    def _evict(self, connection: Connection, why: str) -> None:
+        """Close the oldest connection still in its handshake (lock held) to make room."""
+        self._pending.pop(connection, None)
+        log.warning("closing %s, still in its handshake after %.1f s: %s", connection.peer,
+                    time.monotonic() - connection.opened, why)
+        connection.interrupt(f"server busy: closed before the end of the handshake to make room for a "
+                             f"newer connection; {why}")
+
     def _take_slot(self, connection: Connection, deadline: float) -> bool:
-        """A slot for ``connection`` (its handshake is done), waiting until ``deadline``."""
-        while not (self._stop.is_set() or connection.interrupted.is_set()):
-            if self._slots.acquire(timeout=max(0.0, min(0.1, deadline - time.monotonic()))):
-                with self._lock:
-                    self._pending -= 1
-                connection.slot = True
-                return True
-            if time.monotonic() >= deadline:
-                return False
+        """A slot for ``connection`` (its handshake is done), waiting until ``deadline``; while
+        every slot is taken, the holder silent for longest past ``reclaim_idle_s`` gives its up."""
+        per_peer = self.scfg.max_connections_per_peer
+        with self._lock:
+            self._pending.pop(connection, None)
+            while not (self._stop.is_set() or connection.interrupted.is_set()):
+                held = sum(c.address == connection.address for c in self._slots)
+                if len(self._slots) < self.scfg.max_connections and held < per_peer:
+                    self._slots[connection] = None
+                    connection.slot = True
+                    return True
+                if held >= per_peer:
+                    connection.interrupt_reason = (
+                        f"server busy: this address holds {held} connection slots, the limit per address "
+                        "(server.max_connections_per_peer); try again later")
+                else:
+                    self._reclaim()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._lock.wait(min(0.1, left))
         return False
+
+    def _reclaim(self) -> None:
+        """The slot holder silent for longest gives up its slot if it has been silent at least
+        ``reclaim_idle_s`` (lock held)."""
+        now = time.monotonic()
+        idle = [c for c in self._slots if not c.interrupted.is_set()
+                and now - c.last_activity >= self.scfg.reclaim_idle_s]
+        if idle:
+            victim = min(idle, key=lambda c: c.last_activity)
+            silent = now - victim.last_activity
+            log.warning("%s silent for %.0f s while a client waits for a slot: closing it", victim.peer, silent)
+            victim.interrupt(f"connection silent for {silent:.0f} s while another client waited for a slot "
+                             f"(server.reclaim_idle_s = {self.scfg.reclaim_idle_s:g} s)")
 
     def _serve(self, connection: Connection) -> None:
         try:
             connection.run()
         finally:
             with self._lock:
-                if connection.slot:
-                    self._slots.release()
-                else:
-                    self._pending -= 1
+                self._pending.pop(connection, None)
+                self._slots.pop(connection, None)
                 self._connections.pop(connection, None)
+                self._lock.notify_all()
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop accepting; send every open connection the close message and shut its socket;
-        wait up to ``timeout`` s in all for their threads."""
+        """Stop accepting; every open connection stops reading, sends the images of its open
+        slices and an error naming the shutdown, then closes; after ``timeout`` s in all, what
+        is still open is closed."""
         deadline = time.monotonic() + timeout
         self._stop.set()
         if self._accept is not None:
@@ -279,40 +224,64 @@ class MascServer:
             self._sock.close()
         with self._lock:
             open_connections = dict(self._connections)
+            self._lock.notify_all()
         for connection in open_connections:
-            connection.interrupt()
+            connection.interrupt("the server is shutting down: the open slices were sent with the lines "
+                                 "acquired so far; scan them again on a running server")
+        for thread in open_connections.values():
+            thread.join(max(0.0, deadline - 0.5 - time.monotonic()))
+        for connection, thread in open_connections.items():
+            if thread.is_alive():
+                connection.force_close()
         for thread in open_connections.values():
             thread.join(max(0.0, deadline - time.monotonic()))
-        self.batcher.close(max(0.0, deadline - time.monotonic()))
+        self.serving.close(max(0.0, deadline - time.monotonic()))
         left = sum(thread.is_alive() for thread in open_connections.values())
         if left:
             log.warning("MASC server stopped with %d connection thread(s) still finishing", left)
         else:
             log.info("MASC server stopped (%d connection(s) closed)", len(open_connections))
 
-    def serve_forever(self) -> None:
-        """Run until SIGTERM / SIGINT (main thread only)."""
+    def serve_forever(self, stop: threading.Event | None = None,
+                      ready: Callable[[int], None] | None = None) -> None:
+        """Run until SIGTERM / SIGINT (signals: main thread only) or until ``stop`` is set;
+        ``ready(port)`` once listening."""
         import signal
 
-        stop = queue.Queue()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: stop.put(signum))
+        signals: queue.Queue = queue.Queue()
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda signum, frame: signals.put(signum))
         self.start()
-        while True:
+        if ready is not None:
+            ready(self.port)
+        stop = stop or threading.Event()
+        while not stop.is_set():
             try:
-                signum = stop.get(timeout=0.5)
-                break
+                signum = signals.get(timeout=0.2)
             except queue.Empty:
                 continue
-        log.info("signal %d received, shutting down", signum)
+            log.info("signal %d received, shutting down", signum)
+            break
         self.shutdown()
 
 
-def _refuse(conn: socket.socket, message: str) -> None:
+def serve_connect_mode(config: Config, port: int, host: str = "127.0.0.1", cache: ModelCache = DEFAULT_CACHE,
+                       stop: threading.Event | None = None, ready: Callable[[int], None] | None = None) -> None:
+    """Gadgetron's connect mode (``<external><connect port=.../>``): listen on ``host:port`` and
+    serve every stream Gadgetron opens, concurrently, with ``masc serve``'s limits (the config's
+    ``server`` section, but its host and port) and its shutdown, until SIGTERM / SIGINT or
+    ``stop``. The models of the config are warmed up before the port opens; ``ready(port)`` is
+    called once listening (port 0 picks a free one)."""
+    MascServer(config, host=host, port=port, cache=cache, dialect="gadgetron").serve_forever(stop, ready)
+
+
+def _refuse(conn: socket.socket, message: str, dialect: str = "mrd") -> None:
     """Tell a connection that is not served why (never blocking the accept loop), and close it."""
+    text = f"MASC error: {message}"
     try:
         conn.settimeout(0.5)
-        conn.sendall(frame_text(f"MASC error: {message}") + frame_close())
+        conn.sendall((frame_text(text) if dialect == "mrd" else frame_error(text)) + frame_close())
         conn.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
@@ -337,7 +306,7 @@ def _cmd_serve(args) -> int:
 
     config = config_from_args(args)
     server = MascServer(config, host=args.host, port=args.port)
-    settings = GadgetSettings.from_config(config)
+    settings = server.serving.default
     log.info("default settings: policy %s, %d + %d lines, MAR %s, device %s", settings.policy,
              settings.initial, settings.budget, settings.mar_checkpoint or "off", settings.device)
     server.serve_forever()

@@ -16,15 +16,13 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-import yaml
-
 from masc_gadget.acquisition.episode import AcquisitionConfig
 from masc_gadget.config import QUOTE_CHARS, ConfigError, from_dict, quote
 from masc_gadget.core.ood import check_fallback_setting
 from masc_gadget.mrd.header import parse_xml
 
 __all__ = ["GadgetConfig", "GadgetSettings", "SETTINGS", "parameters_json", "settings_from_json", "settings_from_xml",
-           "MAX_CONFIG_CHARS", "MAX_PARAMETERS_CHARS", "MAX_VALUE_CHARS", "MAX_JSON_DEPTH"]
+           "MAX_CONFIG_CHARS", "MAX_PARAMETERS_CHARS", "MAX_VALUE_CHARS", "MAX_JSON_DEPTH", "scalar"]
 
 MAX_CONFIG_CHARS = 1 << 20
 """Longest configuration script (message 2) accepted; Gadgetron stream XMLs are a few kB."""
@@ -154,30 +152,39 @@ def _is_text(key: str) -> bool:
     return hint is str or str in typing.get_args(hint)
 
 
+_INT = re.compile(r"[-+]?[0-9]{1,18}")
+_FLOAT = re.compile(r"[-+]?(?:[0-9]{1,40}\.?[0-9]{0,40}|\.[0-9]{1,40})(?:[eE][-+]?[0-9]{1,3})?")
+_BOOLS = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False}
+
+
+def scalar(text: str) -> Any:
+    """A ``<configuration>`` value as the YAML scalar a config file would read (``5``, ``0.5``,
+    ``1e-3``, ``true`` / ``yes`` / ``on``, ``null``), in linear time: anything else (a
+    collection, an anchor, a 40-digit number) stays text, for the setting's own check to refuse
+    by name."""
+    if _INT.fullmatch(text):
+        return int(text)
+    if _FLOAT.fullmatch(text):
+        return float(text)
+    lowered = text.lower()
+    if lowered in _BOOLS:
+        return _BOOLS[lowered]
+    if lowered in ("null", "~"):
+        return None
+    return text
+
+
 def _typed(key: str, text: str) -> Any:
     """A ``<configuration>`` value as its setting's type: text settings take the text as it is
-    (so ``value=""`` is the empty string), the others a YAML scalar (``5``, ``true``). No YAML
-    anchors, aliases or collections: a value is one bounded scalar."""
+    (so ``value=""`` is the empty string), the others a scalar (:func:`scalar`). No YAML
+    parser sees a value a client sent (it is quadratic on nested collections)."""
     if len(text) > MAX_VALUE_CHARS:
         raise ConfigError(f"configuration.{key[:QUOTE_CHARS]}: value is {len(text)} characters, "
                           f"more than the limit {MAX_VALUE_CHARS}")
     text = text.strip()
-    if key not in SETTINGS or _is_text(key):
-        return text
-    if not text:
-        return text  # the setting's own check names the type it needs
-    try:
-        events = list(yaml.parse(text, Loader=yaml.SafeLoader))
-    except yaml.YAMLError:
-        return text
-    if any(isinstance(e, yaml.AliasEvent) or getattr(e, "anchor", None) for e in events):
-        raise ConfigError(f"configuration.{key}: YAML anchors and aliases are not allowed in values")
-    if any(isinstance(e, yaml.CollectionStartEvent) for e in events):
-        return text  # not a scalar: the setting's check rejects it, quoting it briefly
-    try:
-        return yaml.safe_load(text)
-    except (yaml.YAMLError, ValueError):  # ValueError: an integer of too many digits
-        return text
+    if key not in SETTINGS or _is_text(key) or not text:
+        return text  # an empty value: the setting's own check names the type it needs
+    return scalar(text)
 
 
 def _as_element(config: ET.Element | str | bytes) -> ET.Element | None:
@@ -236,34 +243,38 @@ def settings_from_xml(element: ET.Element | str | bytes | None, base: GadgetSett
     return base.updated(values, "configuration")
 
 
-def _json_depth_exceeds(text: str, limit: int) -> bool:
-    """Whether arrays / objects nest deeper than ``limit`` (brackets inside strings ignored)."""
-    depth = 0
-    for token in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', text):
-        char = token.group()
-        if char in "[{":
-            depth += 1
-            if depth > limit:
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether arrays / objects in a parsed JSON value nest deeper than ``limit`` (iterative,
+    linear in the number of values)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth + 1 > limit:
                 return True
-        elif char in "]}":
-            depth -= 1
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
     return False
 
 
 def parameters_json(text: str) -> dict[str, Any]:
     """The JSON object of a parameters text, within :data:`MAX_PARAMETERS_CHARS` and
-    :data:`MAX_JSON_DEPTH`; ConfigError otherwise."""
+    :data:`MAX_JSON_DEPTH`; ConfigError otherwise. Linear in the text's length: the C parser
+    first (nesting beyond Python's recursion limit is its RecursionError), then the depth."""
     if len(text) > MAX_PARAMETERS_CHARS:
         raise ConfigError(f"parameters text is {len(text)} characters, more than the limit "
                           f"{MAX_PARAMETERS_CHARS}")
-    if _json_depth_exceeds(text, MAX_JSON_DEPTH):
-        raise ConfigError(f"parameters text nests arrays / objects deeper than the limit {MAX_JSON_DEPTH}")
     try:
         values = json.loads(text)
     except json.JSONDecodeError as err:
         raise ConfigError(f"parameters text is not valid JSON: {err}") from None
-    except (ValueError, RecursionError) as err:  # e.g. an integer of too many digits
-        raise ConfigError(f"parameters text is not usable JSON: {str(err)[:2 * QUOTE_CHARS]}") from None
+    except RecursionError:
+        raise ConfigError(f"parameters text nests arrays / objects deeper than the limit {MAX_JSON_DEPTH}") from None
+    except ValueError:  # an integer beyond Python's digit limit for int()
+        raise ConfigError("parameters text has a number of thousands of digits; settings are small "
+                          "numbers, names and flags") from None
+    if _depth_exceeds(values, MAX_JSON_DEPTH):
+        raise ConfigError(f"parameters text nests arrays / objects deeper than the limit {MAX_JSON_DEPTH}")
     if not isinstance(values, dict):
         raise ConfigError("parameters text must be a JSON object")
     return values

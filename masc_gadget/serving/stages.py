@@ -1,12 +1,12 @@
 """The gadget loop as small generator stages, each ``(iterable, context) -> iterable``, the way
 gadgetron-python's examples are written::
 
-    items -> parameters -> imaging_lines -> start_engine -> well_formed -> decide -> images -> send
+    items -> parameters -> imaging_lines -> well_formed -> decide -> images -> send_all
 
 Stages pull lazily, so each acquisition runs through the whole chain (decisions and images
 sent) before the next item is read. What the stages share — the settings, the engine, the
 templates of the images, the counters, where errors go — is the :class:`Context` of the
-connection. :func:`masc_gadget.serving.gadget.process` chains them; the Gadgetron entry point
+connection. :func:`process` chains them; the Gadgetron entry point
 ``masc(connection)`` and the standalone server both run ``process``.
 """
 
@@ -24,18 +24,19 @@ import ismrmrd
 import numpy as np
 
 from masc_gadget import __version__
-from masc_gadget.acquisition.batcher import DecisionBatcher
 from masc_gadget.acquisition.engine import AcquisitionEngine, SliceResult
 from masc_gadget.core.readout import oversampling_output, place_readout, remove_oversampling
-from masc_gadget.mrd.feedback import fire_feedback, ZmqFeedback, allowed_endpoints, feedback_acquisition, is_feedback
+from masc_gadget.config import ConfigError
+from masc_gadget.mrd.feedback import fire_feedback, ZmqFeedback, feedback_acquisition, is_feedback
 from masc_gadget.mrd.header import EncodingGeometry, encoding_geometry, receiver_channels, slice_limit
-from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache, build_engine
+from masc_gadget.serving.host import Host
+from masc_gadget.serving.models import build_engine
 from masc_gadget.serving.settings import GadgetSettings, settings_from_json
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Context", "STAGES", "active_channels", "decide", "imaging_lines", "images", "make_image", "parameters",
-           "pipeline", "send", "start_engine", "well_formed"]
+           "pipeline", "process", "send_all", "well_formed"]
 
 # acquisitions that carry no imaging data for this reconstruction
 _SKIP_FLAGS = (
@@ -63,10 +64,9 @@ class Context:
     """Delivers images and in-band feedback to the client."""
     on_error: Callable[[str], None] | None = None
     """Also told about every rejected or ignored item (besides the log)."""
-    cache: ModelCache = DEFAULT_CACHE
-    batcher: DecisionBatcher | None = None
-    """The server's shared decision batcher (one batched forward for every connection waiting
-    at the same moment); None: this connection's engine decides alone."""
+    host: Host = field(default_factory=Host)
+    """What the process serving this stream holds (:class:`~masc_gadget.serving.host.Host`):
+    its limits, memory budget, model cache, decision batcher, side-channel allow-list."""
     trusted: GadgetSettings | None = None
     """The operator's settings: their checkpoints and ZeroMQ address may be anything; a value
     the connection changes (JSON parameters) must be a model name the server offers and an
@@ -74,14 +74,13 @@ class Context:
     :func:`masc_gadget.mrd.feedback.endpoint_allowed`). Default: ``settings`` as given."""
     geometry: EncodingGeometry = field(init=False)
     engine: AcquisitionEngine | None = None
-    """Built at the first imaging acquisition (:func:`start_engine`)."""
+    """Built at the first well-formed imaging acquisition (:func:`well_formed`)."""
     zmq_out: ZmqFeedback | None = None
     closed_loop: bool = False
     """In-band feedback was asked for: the client acquires what the gadget decides, so a slice
     is also finished once its budget is spent (:meth:`finishes`)."""
-    max_kspace_bytes: tuple[int, int] | None = None
-    """(budget, slices): the scan's k-space, slices x coils x matrix x 8 bytes, must fit the
-    budget (the server's ``max_kspace_bytes``); None: no budget."""
+    reserved: int = 0
+    """Bytes of the host's memory budget this scan holds (released by :meth:`close`)."""
     coils: tuple[int, ...] = ()
     """The receive channels of the scan: those of its first imaging acquisition
     (:func:`active_channels`); every later line must carry them."""
@@ -110,29 +109,48 @@ class Context:
     def start(self, first: ismrmrd.Acquisition | None = None) -> None:
         """The side channel and the engine (models loaded through the cache) of the settings,
         for the channels of the ``first`` imaging acquisition (without it: the header's
-        ``receiverChannels``, or one); ValueError /
-        ConfigError for an endpoint not allowed, a model not offered, or channels beyond the
-        header's ``receiverChannels``."""
+        ``receiverChannels``, or one). ValueError for channels beyond the header's
+        ``receiverChannels`` (that line is rejected, and the next one may start the scan);
+        ConfigError, which ends the scan, for an endpoint not allowed, a model not offered,
+        or a k-space over the host's limits."""
         s = self.settings
         limit = receiver_channels(self.header)
-        self.coils = tuple(range(limit or 1)) if first is None else active_channels(first)
-        if limit is not None and max(self.coils) >= limit:
-            raise ValueError(f"the first acquisition uses channel {max(self.coils)}, but the header has "
+        coils = tuple(range(limit or 1)) if first is None else active_channels(first)
+        if not coils:
+            raise ValueError("the acquisition carries no receive channel (active_channels 0)")
+        if limit is not None and max(coils) >= limit:
+            raise ValueError(f"the acquisition uses channel {max(coils)}, but the header has "
                              f"{limit} receiver channel(s)")
-        if self.max_kspace_bytes is not None:
-            budget, n_slices = self.max_kspace_bytes
-            need = n_slices * len(self.coils) * self.geometry.n_pe * self.geometry.grid_readout * 8
-            if need > budget:
-                raise ValueError(f"the scan's k-space ({n_slices} slices x {len(self.coils)} coils x "
-                                 f"{self.geometry.n_pe} x {self.geometry.grid_readout} samples, {need / 2**30:.1f} GiB) "
-                                 f"exceeds this server's limit of {budget / 2**30:.1f} GiB (server.max_kspace_bytes)")
-        if s.zmq_address:
-            operator = s.zmq_address == self.trusted.zmq_address
-            allowed = (*allowed_endpoints(), s.zmq_address) if operator else None
-            self.zmq_out = ZmqFeedback(s.zmq_address, allowed=allowed)
-        self.engine = build_engine(s, self.geometry.n_pe, self.geometry.grid_readout, self.cache,
-                                   trusted=self.trusted, batcher=self.batcher, n_coils=len(self.coils))
+        self._reserve(len(coils))
+        self.coils = coils
+        try:
+            if s.zmq_address:
+                operator = s.zmq_address == self.trusted.zmq_address
+                self.host.check_side_channel(s.zmq_address)
+                allowed = (*self.host.zmq_allow, s.zmq_address) if operator else self.host.zmq_allow
+                self.zmq_out = ZmqFeedback(s.zmq_address, allowed=allowed)
+            self.engine = build_engine(s, self.geometry.n_pe, self.geometry.grid_readout, self.host.cache,
+                                       trusted=self.trusted, batcher=self.host.batcher, n_coils=len(coils))
+        except ValueError as err:  # the scan cannot run at all: not one line's fault
+            raise ConfigError(str(err)) from None
         self.closed_loop = s.feedback in ("inband", "fire")
+
+    def _reserve(self, n_coils: int) -> None:
+        """Take the scan's k-space (slices x coils x matrix x 8 bytes) from the host: within
+        ``server.max_kspace_bytes`` for one scan and ``server.memory_budget_bytes`` for all."""
+        limits = self.host.limits
+        n_slices = slice_limit(self.header) or limits.max_slices
+        need = n_slices * n_coils * self.geometry.n_pe * self.geometry.grid_readout * 8
+        shape = (f"the scan's k-space ({n_slices} slices x {n_coils} coils x {self.geometry.n_pe} x "
+                 f"{self.geometry.grid_readout} samples, {need / 2**30:.2f} GiB)")
+        if need > limits.max_kspace_bytes:
+            raise ConfigError(f"{shape} exceeds this server's limit of {limits.max_kspace_bytes / 2**30:.2f} GiB "
+                              "per scan (server.max_kspace_bytes)")
+        if not self.host.budget.reserve(need):
+            raise ConfigError(f"{shape} does not fit what is left of this server's memory budget for all "
+                              f"scans ({self.host.budget.total / 2**30:.2f} GiB, server.memory_budget_bytes); "
+                              "try again when other scans have finished")
+        self.reserved = need
 
     def finishes(self, slice_index: int) -> bool:
         """Whether a slice is finished now, before the scanner's ``ACQ_LAST_IN_SLICE``: its
@@ -149,6 +167,9 @@ class Context:
     def close(self) -> None:
         if self.zmq_out is not None:
             self.zmq_out.close()
+        if self.reserved:
+            self.host.budget.release(self.reserved)
+            self.reserved = 0
 
 
 def parameters(items: Iterable[Any], ctx: Context) -> Iterator[Any]:
@@ -201,15 +222,6 @@ def channel_mask_mismatch(acq: ismrmrd.Acquisition) -> str | None:
     return None
 
 
-def start_engine(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[ismrmrd.Acquisition]:
-    """Build the connection's engine at the first imaging acquisition, before it is checked,
-    for that acquisition's receive channels."""
-    for acq in acqs:
-        if ctx.engine is None:
-            ctx.start(acq)
-        yield acq
-
-
 class GridLine(NamedTuple):
     """An acquisition on the reconstruction grid (:func:`well_formed`)."""
 
@@ -244,11 +256,12 @@ def to_grid(acq: ismrmrd.Acquisition, samples: np.ndarray, geometry: EncodingGeo
 
 
 def well_formed(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[GridLine]:
-    """Reject (``ctx.reject``) acquisitions that do not carry the scan's channels
-    (``ctx.coils``; a line with more channels gives the scan's), whose readout is longer than
-    the header's encoded matrix or does not fit the grid (:func:`to_grid`), or whose slice is
-    beyond the header's slice limit (a stream cannot grow without bound). Yields each line on the
-    reconstruction grid (:class:`GridLine`)."""
+    """Reject (``ctx.reject``) acquisitions beyond the header's slice limit (a stream cannot grow
+    without bound), with no receive channel, whose readout is longer than the header's encoded
+    matrix or does not fit the grid (:func:`to_grid`), or that do not carry the scan's channels
+    (``ctx.coils``; a line with more gives the scan's). The first line that passes starts the
+    engine (:meth:`Context.start`) for its channels: a rejected line never fixes the scan's
+    coil set. Yields each line on the reconstruction grid (:class:`GridLine`)."""
     n_readout = ctx.geometry.n_readout
     n_slices = slice_limit(ctx.header)
     for acq in acqs:
@@ -258,7 +271,11 @@ def well_formed(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[G
             ctx.reject(f"slice {slice_index} line {line}: beyond the header's slice limit "
                        f"({n_slices} slices)")
             continue
-        if data.ndim != 2 or not 1 <= data.shape[1] <= n_readout:
+        if data.ndim != 2 or data.shape[0] == 0:
+            ctx.reject(f"slice {slice_index} line {line}: the acquisition carries no receive channel "
+                       "(active_channels 0)")
+            continue
+        if not 1 <= data.shape[1] <= n_readout:
             ctx.reject(f"slice {slice_index} line {line}: {data.shape[-1]} samples, but the header's "
                        f"encoded matrix has {n_readout} readout samples")
             continue
@@ -268,16 +285,21 @@ def well_formed(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[G
             if mismatch is not None:
                 ctx.mask_warned = True
                 log.warning("slice %d line %d: %s (said once per connection)", slice_index, line, mismatch)
+        coils = ctx.coils if ctx.engine is not None else channels
         where = {c: i for i, c in enumerate(channels)}
-        missing = [c for c in ctx.coils if c not in where]
+        missing = [c for c in coils if c not in where]
         if missing:
             ctx.reject(f"slice {slice_index} line {line}: the acquisition carries channels {list(channels)[:16]}, "
-                       f"without {missing[:16]} that the scan's first line had ({len(ctx.coils)} coils)")
+                       f"without {missing[:16]} that the scan's first line had ({len(coils)} coils)")
             continue
-        rows = [where[c] for c in ctx.coils]
+        rows = [where[c] for c in coils]
         samples = data if rows == list(range(data.shape[0])) else data[rows]
         try:
             row, samples = to_grid(acq, samples, ctx.geometry)
+            if ctx.engine is None:
+                ctx.start(acq)
+        except ConfigError:  # the scan cannot run: ends the stream with its reason
+            raise
         except ValueError as err:
             ctx.reject(f"slice {slice_index} line {line}: {err}")
             continue
@@ -328,14 +350,14 @@ def images(results: Iterable[SliceResult], ctx: Context) -> Iterator[ismrmrd.Ima
             yield make_image(result, template, ctx.header, series=2, zero_filled=True)
 
 
-def send(items: Iterable[Any], ctx: Context) -> None:
+def send_all(items: Iterable[Any], ctx: Context) -> None:
     """The end of the chain: deliver every item to the client."""
     for item in items:
         ctx.send_item(item)
 
 
-STAGES = (parameters, imaging_lines, start_engine, well_formed, decide, images)
-"""The stages from the connection's items to its images, in order (then :func:`send`)."""
+STAGES = (parameters, imaging_lines, well_formed, decide, images)
+"""The stages from the connection's items to its images, in order (then :func:`send_all`)."""
 
 
 def pipeline(items: Iterable[Any], ctx: Context) -> Iterable[Any]:
@@ -343,6 +365,33 @@ def pipeline(items: Iterable[Any], ctx: Context) -> Iterable[Any]:
     for stage in STAGES:
         items = stage(items, ctx)
     return items
+
+
+def process(items: Iterable[Any], header: Any, settings: GadgetSettings, send: Callable[[Any], None],
+            on_error: Callable[[str], None] | None = None, *, host: Host | None = None,
+            trusted: GadgetSettings | None = None, eager: bool = False) -> dict[str, int]:
+    """The gadget loop, transport-free: ``items`` yields acquisitions (and, from a standalone
+    client, JSON parameter strings before the first acquisition); ``send`` delivers images and
+    in-band feedback. Bad acquisitions are reported through ``on_error`` and skipped;
+    nothing already acquired is lost. Runs :data:`STAGES`.
+
+    ``host``: what the serving process holds (limits, memory budget, model cache, decision
+    batcher, side-channel allow-list; default: a :class:`~masc_gadget.serving.host.Host` with
+    the defaults). ``trusted``: the operator's settings (default: ``settings`` itself);
+    checkpoints that the connection names differently must be names the server offers
+    (:func:`masc_gadget.serving.models.load_models`). ``eager``: build and warm up the engine
+    now, from the header, instead of at the first acquisition (for streams whose settings
+    cannot change later, as through Gadgetron, which drops the client's text messages).
+
+    Returns counters (acquisitions, decisions, images, rejected)."""
+    ctx = Context(header, settings, send, on_error=on_error, host=host or Host(), trusted=trusted)
+    try:
+        if eager:
+            ctx.start()
+        send_all(pipeline(items, ctx), ctx)
+    finally:
+        ctx.close()
+    return ctx.stats
 
 
 _MAX_META_TEXT = 128

@@ -24,6 +24,7 @@ import pytest
 
 from masc_gadget.mrd.header import parse_header
 from masc_gadget.serving.gadget import GadgetSettings, process
+from masc_gadget.serving.host import Host
 from masc_gadget.serving.models import ModelCache
 from masc_gadget.serving.settings import settings_from_xml
 from sim_scanner.dataset.layout import read_manifest, subject_path
@@ -134,7 +135,7 @@ def _offline(subject: Path, xml: Path, lines: dict[int, list[int]] | None = None
     images: list = []
     settings = settings_from_xml(xml.read_text(), GadgetSettings()).updated(
         {"feedback": "none", "zmq_address": ""}, "test")
-    process(iter(acqs), parse_header(header), settings, images.append, cache=ModelCache())
+    process(iter(acqs), parse_header(header), settings, images.append, host=Host(cache=ModelCache()))
     images = sorted((im for im in images if isinstance(im, ismrmrd.Image) and im.image_series_index == 1),
                     key=lambda im: im.slice)  # series 1: the MAR image (series 2: zero-filled)
     return np.stack([im.data[0, 0] for im in images])

@@ -12,8 +12,12 @@ import pytest
 from masc_gadget.acquisition.policies import make_policy, run_episode
 from masc_gadget.mrd.feedback import decision_from_acquisition
 from masc_gadget.mrd.protocol import ID_ACQUISITION, ID_CLOSE, ID_IMAGE, ConnectionClosed, MrdStream
-from masc_gadget.serving import gadget
-from masc_gadget.serving.gadget import GadgetSettings, serve_connect_mode
+from masc_gadget.config import load_config
+from masc_gadget.serving import gadget, server
+from masc_gadget.serving.connection import Connection
+from masc_gadget.serving.gadget import GadgetSettings
+from masc_gadget.serving.server import serve_connect_mode
+from masc_gadget.serving.host import Host
 from masc_gadget.serving.models import ModelCache
 from sim_scanner.dataset.layout import read_manifest, subject_path
 
@@ -40,12 +44,12 @@ def subject(tiny_dataset):
 def module(monkeypatch):
     """The connect-mode module on a free port; yields (port, events it logged)."""
     warmed = []
-    real = gadget.warm_up
-    monkeypatch.setattr(gadget, "warm_up", lambda *a, **k: warmed.append(real(*a, **k)))
+    real = server.warm_up
+    monkeypatch.setattr(server, "warm_up", lambda *a, **k: warmed.append(real(*a, **k)))
     stop, ready = threading.Event(), []
     thread = threading.Thread(
         target=serve_connect_mode, daemon=True,
-        args=(0, GadgetSettings(device="cpu"), "127.0.0.1", ModelCache(), stop, ready.append))
+        args=(load_config(None, ["gadget.device=cpu"]), 0, "127.0.0.1", ModelCache(), stop, ready.append))
     thread.start()
     for _ in range(200):
         if ready:
@@ -107,19 +111,19 @@ def test_connect_mode_serves_concurrent_streams(module, subject):
     assert results["later"][0] == results[0][0]
 
 
-def test_streams_get_tcp_nodelay(module, subject, monkeypatch):
+def test_streams_get_tcp_nodelay_and_quick_acks(module, subject, monkeypatch):
     seen = []
-    real = gadget.masc
+    real = Connection.run
 
-    def spy(connection, *args, **kwargs):
-        sock = connection.socket.socket
-        real(connection, *args, **kwargs)
-        seen.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+    def spy(connection):
+        sock = connection.stream.sock
+        seen.append((sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY), connection.stream.quick_ack))
+        real(connection)
 
-    monkeypatch.setattr(gadget, "masc", spy)
+    monkeypatch.setattr(Connection, "run", spy)
     results = {}
     _stream(module, subject, results, 0)
-    assert seen and all(seen)
+    assert seen and all(nodelay and quick for nodelay, quick in seen)
 
 
 def test_lines_beyond_the_header_slice_limit_are_rejected_inside_gadgetron_too(subject):
@@ -136,7 +140,7 @@ def test_lines_beyond_the_header_slice_limit_are_rejected_inside_gadgetron_too(s
     errors, sent = [], []
     stream = [acqs[(0, k)] for k in range(n_pe)] + [rogue]
     stats = process(iter(stream), parsed, GadgetSettings(device="cpu"), sent.append, on_error=errors.append,
-                    cache=ModelCache())
+                    host=Host(cache=ModelCache()))
     assert stats["rejected"] == 1 and f"slice {n_slices + 100}" in errors[0] and "slice limit" in errors[0]
     # the slice's MAR series and its zero-filled series
     assert [(im.slice, im.image_series_index) for im in sent if isinstance(im, ismrmrd.Image)] == [(0, 1), (0, 2)]

@@ -87,9 +87,10 @@ def test_channel_mask_and_the_header_are_honoured():
     acqs[2] = _acq(0.6 * ks[0][17][None], 0, 17, mask_bits=[3])
     stats, images, errors = _run(acqs, _header(8))
     assert stats["rejected"] == 1 and "without [5]" in errors[0] and stats["images"] == 2
-    # channels beyond the header's receiverChannels: the scan cannot start (the server reports it to the client)
-    with pytest.raises(ValueError, match="uses channel 5, but the header has 4 receiver channel"):
-        _run(_scan(ks, weights, mask_bits=[3, 5]), _header(4))
+    # channels beyond the header's receiverChannels: each such line is rejected, and none starts the scan
+    stats, images, errors = _run(_scan(ks, weights, mask_bits=[3, 5]), _header(4))
+    assert stats["images"] == 0 and stats["rejected"] == len(errors) > 0
+    assert all("uses channel 5, but the header has 4 receiver channel" in e for e in errors)
 
 
 def test_engine_takes_one_row_per_coil_and_combines_them():

@@ -6,6 +6,7 @@ import pytest
 
 from masc_gadget.mrd.header import parse_header
 from masc_gadget.serving.gadget import process
+from masc_gadget.serving.host import Host
 from masc_gadget.serving.models import ModelCache
 from masc_gadget.serving.settings import GadgetSettings
 from training.export import export_checkpoint
@@ -31,7 +32,7 @@ def _images(mar_path, **settings):
     sent = []
     base = GadgetSettings(policy="center-out", initial=2, budget=3, device="cpu", mar_checkpoint=str(mar_path),
                           **settings)
-    process(iter(_scan()), parse_header(header_xml(N_PE, N_RO, slices=2)), base, sent.append, cache=ModelCache())
+    process(iter(_scan()), parse_header(header_xml(N_PE, N_RO, slices=2)), base, sent.append, host=Host(cache=ModelCache()))
     return [x for x in sent if isinstance(x, ismrmrd.Image)]
 
 

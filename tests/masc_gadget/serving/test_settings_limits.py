@@ -35,7 +35,7 @@ def _prop(name: str, value: str) -> str:
 def test_a_yaml_alias_bomb_is_refused_in_bounded_time_and_memory():
     tracemalloc.start()
     start = time.monotonic()
-    with pytest.raises(ConfigError, match="configuration.budget: YAML anchors and aliases are not allowed") as info:
+    with pytest.raises(ConfigError, match="configuration.budget: must be an integer") as info:
         settings_from_xml(_prop("budget", _bomb()), GadgetSettings())
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
@@ -125,7 +125,7 @@ def test_the_device_is_cpu_cuda_or_auto():
     ("[" * 100_000 + "]" * 100_000, "more than the limit 65536"),
     ("[" * 9 + "]" * 9, "deeper than the limit 8"),
     ('{"a": "[[[[[[[[[[[[[[[[[[[["}', "unknown setting 'a'"),  # brackets in strings do not count
-    ('{"budget": 1' + "0" * 5000 + "}", "parameters text is not usable JSON"),
+    ('{"budget": 1' + "0" * 5000 + "}", "parameters text has a number of thousands of digits"),
     ("[1]", "must be a JSON object"),
 ])
 def test_json_parameters_limits(text, message):

@@ -81,6 +81,7 @@ def test_a_stream_file_in_any_order_over_the_wire(tiny_dataset, tmp_path, order)
     from masc_gadget.config import load_config
     from masc_gadget.mrd.header import parse_header
     from masc_gadget.serving.gadget import GadgetSettings, process
+    from masc_gadget.serving.host import Host
     from masc_gadget.serving.models import ModelCache
     from masc_gadget.serving.server import MascServer
     from sim_scanner.dataset.streams import StreamStyle, read_stream, scanner_like
@@ -107,7 +108,7 @@ def test_a_stream_file_in_any_order_over_the_wire(tiny_dataset, tmp_path, order)
     got = sorted((im for im in link.images if im.image_series_index == 1), key=lambda im: im.slice)
     offline = []
     process(iter(acqs), parse_header(header_xml), GadgetSettings(policy="center-out", device="cpu"),
-            offline.append, cache=ModelCache())
+            offline.append, host=Host(cache=ModelCache()))
     offline = sorted((im for im in offline if isinstance(im, ismrmrd.Image) and im.image_series_index == 1),
                      key=lambda im: im.slice)
     assert len(got) == len(offline) == len({a.idx.slice for a in acqs})
