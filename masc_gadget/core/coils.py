@@ -40,8 +40,13 @@ def _check(kspace: torch.Tensor, mask: torch.Tensor) -> None:
 
 
 def rss(coil_images: torch.Tensor) -> torch.Tensor:
-    """(B, C, H, W) complex coil images -> (B, H, W) root-sum-of-squares magnitude."""
-    return torch.sqrt((coil_images.abs() ** 2).sum(dim=1))
+    """(B, C, H, W) complex coil images -> (B, H, W) root-sum-of-squares magnitude, scaled by
+    each pixel's largest coil magnitude first, so that squares of large samples (1e20) do not
+    overflow float32 where the result itself fits."""
+    magnitude = coil_images.abs()
+    scale = magnitude.amax(dim=1, keepdim=True)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (torch.sqrt(((magnitude / scale) ** 2).sum(dim=1, keepdim=True)) * scale).squeeze(1)
 
 
 def calibration_rows(mask: torch.Tensor) -> torch.Tensor:

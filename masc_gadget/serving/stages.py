@@ -48,6 +48,14 @@ _SKIP_FLAGS = (
 )
 
 
+def _size(nbytes: int) -> str:
+    """Bytes for a person: ``4.0 GiB``, ``12.5 MiB``, ``300 B``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
 def _new_stats() -> dict[str, int]:
     return {"acquisitions": 0, "decisions": 0, "images": 0, "rejected": 0}
 
@@ -142,13 +150,13 @@ class Context:
         n_slices = slice_limit(self.header) or limits.max_slices
         need = n_slices * n_coils * self.geometry.n_pe * self.geometry.grid_readout * 8
         shape = (f"the scan's k-space ({n_slices} slices x {n_coils} coils x {self.geometry.n_pe} x "
-                 f"{self.geometry.grid_readout} samples, {need / 2**30:.2f} GiB)")
+                 f"{self.geometry.grid_readout} samples, {_size(need)})")
         if need > limits.max_kspace_bytes:
-            raise ConfigError(f"{shape} exceeds this server's limit of {limits.max_kspace_bytes / 2**30:.2f} GiB "
+            raise ConfigError(f"{shape} exceeds this server's limit of {_size(limits.max_kspace_bytes)} "
                               "per scan (server.max_kspace_bytes)")
         if not self.host.budget.reserve(need):
             raise ConfigError(f"{shape} does not fit what is left of this server's memory budget for all "
-                              f"scans ({self.host.budget.total / 2**30:.2f} GiB, server.memory_budget_bytes); "
+                              f"scans ({_size(self.host.budget.total)}, server.memory_budget_bytes); "
                               "try again when other scans have finished")
         self.reserved = need
 

@@ -1,0 +1,458 @@
+"""One host for every entry point: the defects a hostile client found in ``masc serve`` and in
+connect mode, each with the test that failed before the fix (real sockets, loopback only)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import struct
+import threading
+import time
+import tracemalloc
+
+import ismrmrd
+import numpy as np
+import pytest
+
+from masc_gadget.config import ConfigError, load_config
+from masc_gadget.device import resolve_device
+from masc_gadget.mrd.frames import Limits
+from masc_gadget.mrd.header import parse_header
+from masc_gadget.mrd.protocol import (ID_CLOSE, ID_ERROR, ID_IMAGE, ID_TEXT, ConnectionClosed, MrdStream,
+                                      frame_text)
+from masc_gadget.serving.host import Host, MemoryBudget, ServerConfig
+from masc_gadget.serving.server import serve_connect_mode
+from masc_gadget.serving.settings import GadgetSettings, parameters_json, settings_from_xml
+from masc_gadget.serving.stages import process
+
+from tests.conftest import CONFIGS
+from tests.masc_gadget.serving.hostile import (CACHE, LINES, N_PE, N_RO, assert_serves, connect, drain, errors_of,
+                                               good_scan, header_xml, line, running_server)
+
+
+# ------------------------------------------------------------------------------ helpers
+
+@contextlib.contextmanager
+def connect_mode(*overrides: str):
+    """Gadgetron's connect mode (the gadgetron dialect of the same listener) on a free port."""
+    config = load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu", *overrides])
+    stop, ready = threading.Event(), []
+    thread = threading.Thread(target=serve_connect_mode, args=(config, 0, "127.0.0.1", CACHE, stop, ready.append),
+                              daemon=True)
+    thread.start()
+    for _ in range(400):
+        if ready:
+            break
+        time.sleep(0.025)
+    assert ready, "connect mode never listened"
+    try:
+        yield ready[0], stop
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def replies(stream: MrdStream, timeout: float = 10.0) -> tuple[list, list[str], list[int]]:
+    """Everything until the close: (images, error and text messages, ids)."""
+    images, texts, ids = [], [], []
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            msg = stream.read_message()
+        except (ConnectionClosed, OSError, ValueError):
+            break
+        ids.append(msg.id)
+        if msg.id == ID_IMAGE:
+            images.append(msg.payload)
+        elif msg.id in (ID_TEXT, ID_ERROR):
+            texts.append(msg.payload)
+        elif msg.id == ID_CLOSE:
+            break
+    return images, texts, ids
+
+
+def gadgetron_stream(port: int, config: str = "<configuration/>", header: str | None = None,
+                     lines=LINES, slices: int = 2, close: bool = True) -> tuple[list, list[str], list[int]]:
+    """What Gadgetron sends a connect-mode module: its stream configuration, the header, lines."""
+    stream = connect(port)
+    try:
+        stream.send_config_text(config)
+        stream.send_header(header or header_xml(slices=slices))
+        for s in range(slices):
+            for pe in lines:
+                stream.send_acquisition(line(s, pe))
+        if close:
+            stream.send_close()
+        return replies(stream)
+    except OSError:
+        return replies(stream)
+    finally:
+        stream.close()
+
+
+def threads_named(prefix: str) -> int:
+    return sum(t.name.startswith(prefix) and t.is_alive() for t in threading.enumerate())
+
+
+def settle(predicate, seconds: float = 3.0) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+# ------------------------------------------------------------------------------ denial of service
+
+def test_a_quoted_parameters_text_costs_milliseconds_not_seconds():
+    """Regression: ``"\\"\\"\\"...`` (64 KiB) froze the server for 20-70 s in a quadratic regex."""
+    text = '"' + '\\"' * (32 * 1024 - 1)
+    start = time.process_time()
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        parameters_json(text)
+    assert time.process_time() - start < 1.0  # linear: milliseconds; it was tens of seconds
+
+
+def test_nested_flow_collections_in_a_property_cost_milliseconds():
+    """Regression: configuration properties went through yaml.parse, quadratic on nested flow
+    collections (12 KB cost ~20 s)."""
+    value = "[" * 1000 + "]" * 1000 + "{a: [" * 400  # 4000 characters, under the value limit
+    script = "<configuration>" + "".join(f'<property name="{key}" value="{value}"/>'
+                                         for key in ("budget", "initial", "seed")) + "</configuration>"
+    start = time.process_time()
+    with pytest.raises(ConfigError, match="configuration.(budget|initial|seed): must be an integer"):
+        settings_from_xml(script, GadgetSettings())
+    assert time.process_time() - start < 0.5
+
+
+def test_idle_sockets_do_not_lock_out_a_client_with_the_token():
+    with running_server("server.max_pending=4", "server.token=s3cret") as (_, port):
+        idle = [connect(port) for _ in range(12)]
+        time.sleep(0.3)
+        images, texts = good_scan(port, params={"token": "s3cret"})
+        assert sorted(images) == [0, 1] and not texts
+        for stream in idle:
+            stream.close()
+
+
+def test_a_silent_slot_holder_gives_its_slot_to_a_waiting_client():
+    """Regression: 32 silent connections after a handshake held every slot for up to 300 s."""
+    with running_server("server.max_connections=1", "server.reclaim_idle_s=0.3") as (_, port):
+        holder = connect(port)
+        holder.send_config_file("default")
+        holder.send_header(header_xml())
+        time.sleep(0.6)
+        images, texts = good_scan(port)
+        assert sorted(images) == [0, 1] and not texts
+        _, texts, ids = drain(holder)
+        assert "silent for" in texts[0] and "(server.reclaim_idle_s = 0.3 s)" in texts[0] and ids[-1] == ID_CLOSE
+        holder.close()
+
+
+def test_one_address_holds_at_most_its_share_of_the_slots():
+    with running_server("server.max_connections_per_peer=1", "server.handshake_timeout_s=1") as (_, port):
+        holder = connect(port)
+        holder.send_config_file("default")
+        holder.send_header(header_xml())
+        holder.send_acquisition(line(0, 8))
+        time.sleep(0.2)
+        _, texts, _ = errors_of(port, lambda s: (s.send_config_file("default"), s.send_header(header_xml())))
+        assert texts and "(server.max_connections_per_peer)" in texts[0]
+        holder.send_close()
+        drain(holder)
+        holder.close()
+
+
+def test_connect_mode_a_stream_cut_mid_frame_leaves_no_thread_behind():
+    """Regression: a connection closed mid-frame (a TCP health check) left a thread spinning."""
+    with connect_mode() as (port, _):
+        before = threads_named("masc-127.0.0.1")
+        for _ in range(5):
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(struct.pack("<HI", 2, 100) + b"<configur")  # then gone
+            sock.close()
+        assert settle(lambda: threads_named("masc-127.0.0.1") == before)
+        images, texts, _ = gadgetron_stream(port)
+        assert not texts and len(images) == 4  # two slices, each MAR series + zero-filled series
+
+
+def test_connect_mode_has_a_handshake_deadline_and_a_connection_limit():
+    with connect_mode("server.handshake_timeout_s=0.5", "server.max_connections=1") as (port, _):
+        idle = connect(port)
+        _, texts, ids = replies(idle, timeout=5)
+        assert ids == [ID_ERROR, ID_CLOSE] and "handshake (configuration, header) not completed within 0.5 s" in texts[0]
+        idle.close()
+        holder = connect(port)
+        holder.send_config_text("<configuration/>")
+        holder.send_header(header_xml())
+        holder.send_acquisition(line(0, 8))
+        time.sleep(0.2)
+        _, texts, ids = gadgetron_stream(port)
+        assert ids[-2:] == [ID_ERROR, ID_CLOSE] and "(server.max_connections)" in texts[0]
+        holder.send_close()
+        replies(holder)
+        holder.close()
+
+
+def test_connect_mode_answers_a_header_that_does_not_parse():
+    with connect_mode() as (port, _):
+        _, texts, ids = gadgetron_stream(port, header="<ismrmrdHeader><encoding>", lines=())
+        assert ids == [ID_ERROR, ID_CLOSE] and "header" in texts[0].lower()
+
+
+def test_the_side_channel_cannot_point_at_the_server_itself():
+    with running_server() as (_, port):
+        images, texts = good_scan(port, params={"zmq_address": f"tcp://127.0.0.1:{port}"})
+        assert not images and texts and f"points at port {port}, where this server itself listens" in texts[0]
+        assert_serves(port)
+
+
+# ------------------------------------------------------------------------------ memory
+
+def test_an_image_message_is_refused_at_its_id():
+    """Regression: an image (1022) announcing 256 MiB as a first message was allocated before
+    any of its bytes arrived; no client ever sends an image."""
+    head = ismrmrd.ImageHeader()
+    head.matrix_size[:] = (8192, 8192, 1)
+    head.channels = 1
+    head.data_type = ismrmrd.DATATYPE_CXFLOAT
+    with running_server() as (_, port):
+        stream = connect(port)
+        stream.send_frame(struct.pack("<H", ID_IMAGE) + bytes(head))
+        _, texts, ids = drain(stream, timeout=5)
+        stream.close()
+        assert ids == [ID_TEXT, ID_CLOSE] and "message 1022 (image) is not accepted here" in texts[0]
+        assert_serves(port)
+
+
+def test_an_announced_length_costs_memory_only_as_its_bytes_arrive():
+    a, b = socket.socketpair()
+    with a, b:
+        stream = MrdStream(b, limits=Limits(max_text_bytes=64 << 20))
+        a.sendall(frame_text(b"x" * (64 << 20))[:4096])
+        a.shutdown(socket.SHUT_WR)
+        tracemalloc.start()
+        with pytest.raises(ConnectionClosed, match="truncated frame"):
+            stream.read_message()
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < 4 << 20  # the announced 64 MiB was never allocated
+
+
+def test_handshake_texts_are_capped_before_authentication():
+    with running_server("server.max_handshake_bytes=4096", "server.token=s3cret") as (_, port):
+        _, texts, _ = errors_of(port, lambda s: (s.send_config_text("<configuration>" + " " * 8000
+                                                                    + "</configuration>")))
+        assert texts and "config text: length" in texts[0] and "exceeds the limit 4096" in texts[0]
+        images, texts = good_scan(port, params={"token": "s3cret"})
+        assert sorted(images) == [0, 1] and not texts
+
+
+def test_the_memory_budget_covers_all_connections():
+    """Regression: max_kspace_bytes bounded one connection; 32 of them could hold 128 GiB."""
+    one_scan = 2 * 1 * N_PE * N_RO * 8  # slices x coils x matrix x 8 bytes
+    with running_server(f"server.memory_budget_bytes={one_scan + 100}") as (server, port):
+        holder = connect(port)
+        holder.send_config_file("default")
+        holder.send_header(header_xml())
+        holder.send_acquisition(line(0, 8))
+        time.sleep(0.3)
+        assert server.serving.budget.used == one_scan
+        images, texts = good_scan(port)
+        assert not images and "memory budget for all scans (4.1 KiB, server.memory_budget_bytes)" in texts[0]
+        holder.send_close()
+        images, texts, _ = drain(holder)
+        holder.close()
+        assert sorted(images) == [0] and not texts  # the first scan went on
+        assert settle(lambda: server.serving.budget.used == 0)
+        assert_serves(port)
+
+
+def test_memory_budget_reserve_and_release():
+    budget = MemoryBudget(100)
+    assert budget.reserve(60) and not budget.reserve(50) and budget.used == 60
+    budget.release(60)
+    assert budget.reserve(100)
+
+
+# ------------------------------------------------------------------------------ trust
+
+def test_connect_mode_does_not_load_a_model_path_the_stream_names(tmp_path):
+    path = tmp_path / "mine.pt"
+    path.write_bytes(b"not a checkpoint")
+    config = f'<configuration><property name="mar_checkpoint" value="{path}"/></configuration>'
+    with connect_mode() as (port, _):
+        _, texts, ids = gadgetron_stream(port, config=config)
+        assert ids[-2:] == [ID_ERROR, ID_CLOSE] and "mar_checkpoint" in texts[0]
+        assert str(tmp_path) not in texts[0]
+
+
+def test_connect_mode_keeps_the_side_channel_inside_the_allow_list():
+    config = '<configuration><property name="zmq_address" value="tcp://192.0.2.1:9003"/></configuration>'
+    with connect_mode() as (port, _):
+        _, texts, ids = gadgetron_stream(port, config=config)
+        assert ids[-2:] == [ID_ERROR, ID_CLOSE] and "is not allowed" in texts[0]
+
+
+def test_connect_mode_refuses_a_header_over_the_caps():
+    with connect_mode() as (port, _):
+        _, texts, ids = gadgetron_stream(port, header=header_xml(n_pe=8192, n_ro=8192), lines=())
+        assert ids == [ID_ERROR, ID_CLOSE] and "(server.max_matrix)" in texts[0]
+
+
+def test_execute_mode_applies_the_host_too():
+    from masc_gadget.serving.gadget import masc
+    from masc_gadget.serving.host import ClientError
+
+    class Stream:  # what gadgetron.external.Connection offers
+        config = '<configuration><property name="mar_checkpoint" value="/etc/passwd"/></configuration>'
+        header = parse_header(header_xml())
+
+        def __iter__(self):
+            return iter([line(0, pe) for pe in LINES])
+
+        def send(self, item):
+            pass
+
+    with pytest.raises(ConfigError, match="mar_checkpoint"):
+        masc(Stream(), host=Host(cache=CACHE))
+    Stream.config = "<configuration/>"
+    Stream.header = parse_header(header_xml(n_pe=4096, n_ro=64))
+    with pytest.raises(ClientError, match="server.max_matrix"):
+        masc(Stream(), host=Host(cache=CACHE))
+
+
+# ------------------------------------------------------------------------------ data loss
+
+def test_shutdown_mid_scan_sends_the_open_slices_then_names_itself():
+    """Regression: on SIGTERM the open slices were computed but not sent, and the client got a
+    normal close."""
+    with running_server() as (server, port):
+        stream = connect(port)
+        stream.send_config_file("default")
+        stream.send_header(header_xml())
+        for pe in LINES[:2]:
+            stream.send_acquisition(line(0, pe))
+        time.sleep(0.3)
+        server.shutdown(timeout=5)
+        images, texts, ids = drain(stream)
+        stream.close()
+    assert sorted(images) == [0] and ids[-2:] == [ID_TEXT, ID_CLOSE]
+    assert "the server is shutting down: the open slices were sent" in texts[-1]
+
+
+def test_connect_mode_stop_sends_the_open_slices_then_an_error():
+    with connect_mode() as (port, stop):
+        stream = connect(port)
+        stream.send_config_text("<configuration/>")
+        stream.send_header(header_xml())
+        for pe in LINES[:2]:
+            stream.send_acquisition(line(0, pe))
+        time.sleep(0.3)
+        stop.set()
+        images, texts, ids = replies(stream)
+        stream.close()
+    assert [im.slice for im in images] == [0, 0] and ids[-2:] == [ID_ERROR, ID_CLOSE]
+    assert "shutting down" in texts[-1]
+
+
+def _run(items, header=None):
+    sent, errors = [], []
+    stats = process(iter(items), parse_header(header or header_xml()), GadgetSettings(device="cpu", initial=1, budget=2),
+                    sent.append, on_error=errors.append, host=Host(cache=CACHE))
+    return [im for im in sent if isinstance(im, ismrmrd.Image)], errors, stats
+
+
+def test_a_rejected_first_line_does_not_fix_the_coil_set():
+    """Regression: a rejected first line (here 2 channels, too many samples) fixed the scan's
+    coils, and every valid line after it was refused."""
+    bad = ismrmrd.Acquisition.from_array(np.ones((2, 4 * N_RO), np.complex64))
+    bad.idx.kspace_encode_step_1 = 8
+    images, errors, stats = _run([bad, *(line(0, pe) for pe in LINES)])
+    assert stats["rejected"] == 1 and "samples" in errors[0]
+    assert stats["acquisitions"] == len(LINES) and len(images) == 2
+
+
+def test_two_coils_at_1e20_give_the_image_not_zeros():
+    def two_coils(scale):
+        out = []
+        for pe in LINES:
+            acq = line(0, pe)
+            data = np.concatenate([acq.data, 0.5 * acq.data]) * np.complex64(scale)
+            two = ismrmrd.Acquisition.from_array(data.astype(np.complex64))
+            two.idx.kspace_encode_step_1 = pe
+            out.append(two)
+        return out
+
+    reference, _, _ = _run(two_coils(1.0))
+    images, errors, _ = _run(two_coils(1e20))
+    zero_filled = [im for im in images if im.image_series_index == 2][0].data
+    expected = [im for im in reference if im.image_series_index == 2][0].data * 1e20
+    assert not errors and zero_filled.max() > 0
+    np.testing.assert_allclose(zero_filled, expected, rtol=1e-4, atol=1e-4 * expected.max())
+
+
+# ------------------------------------------------------------------------------ clear errors
+
+def test_zero_active_channels_is_named():
+    empty = ismrmrd.Acquisition()
+    empty.resize(number_of_samples=N_RO, active_channels=0)
+    empty.idx.kspace_encode_step_1 = 8
+    images, errors, stats = _run([empty, *(line(0, pe) for pe in LINES)])
+    assert "no receive channel (active_channels 0)" in errors[0] and len(images) == 2
+
+
+def test_a_number_of_thousands_of_digits_is_named():
+    with pytest.raises(ConfigError, match="thousands of digits"):
+        parameters_json('{"budget": 1' + "0" * 5000 + "}")
+    with pytest.raises(ConfigError, match="configuration.budget: must be an integer"):
+        settings_from_xml(f'<configuration><property name="budget" value="1{"0" * 4000}"/></configuration>',
+                          GadgetSettings())
+
+
+def test_a_device_index_is_reported_as_written():
+    with pytest.raises(ValueError, match="'cuda:9999'"):
+        resolve_device("cuda:9999")
+
+
+def test_connect_mode_says_why_it_refuses_fire_feedback():
+    config = '<configuration><property name="feedback" value="fire"/></configuration>'
+    with connect_mode() as (port, _):
+        _, texts, ids = gadgetron_stream(port, config=config, lines=())
+        assert ids == [ID_ERROR, ID_CLOSE] and "feedback fire (message 1028) is for masc serve" in texts[0]
+
+
+def test_server_config_checks_its_new_limits():
+    for key in ("max_connections_per_peer", "max_pending_per_peer", "max_handshake_bytes", "memory_budget_bytes"):
+        with pytest.raises(ValueError, match=key):
+            ServerConfig(**{key: 0})
+    with pytest.raises(ValueError, match="reclaim_idle_s"):
+        ServerConfig(reclaim_idle_s=0)
+
+
+# ------------------------------------------------------------------------------ soak
+
+def test_soak_good_and_hostile_clients_leave_nothing_behind():
+    """A short soak: rounds of good scans beside hostile ones (idle, cut mid-frame, oversized,
+    wrong ids); afterwards no thread, slot or byte of the memory budget is left held."""
+    with running_server("server.reclaim_idle_s=0.5") as (server, port):
+        baseline = threads_named("masc-127.0.0.1")
+        for round_ in range(3):
+            hostile = [connect(port) for _ in range(3)]
+            hostile[0].send_frame(struct.pack("<HI", 3, 1 << 30))  # a header of 1 GiB announced
+            hostile[1].send_frame(struct.pack("<H", 1028))
+            hostile[2].send_config_file("default")
+            results = {}
+            threads = [threading.Thread(target=lambda k=k: results.__setitem__(k, good_scan(port)))
+                       for k in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert all(sorted(images) == [0, 1] and not texts for images, texts in results.values()), round_
+            for stream in hostile:
+                stream.close()
+        assert settle(lambda: threads_named("masc-127.0.0.1") == baseline, 5)
+        assert server.serving.budget.used == 0 and not server._slots and not server._pending
