@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from masc_gadget.config import Config
+from masc_gadget.config import Config, ConfigError
 from masc_gadget.mrd.protocol import frame_close, frame_error, frame_text
 from masc_gadget.serving.connection import Connection
 from masc_gadget.serving.host import Host, ServerConfig, is_loopback, peer_allowed
@@ -54,6 +54,8 @@ class MascServer:
         scfg: ServerConfig = config["server"]
         self.host = host or scfg.host
         self.port = scfg.port if port is None else port
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in [0, 65535] (0: any free port), got {self.port}")
         self.scfg = scfg
         self.dialect = dialect
         self.serving = Host.from_config(config, config_folders, cache)

@@ -456,3 +456,13 @@ def test_soak_good_and_hostile_clients_leave_nothing_behind():
                 stream.close()
         assert settle(lambda: threads_named("masc-127.0.0.1") == baseline, 5)
         assert server.serving.budget.used == 0 and not server._slots and not server._pending
+
+
+def test_a_port_out_of_range_is_a_one_line_error():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "masc_gadget.cli", "serve", "--port", "70000"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "port must be in [0, 65535]" in done.stderr
