@@ -20,6 +20,8 @@ _FLAGS = {
     "deadline_ms": "deadline_ms",
     "fallback": "fallback",
     "interleave": "interleave",
+    "pace": "pace",
+    "line_period_ms": "line_period_ms",
     "zmq_address": "zmq_address",
     "config_name": "config_name",
     "config_xml": "config_xml",
@@ -50,6 +52,11 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
                       help="deterministic policy used on a miss, e.g. center-out (default), equispaced")
     scan.add_argument("--interleave", action="store_true", default=None,
                       help="interleave slices as a multi-slice TSE")
+    scan.add_argument("--pace", action="store_true", default=None,
+                      help="send each line at its time in the sequence (TR / echo train length, per "
+                      "slice interleaved in a TR), not as fast as decisions come")
+    scan.add_argument("--line-period-ms", type=float, metavar="MS",
+                      help="with --pace: ms between lines (default: the sequence's, from the data)")
     scan.add_argument("--zmq-address", metavar="ENDPOINT",
                       help="ZeroMQ endpoint the scanner binds for --feedback zmq (tcp://127.0.0.1:9003)")
     scan.add_argument("--config-name", metavar="NAME",

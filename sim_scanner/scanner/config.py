@@ -64,6 +64,13 @@ class ScannerConfig:
     interleave: bool = False
     """Interleave slices as a multi-slice TSE: the initial lines of every slice first, then one
     chosen line per slice in turn. False: slice after slice."""
+    pace: bool = False
+    """Send each line at its time in the sequence, as a scanner plays it: line k of the scan at
+    ``k x line period`` after the first (:func:`sim_scanner.dataset.mrd_hdf5.line_period_ms`: TR
+    / echo train length, divided among the slices of a TR when interleaved). False: each line
+    as soon as its decision (or the fallback) is there."""
+    line_period_ms: float = 0.0
+    """With ``pace``: the time between lines, ms; 0: the sequence's, from the subject's data."""
     zmq_address: str = "tcp://127.0.0.1:9003"
     """ZeroMQ PULL endpoint the scanner binds for ``feedback = "zmq"`` (``tcp://HOST:*`` picks
     a free port); sent to the gadget in the JSON parameters."""
@@ -121,6 +128,10 @@ class ScannerConfig:
                 raise ValueError(f"{name} must be a number, got {value!r}")
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        if isinstance(self.line_period_ms, bool) or not isinstance(self.line_period_ms, (int, float)) \
+                or not (math.isfinite(self.line_period_ms) and self.line_period_ms >= 0):
+            raise ValueError(f"line_period_ms must be a finite number >= 0 (0: the sequence's), "
+                             f"got {self.line_period_ms!r}")
         for name in ("max_subjects", "max_slices"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -93,6 +93,9 @@ class SubjectReport:
     gadget_errors: list[str] = field(default_factory=list)
     """Text / error messages from the gadget and problems with what it sent."""
     images_returned: int = 0
+    paced_late_ms: float = 0.0
+    """Paced scans: how far behind its slot in the sequence the latest line went out (waiting
+    for a decision), ms; 0 when every line went out on time."""
     late_decisions: int = 0
     """Decisions that arrived after their deadline (the fallback line was taken)."""
     late_latencies_ms: list[float] = field(default_factory=list)

@@ -34,8 +34,9 @@ gadget, ``<subject>/scanner_zero_filled`` for slices without a returned image).
 
 Time stamps: ``acquisition_time_stamp`` (2.5 ms ticks) starts at the time of day when the
 subject's scan starts and advances by the sequence's nominal line period
-(:func:`sim_scanner.dataset.mrd_hdf5.line_period_ms`), strictly increasing; the scanner does not pace its
-lines in real time, only the decision deadlines are real time.
+(:func:`sim_scanner.dataset.mrd_hdf5.line_period_ms`), strictly increasing. With ``pace`` the lines
+also go out at that period in real time (``line_period_ms`` replaces it), as a scanner plays
+them; without it, as fast as the decisions come, and only the deadlines are real time.
 
 Modules: :mod:`~sim_scanner.scanner.config` (``ScannerConfig``, names), :mod:`~sim_scanner.scanner.link`
 (the gadget connection and the decisions it delivers), :mod:`~sim_scanner.scanner.report` (what
@@ -343,8 +344,16 @@ def scan_subject(
             run.link.handshake(scfg.config_name, header_xml, gadget_parameters(scfg, acq, pump),
                                config_xml=config_xml)
         run.start_ticks = _ticks_since_midnight()
+        period_s = (scfg.line_period_ms or period_ticks * mrd.TIMESTAMP_TICK_MS) / 1e3
+        first_line = time.perf_counter()
         for counter, (s, is_initial) in enumerate(schedule):
             line, source = run.choose(counter, s, is_initial)
+            if scfg.pace:  # the line's slot in the sequence; a decision later than it delays it
+                late = time.perf_counter() - (first_line + counter * period_s)
+                if late < 0:
+                    time.sleep(-late)
+                else:
+                    report.paced_late_ms = max(report.paced_late_ms, 1e3 * late)
             run.acquire(counter, len(schedule), period_ticks, s, line, source)
             if run.episodes.is_done(s) and on_slice_done is not None:
                 on_slice_done(s)

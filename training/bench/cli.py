@@ -14,6 +14,7 @@ time, and with ``--sb3`` end-to-end PPO training throughput against sb3-contrib'
 from __future__ import annotations
 
 import argparse
+import logging
 import json
 import os
 import shlex
@@ -32,6 +33,8 @@ from training.bench.sb3 import SB3_HINT, SB3_POLICIES, sb3_available
 from training.bench.unet import VARIANTS, bench_unet, format_table
 from training.rl.env import EnvConfig
 from training.rl.ppo import PPOConfig
+
+log = logging.getLogger(__name__)
 
 
 def _write_json(path: str | None, payload: object) -> None:
@@ -205,6 +208,16 @@ def _register_serve(actions: argparse._SubParsersAction, common: argparse.Argume
                        help="override for the started server only (repeatable)")
     serve.add_argument("--server", default="", metavar="HOST:PORT",
                        help="benchmark a server that is already running instead")
+    serve.add_argument("--pace", action="store_true",
+                       help="scanners send each line at its time in the sequence (scanner.pace), not "
+                       "as fast as decisions come")
+    serve.add_argument("--line-period-ms", type=float, default=None, metavar="MS",
+                       help="with --pace: ms between lines (default: the sequence's, from the data)")
+    serve.add_argument("--capacity", action="store_true",
+                       help="instead of --scans: find the most concurrent scans that get every "
+                       "decision in time (1, 2, 4, ... then bisection; use with --pace)")
+    serve.add_argument("--max-scans", type=int, default=64, metavar="N",
+                       help="with --capacity: the largest level tried (default 64)")
     serve.add_argument("--out", metavar="FILE.json", help="also write the rows as JSON")
     serve.set_defaults(func=cmd_serve)
 
@@ -303,14 +316,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-slices must be >= 0 (0 = all), got {args.max_slices}")
     scanner = dataclasses.replace(config.sections.get("scanner", ScannerConfig()),
                                   max_slices=args.max_slices)
+    if args.pace:
+        scanner = dataclasses.replace(scanner, pace=True)
+    if args.line_period_ms is not None:
+        scanner = dataclasses.replace(scanner, line_period_ms=args.line_period_ms)
+    if args.max_scans < 1:
+        raise ValueError(f"--max-scans must be >= 1, got {args.max_scans}")
+    if args.capacity and not scanner.pace:
+        log.warning("--capacity without --pace: scans as fast as decisions come measure throughput, "
+                    "not how many paced scans keep up")
     server_overrides = [*args.overrides, *args.server_set]
     result = bench_serve(config, args.data, args.split, args.scans, scanner, args.config,
-                         server_overrides, args.server)
+                         server_overrides, args.server, capacity=args.capacity, max_scans=args.max_scans)
     result["command"] = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
     result["environment"] = environment("cpu")
     acq = config["acquisition"]
     print(f"masc serve at {result['server']}: policy {acq.policy}, {acq.initial} + {acq.budget} lines, "
           f"feedback {scanner.feedback}, deadline {scanner.deadline_ms:g} ms, "
+          f"{'paced, ' if scanner.pace else ''}"
           f"{args.max_slices or 'all'} slices per scan, {os.cpu_count()} CPUs")
     print(format_serve_table(result))
     _write_json(args.out, result)

@@ -36,7 +36,8 @@ from sim_scanner.scanner.session import scan_subject
 log = logging.getLogger(__name__)
 
 ROW_KEYS = ("scans", "decisions", "in_deadline", "in_deadline_frac", "fallbacks", "p50_ms", "p90_ms",
-            "p99_ms", "max_ms", "first_decision_max_ms", "wall_s", "rss_before_mb", "rss_after_mb")
+            "p99_ms", "max_ms", "first_decision_max_ms", "decisions_per_s", "paced_late_max_ms", "wall_s",
+            "rss_before_mb", "rss_after_mb")
 
 
 def _rss_mb(pid: int | None) -> float | None:
@@ -99,6 +100,8 @@ def _summary(n: int, reports: list[SubjectReport], wall_s: float, rss: tuple[Any
         "p50_ms": pct(50), "p90_ms": pct(90), "p99_ms": pct(99),
         "max_ms": float(lat.max()) if lat.size else None,
         "first_decision_max_ms": max((v for v in firsts if v is not None), default=None),
+        "decisions_per_s": decisions / wall_s if wall_s > 0 else None,
+        "paced_late_max_ms": max((r.paced_late_ms for r in reports), default=0.0),
         "wall_s": wall_s,
         "rss_before_mb": rss[0], "rss_after_mb": rss[1],
         "deadline_ms": deadline_ms,
@@ -131,27 +134,78 @@ def run_level(n: int, paths: list[tuple[str, Path]], scfg: ScannerConfig, config
         raise RuntimeError(f"{len(errors)} of {n} scans failed; first: {errors[0]}")
     row = _summary(n, [r for r in reports if r is not None], wall, (rss_before, _rss_mb(server_pid)),
                    scfg.deadline_ms)
+    row["paced"] = scfg.pace
     log.info("%d scans: %d/%d decisions in deadline, p50 %s ms, p99 %s ms", n, row["in_deadline"],
              row["decisions"], row["p50_ms"], row["p99_ms"])
     return row
 
 
+def in_time(row: dict[str, Any]) -> bool:
+    """Whether every decision of a level came from the gadget within the deadline (and, paced,
+    no line went out after its slot)."""
+    return (row.get("error") is None and row["decisions"] > 0 and row["in_deadline"] == row["decisions"]
+            and row.get("paced_late_max_ms", 0.0) == 0.0)
+
+
+def capacity_levels(run, max_scans: int) -> tuple[list[dict[str, Any]], int]:
+    """The largest number of concurrent scans that get every decision in time (:func:`in_time`):
+    ``run(n)`` (one level's row) at 1, 2, 4, ... up to ``max_scans``, then bisection between the
+    last level that passed and the first that did not. Returns (rows in the order run, capacity;
+    0 when a single scan already misses)."""
+    rows, best, failed, n = [], 0, None, 1
+    while n <= max_scans:
+        row = run(n)
+        rows.append(row)
+        if not in_time(row):
+            failed = n
+            break
+        best, n = n, min(2 * n, max_scans) if n < max_scans else max_scans + 1
+    while failed is not None and failed - best > 1:
+        mid = (best + failed) // 2
+        row = run(mid)
+        rows.append(row)
+        best, failed = (mid, failed) if in_time(row) else (best, mid)
+    return rows, best
+
+
 def bench_serve(config: Config, data_dir: str | Path, split: str, levels: Sequence[int],
                 scanner: ScannerConfig, config_path: str | None = None,
-                server_overrides: Sequence[str] = (), external_server: str = "") -> dict[str, Any]:
+                server_overrides: Sequence[str] = (), external_server: str = "",
+                capacity: bool = False, max_scans: int = 64) -> dict[str, Any]:
     """Every concurrency level of ``levels`` against one server (started here unless
-    ``external_server`` is HOST:PORT); returns ``{"rows": [...], "server": ...}``."""
+    ``external_server`` is HOST:PORT), or with ``capacity`` the search of
+    :func:`capacity_levels` up to ``max_scans``; returns ``{"rows": [...], "server": ...,
+    "capacity": N or None}``. A server started here allows as many connections from this
+    address as the levels need (``--server-set`` overrides still win)."""
     subjects = split_subjects(data_dir, split)
     paths = [(sid, subject_path(data_dir, sid)) for sid in subjects]
+    most = max_scans if capacity else max(levels)
     proc = None
     if external_server:
         scanner = dataclasses.replace(scanner, server=external_server)
     else:
         port = _free_port()
-        proc = start_server(config_path, server_overrides, port)
+        room = [f"server.max_connections={max(32, most)}", f"server.max_connections_per_peer={max(16, most)}",
+                f"server.max_pending={max(64, most)}", f"server.max_pending_per_peer={max(16, most)}"]
+        proc = start_server(config_path, [*room, *server_overrides], port)
         scanner = dataclasses.replace(scanner, server=f"127.0.0.1:{port}")
+    pid = None if proc is None else proc.pid
+
+    def run(n: int) -> dict[str, Any]:
+        try:
+            return run_level(n, paths, scanner, config, pid)
+        except RuntimeError as err:
+            if not capacity:
+                raise
+            log.warning("%d scans: %s", n, err)
+            return {"scans": n, "decisions": 0, "in_deadline": 0, "error": str(err)}
+
+    found = None
     try:
-        rows = [run_level(n, paths, scanner, config, None if proc is None else proc.pid) for n in levels]
+        if capacity:
+            rows, found = capacity_levels(run, max_scans)
+        else:
+            rows = [run(n) for n in levels]
     finally:
         if proc is not None:
             proc.terminate()
@@ -159,24 +213,31 @@ def bench_serve(config: Config, data_dir: str | Path, split: str, levels: Sequen
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    return {"rows": rows, "server": scanner.server, "started_here": proc is not None,
+    return {"rows": rows, "server": scanner.server, "started_here": proc is not None, "capacity": found,
             "server_overrides": list(server_overrides), "scanner": dataclasses.asdict(scanner),
             "cpu_count": os.cpu_count()}
 
 
 def format_serve_table(result: dict[str, Any]) -> str:
-    """The rows as a Markdown table."""
+    """The rows as a Markdown table (and the capacity, when searched)."""
     out = ["| scans | decisions | in deadline | p50 ms | p90 ms | p99 ms | max ms | slowest first ms "
-           "| wall s | server RSS MB (before -> after) |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "| decisions/s | wall s | server RSS MB (before -> after) |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
 
     def f(v: Any, digits: int = 1) -> str:
         return "-" if v is None else f"{v:.{digits}f}"
 
     for r in result["rows"]:
+        if r.get("error"):
+            out.append(f"| {r['scans']} | failed: {r['error'][:80]} |||||||||")
+            continue
         share = "-" if r["in_deadline_frac"] is None else f"{100 * r['in_deadline_frac']:.1f} %"
-        out.append(f"| {r['scans']} | {r['decisions']} | {r['in_deadline']} ({share}) | {f(r['p50_ms'], 2)} "
+        late = f", a line {r['paced_late_max_ms']:.0f} ms late" if r.get("paced_late_max_ms") else ""
+        out.append(f"| {r['scans']} | {r['decisions']} | {r['in_deadline']} ({share}{late}) | {f(r['p50_ms'], 2)} "
                    f"| {f(r['p90_ms'], 2)} | {f(r['p99_ms'], 2)} | {f(r['max_ms'])} "
-                   f"| {f(r['first_decision_max_ms'])} | {f(r['wall_s'])} "
+                   f"| {f(r['first_decision_max_ms'])} | {f(r.get('decisions_per_s'))} | {f(r['wall_s'])} "
                    f"| {f(r['rss_before_mb'], 0)} -> {f(r['rss_after_mb'], 0)} |")
+    if result.get("capacity") is not None:
+        paced = "paced " if result["scanner"].get("pace") else ""
+        out.append(f"\nCapacity: {result['capacity']} concurrent {paced}scans get every decision in time.")
     return "\n".join(out)

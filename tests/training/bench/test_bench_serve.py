@@ -40,3 +40,32 @@ def test_bench_serve_command_checks_its_arguments(tmp_path):
     args = parser.parse_args(["bench", "serve", "--data", str(tmp_path), "--max-slices", "-1"])
     with pytest.raises(ValueError, match="max-slices must be >= 0"):
         args.func(args)
+
+
+def test_capacity_is_the_largest_level_in_time():
+    from training.bench.serve import capacity_levels
+
+    def run(n, limit=5):  # a server that keeps up with at most 5 scans
+        return {"scans": n, "decisions": 10 * n, "in_deadline": 10 * n if n <= limit else 10 * n - 1}
+
+    rows, capacity = capacity_levels(run, 64)
+    assert capacity == 5 and [r["scans"] for r in rows] == [1, 2, 4, 8, 6, 5]
+    rows, capacity = capacity_levels(lambda n: run(n, limit=100), 12)
+    assert capacity == 12 and [r["scans"] for r in rows] == [1, 2, 4, 8, 12]
+    rows, capacity = capacity_levels(lambda n: run(n, limit=0), 64)
+    assert capacity == 0 and len(rows) == 1
+    late = {"scans": 1, "decisions": 4, "in_deadline": 4, "paced_late_max_ms": 12.0}
+    assert capacity_levels(lambda n: late, 8)[1] == 0  # a line after its slot is not in time
+
+
+def test_paced_scans_keep_the_sequence_timing(tiny_dataset):
+    config = load_config(CONFIGS / "tiny.yaml")
+    scanner = ScannerConfig(deadline_ms=5000.0, max_slices=1, pace=True, line_period_ms=40.0)
+    result = bench_serve(config, tiny_dataset, "test", [2], scanner, str(CONFIGS / "tiny.yaml"),
+                         ["gadget.device=cpu"])
+    row = result["rows"][0]
+    lines = config["acquisition"].initial + config["acquisition"].budget
+    assert row["paced"] and row["in_deadline"] == row["decisions"] > 0
+    assert row["wall_s"] >= (lines - 1) * 0.040  # the last line's slot; unpaced this takes ~ms
+    with pytest.raises(ValueError, match="line_period_ms"):
+        ScannerConfig(line_period_ms=-1.0)
