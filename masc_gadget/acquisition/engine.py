@@ -589,6 +589,12 @@ class AcquisitionEngine:
 
         Images are finite: a slice whose MAR image is not gets its zero-filled image instead
         (``mar`` = :data:`NON_FINITE_MAR`), logged as an error."""
+        return self.finish_detached(self.detach_slices(slices))
+
+    def detach_slices(self, slices: Sequence[int]) -> list[tuple[int, Any]]:
+        """Take the slices' buffers out of the engine (cheap; a later line of one starts a new
+        episode), for :meth:`finish_detached` to reconstruct, possibly on another thread, while
+        this engine goes on deciding for the other slices. ValueError for an unknown slice."""
         keys = []
         for k in slices:
             k = self._check_slice(k)
@@ -599,11 +605,17 @@ class AcquisitionEngine:
                 )
             if k not in keys:
                 keys.append(k)
-        if not keys:
+        return [(k, self._slices.pop(k)) for k in keys]
+
+    def finish_detached(self, detached: Sequence[tuple[int, Any]]) -> list[SliceResult]:
+        """The final images of slices taken out by :meth:`detach_slices` (one batched
+        reconstruction and MAR forward; reads the models only, so it may run beside decisions)."""
+        if not detached:
             return []
-        bufs = [self._slices[k] for k in keys]
+        keys = [k for k, _ in detached]
+        bufs = [b for _, b in detached]
         served = self._served(keys, np.stack([b.kspace for b in bufs]), np.concatenate([b.episode.masks for b in bufs]))
-        results = [
+        return [
             SliceResult(
                 slice=k,
                 image=served.image[i],
@@ -616,9 +628,6 @@ class AcquisitionEngine:
             )
             for i, (k, b) in enumerate(zip(keys, bufs))
         ]
-        for k in keys:
-            del self._slices[k]
-        return results
 
     def _mar_label(self, used: bool, score: float) -> str:
         if self.mar is None or used:

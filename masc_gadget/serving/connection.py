@@ -303,7 +303,7 @@ class Connection:
             raise ClientError(f"server busy: all {self.limits.max_connections} connection slots are in use "
                               "(server.max_connections); try again later")
         stats = process(self.items(), header, settings, self._send, on_error=self.report, host=self.host,
-                        trusted=self.trusted, eager=self.dialect == "gadgetron")
+                        trusted=self.trusted, eager=self.dialect == "gadgetron", background_images=True)
         log.info("%s done: %s", self.peer, stats)
         if self.read_error is not None:
             self._fail(self.read_error)

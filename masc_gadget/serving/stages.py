@@ -89,6 +89,12 @@ class Context:
     is also finished once its budget is spent (:meth:`finishes`)."""
     reserved: int = 0
     """Bytes of the host's memory budget this scan holds (released by :meth:`close`)."""
+    background_images: bool = False
+    """Reconstruct and send finished slices on a worker thread of this connection, so that the
+    next slice's decisions do not wait for the previous slice's final MAR image (the stream
+    must take sends from two threads: :class:`~masc_gadget.mrd.protocol.MrdStream` does)."""
+    _worker: Any = field(default=None, init=False, repr=False)
+    _pending: list = field(default_factory=list, init=False, repr=False)
     coils: tuple[int, ...] = ()
     """The receive channels of the scan: those of its first imaging acquisition
     (:func:`active_channels`); every later line must carry them."""
@@ -172,7 +178,37 @@ class Context:
             return False
         return self.closed_loop or (self.zmq_out is not None and engine.followed(slice_index))
 
+    def finish(self, slice_index: int) -> SliceResult | None:
+        """Finish a slice: its result now, or (``background_images``) None, its buffers taken
+        from the engine at once and its images reconstructed and sent by the worker."""
+        if not self.background_images:
+            return self.engine.finish_slice(slice_index)
+        if self._worker is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="masc-images")
+        detached = self.engine.detach_slices([slice_index])
+        self._pending.append(self._worker.submit(self._send_results, self.engine, detached))
+        return None
+
+    def _send_results(self, engine: AcquisitionEngine, detached: list) -> None:
+        send_all(images(engine.finish_detached(detached), self), self)
+
+    def drain(self) -> None:
+        """Wait for every slice the worker holds to be sent; re-raise the first failure."""
+        pending, self._pending = self._pending, []
+        error = None
+        for future in pending:
+            try:
+                future.result()
+            except Exception as err:  # noqa: BLE001 - the first one is raised below
+                error = error or err
+        if error is not None:
+            raise error
+
     def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
         if self.zmq_out is not None:
             self.zmq_out.close()
         if self.reserved:
@@ -341,10 +377,14 @@ def decide(lines: Iterable[GridLine], ctx: Context) -> Iterator[SliceResult]:
             if ctx.zmq_out is not None:
                 ctx.zmq_out.send(decision)
         if acq.is_flag_set(ismrmrd.ACQ_LAST_IN_SLICE) or ctx.finishes(slice_index):
-            yield engine.finish_slice(slice_index)
+            result = ctx.finish(slice_index)
+            if result is not None:
+                yield result
     if ctx.engine is not None:
         for slice_index in ctx.engine.slices():
-            yield ctx.engine.finish_slice(slice_index)
+            result = ctx.finish(slice_index)
+            if result is not None:
+                yield result
 
 
 def images(results: Iterable[SliceResult], ctx: Context) -> Iterator[ismrmrd.Image]:
@@ -377,7 +417,8 @@ def pipeline(items: Iterable[Any], ctx: Context) -> Iterable[Any]:
 
 def process(items: Iterable[Any], header: Any, settings: GadgetSettings, send: Callable[[Any], None],
             on_error: Callable[[str], None] | None = None, *, host: Host | None = None,
-            trusted: GadgetSettings | None = None, eager: bool = False) -> dict[str, int]:
+            trusted: GadgetSettings | None = None, eager: bool = False,
+            background_images: bool = False) -> dict[str, int]:
     """The gadget loop, transport-free: ``items`` yields acquisitions (and, from a standalone
     client, JSON parameter strings before the first acquisition); ``send`` delivers images and
     in-band feedback. Bad acquisitions are reported through ``on_error`` and skipped;
@@ -390,13 +431,17 @@ def process(items: Iterable[Any], header: Any, settings: GadgetSettings, send: C
     (:func:`masc_gadget.serving.models.load_models`). ``eager``: build and warm up the engine
     now, from the header, instead of at the first acquisition (for streams whose settings
     cannot change later, as through Gadgetron, which drops the client's text messages).
+    ``background_images``: finished slices are reconstructed and sent on a worker thread
+    (``send`` must be thread-safe), all of them before this returns (:attr:`Context.background_images`).
 
     Returns counters (acquisitions, decisions, images, rejected)."""
-    ctx = Context(header, settings, send, on_error=on_error, host=host or Host(), trusted=trusted)
+    ctx = Context(header, settings, send, on_error=on_error, host=host or Host(), trusted=trusted,
+                  background_images=background_images)
     try:
         if eager:
             ctx.start()
         send_all(pipeline(items, ctx), ctx)
+        ctx.drain()
     finally:
         ctx.close()
     return ctx.stats
