@@ -218,6 +218,10 @@ def _register_serve(actions: argparse._SubParsersAction, common: argparse.Argume
                        "decision in time (1, 2, 4, ... then bisection; use with --pace)")
     serve.add_argument("--max-scans", type=int, default=64, metavar="N",
                        help="with --capacity: the largest level tried (default 64)")
+    serve.add_argument("--bare", action="store_true",
+                       help="also time the bare batched decision pass (recon, MAR, policy; no "
+                       "transport) at the largest level's batch, with the server's torch threads, "
+                       "and report each level's decisions per second against it")
     serve.add_argument("--out", metavar="FILE.json", help="also write the rows as JSON")
     serve.set_defaults(func=cmd_serve)
 
@@ -328,6 +332,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server_overrides = [*args.overrides, *args.server_set]
     result = bench_serve(config, args.data, args.split, args.scans, scanner, args.config,
                          server_overrides, args.server, capacity=args.capacity, max_scans=args.max_scans)
+    if args.bare:
+        from masc_gadget.serving.host import ServerConfig
+        from sim_scanner.dataset.layout import read_manifest
+        from training.bench.serve import bare_decisions_per_s
+
+        n_pe, n_readout = read_manifest(args.data)["config"]["sequence"]["matrix"]
+        threads = config.sections.get("server", ServerConfig()).threads
+        batch = max(r["scans"] for r in result["rows"])
+        result["bare"] = bare_decisions_per_s(config, n_pe, n_readout, batch, threads)
+        for row in result["rows"]:
+            if row.get("decisions_per_s"):
+                row["of_bare"] = row["decisions_per_s"] / result["bare"]["decisions_per_s"]
     result["command"] = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
     result["environment"] = environment("cpu")
     acq = config["acquisition"]
@@ -336,5 +352,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"{'paced, ' if scanner.pace else ''}"
           f"{args.max_slices or 'all'} slices per scan, {os.cpu_count()} CPUs")
     print(format_serve_table(result))
+    if "bare" in result:
+        bare = result["bare"]
+        print(f"bare batched decision pass, batch {bare['batch']}, {bare['threads']} thread(s): "
+              f"{bare['decisions_per_s']:.1f} decisions/s ({bare['pass_ms']:.1f} ms a pass); served: "
+              + ", ".join(f"{r['scans']} scans {100 * r['of_bare']:.0f} %" for r in result["rows"] if "of_bare" in r))
     _write_json(args.out, result)
     return 0

@@ -241,3 +241,48 @@ def format_serve_table(result: dict[str, Any]) -> str:
         paced = "paced " if result["scanner"].get("pace") else ""
         out.append(f"\nCapacity: {result['capacity']} concurrent {paced}scans get every decision in time.")
     return "\n".join(out)
+
+
+def bare_decisions_per_s(config: Config, n_pe: int, n_readout: int, batch: int, threads: int = 1,
+                         seconds: float = 5.0, seed: int = 0) -> dict[str, Any]:
+    """The bare batched decision pass the server's worker runs (zero-filled recon -> MAR ->
+    policy, :meth:`~masc_gadget.acquisition.engine.AcquisitionEngine.run_group`) on ``batch``
+    slices at once, in this process with ``threads`` torch threads and no transport: decisions
+    per second, the yardstick of a saturated server's throughput."""
+    import torch
+
+    from masc_gadget.acquisition.engine import AcquisitionEngine
+    from masc_gadget.serving.models import build_engine
+    from masc_gadget.serving.settings import GadgetSettings
+
+    settings = GadgetSettings.from_config(config)
+    captured = []
+
+    def capture(request):
+        captured.append(request)
+        return AcquisitionEngine.run_group([request])[0]
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        engine = build_engine(settings, n_pe, n_readout, batcher=capture)
+        rng = np.random.default_rng(seed)
+        centre = n_pe // 2 - settings.initial // 2
+        for s in range(batch):
+            for line in range(centre, centre + settings.initial):
+                engine.on_line(s, line, (rng.standard_normal(n_readout)
+                                         + 1j * rng.standard_normal(n_readout)).astype(np.complex64))
+        group = captured[:batch]
+        if len(group) < batch:
+            raise RuntimeError(f"policy {settings.policy} made {len(group)} decision requests for {batch} slices "
+                               "(a policy without an image decides without the batcher)")
+        AcquisitionEngine.run_group(group)  # warm
+        passes, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            AcquisitionEngine.run_group(group)
+            passes += 1
+        wall = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(previous)
+    return {"batch": batch, "threads": threads, "passes": passes, "decisions_per_s": passes * batch / wall,
+            "pass_ms": 1e3 * wall / passes}

@@ -69,3 +69,14 @@ def test_paced_scans_keep_the_sequence_timing(tiny_dataset):
     assert row["wall_s"] >= (lines - 1) * 0.040  # the last line's slot; unpaced this takes ~ms
     with pytest.raises(ValueError, match="line_period_ms"):
         ScannerConfig(line_period_ms=-1.0)
+
+
+def test_the_bare_decision_pass_is_timed_as_the_worker_runs_it():
+    from training.bench.serve import bare_decisions_per_s
+
+    config = load_config(CONFIGS / "small.yaml", ["gadget.device=cpu"])  # the shipped MASC model
+    bare = bare_decisions_per_s(config, 128, 128, batch=2, threads=1, seconds=0.2)
+    assert bare["batch"] == 2 and bare["passes"] >= 1 and bare["decisions_per_s"] > 0
+    with pytest.raises(RuntimeError, match="decides without the batcher"):
+        bare_decisions_per_s(load_config(CONFIGS / "small.yaml", ["acquisition.policy=center-out"]), 128, 128,
+                             batch=2, seconds=0.1)
