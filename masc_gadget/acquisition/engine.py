@@ -185,6 +185,10 @@ class _Slice:
     awaiting: bool = False  # a train was issued and lines of it are still to come
 
 
+_WARMED: set[tuple] = set()
+"""Batch keys (models, matrix, device) whose passes this process has run: no second warm-up."""
+
+
 class AcquisitionEngine:
     """Per-slice line buffers, batched next-line decisions and final images (module docstring).
 
@@ -205,7 +209,8 @@ class AcquisitionEngine:
 
     A dummy pass (zero-filled recon + MAR + policy) warms them up before the first line, so the
     first real decision does not pay for lazy initialisation (CUDA context, cuDNN autotuning,
-    allocator).
+    allocator); once per process for each set of models, matrix and device, so a server's later
+    connections start their engines at once.
     """
 
     def __init__(
@@ -235,7 +240,11 @@ class AcquisitionEngine:
         self._batch_key = (id(policy), id(self.mar), self.sees_mar, str(self.device),
                            settings.n_pe, settings.n_readout, settings.n_coils, settings.coil_combine,
                            settings.lines_per_decision)
-        self.warmup_us = self._warm_up()
+        # the first engine of a model, matrix and device in this process warms them up; the next
+        # connections' engines start at once (a server's warm-up already ran the same passes)
+        warmed = self._batch_key in _WARMED
+        self.warmup_us = 0 if warmed else self._warm_up()
+        _WARMED.add(self._batch_key)
         self.warmed_up = True
         log.info(
             "acquisition engine: policy %s, MAR %s, device %s, %d PE x %d readout x %d coil(s)%s, "
