@@ -114,6 +114,10 @@ class _SliceState:
     last_sent: float = 0.0
 
 
+PACE_JITTER_MS = 5.0
+"""A paced line that goes out this late or less is on time (a client's scheduling jitter)."""
+
+
 def _ticks_since_midnight() -> int:
     now = datetime.now()
     seconds = now.hour * 3600 + now.minute * 60 + now.second + now.microsecond / 1e6
@@ -352,7 +356,7 @@ def scan_subject(
                 late = time.perf_counter() - (first_line + counter * period_s)
                 if late < 0:
                     time.sleep(-late)
-                else:
+                elif late > PACE_JITTER_MS / 1e3:
                     report.paced_late_ms = max(report.paced_late_ms, 1e3 * late)
             run.acquire(counter, len(schedule), period_ticks, s, line, source)
             if run.episodes.is_done(s) and on_slice_done is not None:
