@@ -466,3 +466,39 @@ def test_a_port_out_of_range_is_a_one_line_error():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "port must be in [0, 65535]" in done.stderr
+
+
+def test_connect_mode_on_sigterm_sends_the_open_slices_and_exits():
+    """Regression: connect mode died at once on SIGTERM, losing the open slices."""
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "masc_gadget.serving.gadget", "0", "--config",
+                             str(CONFIGS / "tiny.yaml")], stderr=subprocess.PIPE, text=True)
+    try:
+        port = None
+        for _ in range(200):
+            found = re.search(r"listening on 127\.0\.0\.1:(\d+)", proc.stderr.readline())
+            if found:
+                port = int(found.group(1))
+                break
+        assert port, "the module never listened"
+        stream = connect(port)
+        stream.send_config_text('<configuration><property name="device" value="cpu"/></configuration>')
+        stream.send_header(header_xml())
+        for pe in LINES[:2]:
+            stream.send_acquisition(line(0, pe))
+        time.sleep(0.5)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        images, texts, ids = replies(stream)
+        stream.close()
+        assert proc.wait(timeout=10) == 0 and time.monotonic() - start < 5
+        assert [im.slice for im in images] == [0, 0] and ids[-2:] == [ID_ERROR, ID_CLOSE]
+        assert "shutting down" in texts[-1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
