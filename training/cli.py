@@ -333,7 +333,8 @@ def register_mar_check(subparsers: argparse._SubParsersAction, common: argparse.
                     "(default center-out); its budget is the config's acquisition section")
     mc.add_argument("--reference", metavar="NAME", help="the network the others are compared with")
     mc.add_argument("--calibrate", action="store_true", help="choose each network's OOD score and threshold on "
-                    "this split (pooled over the folders) and write OUT/ood.json")
+                    "this split (pooled over the folders, and for a MASC checkpoint over its fixed policy's "
+                    "lines and the lines its own policy plays) and write OUT/ood.json")
     mc.add_argument("--out", required=True, metavar="DIR", help="results.json, report.md, roc.png")
     mc.set_defaults(func=cmd_mar_check)
 
@@ -347,12 +348,17 @@ def cmd_mar_check(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    mars = {}
+    from masc_gadget.acquisition.learned import load_learned
+    from masc_gadget.models.checkpoint import load_checkpoint
+
+    mars, policies = {}, {}
     for item in args.mar.split(","):
         name, sep, path = item.partition("=")
         if not sep:
             name, path = Path(item).stem, item
         mars[name] = load_mar(path, "cpu")[0]
+        if args.calibrate and load_checkpoint(path, map_location="cpu").metadata.get("kind") == "masc":
+            policies[name] = load_learned(path, "cpu")[0]  # its own lines join the calibration
     if args.reference and args.reference not in mars:
         raise CommandError(f"--reference {args.reference!r} names none of the networks: {', '.join(mars)}")
     if args.calibrate and args.split != "val":
@@ -361,7 +367,7 @@ def cmd_mar_check(args: argparse.Namespace) -> int:
            if getattr(m, "ood", None) is not None}
     acq = config["acquisition"]
     mar_check(mars, args.data, args.split, acq.initial, acq.budget, args.out, policy=args.policy,
-              reference=args.reference, ood=ood, do_calibrate=args.calibrate)
+              reference=args.reference, ood=ood, do_calibrate=args.calibrate, policies=policies)
     print((Path(args.out) / "report.md").read_text())
     return 0
 

@@ -15,7 +15,10 @@ For every slice of a split, per dataset folder and per MAR network:
 
 ``--calibrate`` (on the validation split) picks the score with the largest pooled area and the
 threshold that maximises the mean served SSIM when slices scoring above it are served
-zero-filled, and writes them to ``OUT/ood.json`` for ``masc export --ood``.
+zero-filled, and writes them to ``OUT/ood.json`` for ``masc export --ood``. A score depends on
+the lines acquired, so a network whose checkpoint carries its own policy (MASC) is calibrated on
+the fixed policy's lines *and* on the lines its policy plays on each slice, the ones the gadget
+will serve it with.
 """
 
 from __future__ import annotations
@@ -151,14 +154,30 @@ def _summary(rows: dict[str, np.ndarray], subjects: list[str], reference: dict[s
     return summary
 
 
+@torch.no_grad()
+def own_masks(policy: Any, mar: torch.nn.Module, data: SliceSet, initial: int, budget: int,
+              batch_size: int = 32) -> torch.Tensor:
+    """(n, n_pe) bool: the lines a learned ``policy`` plays on each slice of ``data`` under its
+    ``mar`` network, as ``masc eval`` and the gadget play them (seed 0)."""
+    from training.evaluation.evaluate import run_method
+
+    lines = run_method(policy, data, initial, budget, mar, seed=0, batch_size=batch_size,
+                       device=torch.device("cpu")).lines
+    masks = torch.zeros(len(data), data.n_pe, dtype=torch.bool)
+    masks[torch.arange(len(data))[:, None], torch.as_tensor(lines)] = True
+    return masks
+
+
 def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: str, initial: int, budget: int,
               out: str | Path, policy: str = "center-out", reference: str | None = None,
               ood: dict[str, dict[str, Any]] | None = None, do_calibrate: bool = False,
-              batch_size: int = 32) -> dict[str, Any]:
+              batch_size: int = 32, policies: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run the check of every network in ``mars`` (name -> MarNet) on ``split`` of each folder of
     ``data``; ``reference`` names the network the others are compared with; ``ood`` gives each
-    network's stored calibration (name -> {score, threshold}). Writes ``OUT/results.json``,
-    ``OUT/report.md``, ``OUT/roc.png`` (and ``OUT/ood.json`` with ``do_calibrate``)."""
+    network's stored calibration (name -> {score, threshold}); ``policies``: the learned policy
+    of a network whose checkpoint carries one (name -> policy), whose own lines join the
+    calibration. Writes ``OUT/results.json``, ``OUT/report.md``, ``OUT/roc.png`` (and
+    ``OUT/ood.json`` with ``do_calibrate``)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"split": split, "policy": policy, "lines": [initial, budget], "folders": {}}
@@ -176,6 +195,12 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
             per_folder_rows[folder.name][name] = rows
             for key, value in rows.items():
                 pooled[name].setdefault(key, []).append(value)
+            if do_calibrate and (policies or {}).get(name) is not None:
+                log.info("mar-check: %s on the lines its own policy plays", name)
+                own = slice_rows(mar, sliceset, own_masks(policies[name], mar, sliceset, initial, budget,
+                                                          batch_size), batch_size)
+                for key, value in own.items():
+                    pooled[name].setdefault(key, []).append(value)
     calibration = None
     if do_calibrate:
         calibration = {name: calibrate({k: np.concatenate(v) for k, v in pooled[name].items()}) for name in mars}

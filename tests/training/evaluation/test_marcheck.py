@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import torch
 import pytest
 
 from masc_gadget.cli import main
@@ -68,3 +69,20 @@ def test_networks_named_by_seed_are_summarised_over_their_seeds():
     (row,) = _seed_rows(by_name)
     assert row.startswith("| **new, 2 seeds**") and "0.905 ± 0.007" in row and "+0.150 ± 0.071 (max 1.000)" in row
     assert "25 %" in row
+
+
+def test_a_network_with_its_own_policy_is_calibrated_on_its_lines_too(tiny_dataset, perturbed_mar, tmp_path):
+    """Regression: a score calibrated on centre-out's lines alone flagged most of the slices MASC
+    served with its own lines (one seed's hip test fell from 0.69 to 0.42)."""
+    from masc_gadget.acquisition.policies import make_policy
+    from training.data import load_split
+    from training.evaluation.marcheck import mar_check, own_masks, policy_masks
+
+    mar = load_mar(perturbed_mar)[0]
+    data = load_split(tiny_dataset, "val")
+    assert torch.equal(own_masks(make_policy("center-out"), mar, data, 1, 2), policy_masks("center-out", len(data),
+                                                                                             data.n_pe, 1, 2))
+    alone = mar_check({"p": mar}, str(tiny_dataset), "val", 1, 2, tmp_path / "a", do_calibrate=True)
+    both = mar_check({"p": mar}, str(tiny_dataset), "val", 1, 2, tmp_path / "b", do_calibrate=True,
+                     policies={"p": make_policy("equispaced")})
+    assert both["calibration"]["p"]["n_slices"] == 2 * alone["calibration"]["p"]["n_slices"] == 2 * len(data)
