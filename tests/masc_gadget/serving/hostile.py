@@ -11,7 +11,7 @@ import ismrmrd
 import numpy as np
 
 from masc_gadget.config import load_config
-from masc_gadget.mrd.protocol import ID_CLOSE, ID_IMAGE, ID_TEXT, ConnectionClosed, MrdStream
+from masc_gadget.mrd.protocol import ID_CLOSE, ID_ERROR, ID_IMAGE, ID_TEXT, ConnectionClosed, MrdStream
 from masc_gadget.serving.models import ModelCache
 from masc_gadget.serving.server import MascServer
 
@@ -66,8 +66,23 @@ def connect(port: int, timeout: float = 10.0) -> MrdStream:
     return MrdStream(socket.create_connection(("127.0.0.1", port), timeout=timeout))
 
 
+def open_scan(port: int, *lines: tuple[int, int], script: str | None = None) -> MrdStream:
+    """A connection through its handshake (configuration ``default`` by name, or ``script`` as a
+    configuration script as Gadgetron sends it; the header) that then sent ``lines`` (slice, PE)."""
+    stream = connect(port)
+    if script is None:
+        stream.send_config_file("default")
+    else:
+        stream.send_config_text(script)
+    stream.send_header(header_xml())
+    for slice_index, pe in lines:
+        stream.send_acquisition(line(slice_index, pe))
+    return stream
+
+
 def drain(stream: MrdStream, timeout: float = 10.0) -> tuple[dict, list[str], list[int]]:
-    """Read until the server closes: (images by slice, texts, ids in order of arrival)."""
+    """Read until the server closes: (images by slice, texts and error messages, ids in order of
+    arrival)."""
     images, texts, ids = {}, [], []
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -78,7 +93,7 @@ def drain(stream: MrdStream, timeout: float = 10.0) -> tuple[dict, list[str], li
         ids.append(msg.id)
         if msg.id == ID_IMAGE:
             images[msg.payload.slice] = msg.payload
-        elif msg.id == ID_TEXT:
+        elif msg.id in (ID_TEXT, ID_ERROR):
             texts.append(msg.payload)
         elif msg.id == ID_CLOSE:
             break

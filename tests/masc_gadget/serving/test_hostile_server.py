@@ -17,7 +17,7 @@ from masc_gadget.mrd.protocol import ID_CLOSE, ID_IMAGE, ID_TEXT
 from masc_gadget.serving.server import MascServer
 
 from tests.masc_gadget.serving.hostile import (
-    LINES, assert_serves, connect, drain, errors_of, good_scan, header_xml, line, running_server,
+    LINES, assert_serves, connect, drain, errors_of, good_scan, header_xml, line, open_scan, running_server,
 )
 
 
@@ -197,9 +197,7 @@ def test_one_address_has_its_own_handshake_limit():
 
 def test_a_full_server_says_busy_after_the_handshake():
     with running_server("server.max_connections=1", "server.handshake_timeout_s=1") as (_, port):
-        holder = connect(port)
-        holder.send_config_file("default")
-        holder.send_header(header_xml())
+        holder = open_scan(port)
         time.sleep(0.2)
         _, texts, _ = errors_of(port, lambda s: (s.send_config_file("default"), s.send_header(header_xml())))
         assert texts == ["MASC error: server busy: all 1 connection slots are in use "
