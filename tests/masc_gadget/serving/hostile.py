@@ -62,6 +62,17 @@ def running_server(*overrides: str, host: str = "127.0.0.1", folders=None):
         server.shutdown()
 
 
+def listening_port(proc) -> int:
+    """The port a server started as a subprocess (``stderr=PIPE, text=True``) logs it listens on."""
+    import re
+
+    for _ in range(200):
+        found = re.search(r"listening on 127\.0\.0\.1:(\d+)", proc.stderr.readline())
+        if found:
+            return int(found.group(1))
+    raise AssertionError("the server never logged that it listens")
+
+
 def connect(port: int, timeout: float = 10.0) -> MrdStream:
     return MrdStream(socket.create_connection(("127.0.0.1", port), timeout=timeout))
 

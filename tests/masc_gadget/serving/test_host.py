@@ -4,7 +4,6 @@ connect mode, each with the test that failed before the fix (real sockets, loopb
 from __future__ import annotations
 
 import contextlib
-import json
 import socket
 import struct
 import threading
@@ -28,7 +27,8 @@ from masc_gadget.serving.stages import process
 
 from tests.conftest import CONFIGS
 from tests.masc_gadget.serving.hostile import (CACHE, LINES, N_PE, N_RO, assert_serves, connect, drain, errors_of,
-                                               good_scan, header_xml, line, open_scan, running_server)
+                                               good_scan, header_xml, line, listening_port, open_scan,
+                                               running_server)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -433,7 +433,6 @@ def test_a_port_out_of_range_is_a_one_line_error():
 
 def test_connect_mode_on_sigterm_sends_the_open_slices_and_exits():
     """Regression: connect mode died at once on SIGTERM, losing the open slices."""
-    import re
     import signal
     import subprocess
     import sys
@@ -441,13 +440,7 @@ def test_connect_mode_on_sigterm_sends_the_open_slices_and_exits():
     proc = subprocess.Popen([sys.executable, "-m", "masc_gadget.serving.gadget", "0", "--config",
                              str(CONFIGS / "tiny.yaml")], stderr=subprocess.PIPE, text=True)
     try:
-        port = None
-        for _ in range(200):
-            found = re.search(r"listening on 127\.0\.0\.1:(\d+)", proc.stderr.readline())
-            if found:
-                port = int(found.group(1))
-                break
-        assert port, "the module never listened"
+        port = listening_port(proc)
         stream = open_scan(port, *((0, pe) for pe in LINES[:2]),
                            script='<configuration><property name="device" value="cpu"/></configuration>')
         time.sleep(0.5)

@@ -17,7 +17,7 @@ from masc_gadget.mrd.protocol import ID_CLOSE, ID_IMAGE, ID_TEXT
 from masc_gadget.serving.server import MascServer
 
 from tests.masc_gadget.serving.hostile import (
-    LINES, assert_serves, connect, drain, errors_of, good_scan, header_xml, line, open_scan, running_server,
+    LINES, assert_serves, connect, drain, errors_of, good_scan, header_xml, line, listening_port, open_scan, running_server,
 )
 
 
@@ -423,7 +423,6 @@ def test_hostile_clients_at_the_same_time_do_not_disturb_a_good_one(server):
 
 
 def test_sigterm_closes_idle_connections_and_exits_within_seconds():
-    import re
     import signal
     import subprocess
     import sys
@@ -435,13 +434,7 @@ def test_sigterm_closes_idle_connections_and_exits_within_seconds():
          "--set", "gadget.device=cpu", "--port", "0"],
         stderr=subprocess.PIPE, text=True)
     try:
-        port = None
-        for _ in range(200):
-            found = re.search(r"listening on 127\.0\.0\.1:(\d+)", proc.stderr.readline())
-            if found:
-                port = int(found.group(1))
-                break
-        assert port, "the server never listened"
+        port = listening_port(proc)
         streams = []
         for _ in range(8):
             stream = connect(port)
