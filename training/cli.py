@@ -398,6 +398,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         if not name and len(entries) != 1:
             raise CommandError(f"{path} holds {', '.join(entries)}: name one, --ood {path}:NAME")
         ood = entries[name or next(iter(entries))]
-    record = export_checkpoint(args.checkpoint, args.out, command=args.command, ood=ood)
+    import shlex
+    import sys
+
+    record = export_checkpoint(args.checkpoint, args.out, command=args.command, ood=ood,
+                               export_command=shlex.join(["masc", *sys.argv[1:]]))
     print(f"shipped model written to {args.out} ({record['size_bytes']} bytes) with {Path(args.out).with_suffix('.json')}")
     return 0

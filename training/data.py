@@ -126,3 +126,73 @@ def _load_one(data_dir: Path, split: str, max_slices: int = 0, prefix: str = "")
         subjects[:n],
         np.concatenate(slices)[:n],
     )
+
+
+def _anatomy_config_sha256(manifest: dict[str, Any]) -> str:
+    """SHA-256 of what draws a simulated set's anatomies: its config without the subject count,
+    split fractions, name, workers and compression (two sets with equal hashes draw subject i
+    alike, from ``SeedSequence([dataset seed, i])``)."""
+    import hashlib
+    import json
+
+    config = json.loads(json.dumps(manifest.get("config", {})))
+    for key in ("subjects", "split_fractions", "name", "workers", "compression"):
+        config.get("dataset", {}).pop(key, None)
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+
+
+def anatomies(folder: str | Path, split: str) -> list[str]:
+    """What each subject of a split *is*, comparable across data sets: for a simulated set, its
+    generator (:func:`_anatomy_config_sha256`) and subject index; for an imported one
+    (``external.json``), the name of the real volume it was made from."""
+    import json
+
+    from sim_scanner.dataset.layout import read_manifest
+
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    ids = manifest.get("splits", {}).get(split, [])
+    external = folder / "external.json"
+    if external.is_file():
+        names = {e["subject"]: e["name"] for e in json.loads(external.read_text()).get("external", [])}
+        return [f"volume:{names.get(sid, sid)}" for sid in ids]
+    generator = _anatomy_config_sha256(manifest)[:16]
+    return [f"{generator}:{sid}" for sid in ids]
+
+
+def data_identity(folder: str | Path) -> dict[str, Any]:
+    """What identifies a data set a model was trained on: its name, dataset seed, subject
+    count, split sizes, the SHA-256 of its manifest and the anatomies of its training split
+    (:func:`anatomies`)."""
+    import hashlib
+
+    from sim_scanner.dataset.layout import MANIFEST, read_manifest
+
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    return {"folder": folder.name, "name": manifest.get("name"), "seed": manifest.get("seed"),
+            "subjects": len(manifest.get("subjects", [])),
+            "splits": {k: len(v) for k, v in manifest.get("splits", {}).items()},
+            "manifest_sha256": hashlib.sha256((folder / MANIFEST).read_bytes()).hexdigest(),
+            "train_anatomies": anatomies(folder, "train")}
+
+
+def repeats_training_anatomies(folder: str | Path, split: str, trained_on: list[dict[str, Any]]) -> str | None:
+    """Why ``split`` of ``folder`` holds anatomies a model was trained on (``trained_on``: the
+    :func:`data_identity` records in its provenance), or None. Subject i of a simulated set is
+    drawn from ``SeedSequence([dataset seed, i])`` whatever the subject count, so a set with the
+    training set's seed and generator but another subject count repeats training subjects under
+    other splits; an imported set repeats a real volume by name."""
+    seen = {a for record in trained_on for a in record.get("train_anatomies", [])}
+    mine = anatomies(folder, split)
+    shared = [a for a in mine if a in seen]
+    if not shared:
+        return None
+    shown = ", ".join(a.split(":", 1)[1] for a in shared[:4]) + (", ..." if len(shared) > 4 else "")
+    where = f"{len(shared)} of the {len(mine)} subjects of {Path(folder).name}/{split}"
+    if shared[0].startswith("volume:"):
+        return (f"{where} are made from real volumes the model was trained on ({shown}); put those volumes in "
+                "the training split (masc simulate external --train) to score unseen anatomy")
+    return (f"{where} repeat training anatomies ({shown}): the set was simulated with the training set's dataset "
+            "seed and generator, which draw subject i alike whatever the subject count; simulate it with "
+            "another dataset.seed to score unseen anatomy")

@@ -4,6 +4,7 @@ and a provenance record beside it (command, seed, code version, validation metri
 from __future__ import annotations
 
 import json
+import logging
 import platform
 import subprocess
 from pathlib import Path
@@ -15,14 +16,26 @@ from masc_gadget import __version__
 from masc_gadget.core.ood import OodCalibration
 from masc_gadget.models.checkpoint import load_checkpoint, save_checkpoint
 
+log = logging.getLogger(__name__)
+
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, command: str = "",
-                      notes: dict[str, Any] | None = None, ood: dict[str, Any] | None = None) -> dict[str, Any]:
+                      notes: dict[str, Any] | None = None, ood: dict[str, Any] | None = None,
+                      export_command: str = "") -> dict[str, Any]:
     """Write ``out`` (.pt, float16 weights) and ``out`` with .json (provenance); returns the
     provenance. Float16 halves the size; loading casts back to float32. ``ood``: the OOD
     calibration of its MAR network (``masc mar-check --calibrate``: score, threshold, ...),
-    stored in the checkpoint's metadata, where the gadget reads it."""
+    stored in the checkpoint's metadata, where the gadget reads it.
+
+    The provenance names the code (git commit, versions), the commands (``command``: those
+    that trained it; ``export_command``: this export), the full training config with the MAR
+    pre-training's sections (read from the pre-trained checkpoint the training names, when it
+    is there) and the data it was trained on (:func:`training.data.data_identity` of each
+    folder: manifest hash and the anatomies of its training split, also stored in the
+    checkpoint, so that ``masc eval`` can warn about a set that repeats them)."""
     ck = load_checkpoint(checkpoint)
+    training_data = _training_data(ck.metadata, checkpoint)
+    mar_pretraining = _mar_pretraining(ck.metadata)
     if ood is not None:
         OodCalibration.from_metadata(ood, str(checkpoint))  # refuse a malformed one before writing
         if "mar" not in ck.state_dicts:
@@ -33,8 +46,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, command: str = ""
     out.parent.mkdir(parents=True, exist_ok=True)
     extra = {"ood": ood} if ood is not None else {}
     save_checkpoint(out, half, {**ck.metadata, "shipped_from": Path(checkpoint).name, "weights_dtype": "float16",
-                                **extra})
-    cfg = ck.metadata.get("config", {})
+                                "training_data": training_data, **extra})
+    cfg = dict(ck.metadata.get("config", {}))
+    if mar_pretraining is not None:
+        cfg["mar_pretraining"] = mar_pretraining
     record = {
         "name": out.stem,
         "kind": ck.metadata.get("kind"),
@@ -48,11 +63,41 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, command: str = ""
         "exported_with": {"masc": __version__, "torch": torch.__version__, "python": platform.python_version()},
         "size_bytes": out.stat().st_size,
         "git_commit": _git_commit(),
+        "export_command": export_command,
+        "training_data": [{k: v for k, v in d.items() if k != "train_anatomies"} for d in training_data],
         **({"ood": ood} if ood is not None else {}),
         **(notes or {}),
     }
     out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def _training_data(metadata: dict[str, Any], checkpoint: str | Path) -> list[dict[str, Any]]:
+    """:func:`training.data.data_identity` of each data folder the training names (its
+    ``data`` metadata, as given on its command line, read from here); a folder that is not
+    there is recorded by name only, with a warning."""
+    from training.data import data_dirs, data_identity
+
+    records = []
+    for folder in data_dirs(metadata.get("data", "") or []):
+        try:
+            records.append(data_identity(folder))
+        except (FileNotFoundError, ValueError) as err:
+            log.warning("%s: training data %s cannot be read (%s); its provenance names it only", checkpoint,
+                        folder, err)
+            records.append({"folder": Path(folder).name})
+    return records
+
+
+def _mar_pretraining(metadata: dict[str, Any]) -> dict[str, Any] | None:
+    """The config sections and data of the MAR pre-training the checkpoint names
+    (``mar_pretrained``), when that checkpoint is there."""
+    path = metadata.get("mar_pretrained")
+    if not path or not Path(path).is_file():
+        return None
+    pre = load_checkpoint(path).metadata
+    return {"checkpoint": Path(path).name, "epoch": pre.get("epoch"), "data": pre.get("data"),
+            **{k: pre[k] for k in ("mar_model", "mar_train", "acquisition") if k in pre}}
 
 
 def _git_commit() -> str | None:

@@ -263,6 +263,24 @@ def result_rows(method: str, traj: Trajectories, initial: int, budget: int) -> l
     return rows
 
 
+def warn_repeated_anatomies(checkpoints: list[str], data_dir: str | Path, split: str) -> list[str]:
+    """Log (and return) a warning for each checkpoint whose provenance (``training_data``, from
+    ``masc export``) says it was trained on anatomies that ``split`` of ``data_dir`` repeats
+    (:func:`training.data.repeats_training_anatomies`)."""
+    from masc_gadget.models.checkpoint import load_checkpoint
+    from training.data import data_dirs, repeats_training_anatomies
+
+    warnings = []
+    for path in dict.fromkeys(p.strip() for p in checkpoints if p and p.strip()):
+        trained_on = load_checkpoint(path).metadata.get("training_data") or []
+        for folder in data_dirs(data_dir) if trained_on else []:
+            why = repeats_training_anatomies(folder, split, trained_on)
+            if why is not None:
+                warnings.append(f"{path}: {why}")
+                log.warning("%s", warnings[-1])
+    return warnings
+
+
 def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str] | None,
              mar_path: str | Path | None, progress: bool = True,
              checkpoint: str | Path | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -279,6 +297,8 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
     methods = list(methods or ecfg.methods)
     device = resolve_device(ecfg.device)
     policies, own_mar = load_policies(methods, checkpoint, device)
+    named = [str(p) for p in checkpoint] if isinstance(checkpoint, (list, tuple)) else str(checkpoint or "").split(",")
+    warn_repeated_anatomies([*named, str(mar_path or "")], data_dir, split)
     data = load_split(data_dir, split, ecfg.max_slices)
     mar = None
     mar_meta: dict[str, Any] = {}

@@ -5,6 +5,8 @@ import json
 import pytest
 import torch
 
+from tests.conftest import CONFIGS
+
 from masc_gadget.models import shipped
 from masc_gadget.models.checkpoint import load_checkpoint, save_checkpoint
 from masc_gadget.acquisition.learned import load_masc, policy_metadata
@@ -44,3 +46,59 @@ def test_shipped_names_resolve_or_say_what_exists():
     for name in shipped.available():
         path = shipped.resolve(f"shipped:{name}")
         assert path.is_file() and shipped.provenance(name)["name"] == name
+
+
+def test_the_provenance_names_the_data_the_mar_pretraining_and_the_export(tmp_path, tiny_dataset, perturbed_mar,
+                                                                          monkeypatch):
+    from training.data import data_identity
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        net = PolicyNet(16, 16, 16, PolicyNetConfig(channels=(4, 8), hidden=16, pool_size=4))
+        mar = build_mar(MarModelConfig(width=4))
+    src = tmp_path / "masc.pt"
+    meta = policy_metadata(net, True, mar, rollout=7, config={"masc_train": {"seed": 3}})
+    save_checkpoint(src, {"policy": net, "mar": mar},
+                    {**meta, "data": f"{tiny_dataset},{tmp_path / 'gone'}", "mar_pretrained": str(perturbed_mar)})
+    record = export_checkpoint(src, tmp_path / "out.pt", command="masc train ...", export_command="masc export ...")
+    assert record["export_command"] == "masc export ..." and record["git_commit"]
+    expected = {k: v for k, v in data_identity(tiny_dataset).items() if k != "train_anatomies"}
+    assert record["training_data"] == [expected, {"folder": "gone"}]
+    assert len(expected["manifest_sha256"]) == 64
+    assert set(record["config"]) == {"masc_train", "mar_pretraining"}
+    assert record["config"]["mar_pretraining"]["checkpoint"] == perturbed_mar.name
+    stored = load_checkpoint(tmp_path / "out.pt").metadata["training_data"][0]
+    assert stored["train_anatomies"] and all(":sub-" in a for a in stored["train_anatomies"])
+
+
+def test_a_set_that_repeats_the_training_anatomies_is_named(tmp_path, tiny_dataset):
+    """Same dataset seed and generator, another subject count: subject i is drawn alike, so the
+    smaller set's test subjects are training subjects of the larger one."""
+    from masc_gadget.cli import main
+    from sim_scanner.dataset.layout import read_manifest
+    from training.data import data_identity, repeats_training_anatomies
+    from training.evaluation.evaluate import warn_repeated_anatomies
+
+    trained_on = [data_identity(tiny_dataset)]
+    assert repeats_training_anatomies(tiny_dataset, "test", trained_on) is None  # its own held-out split
+    smaller = tmp_path / "smaller"
+    assert main(["simulate", "dataset", "--config", str(CONFIGS / "tiny.yaml"), "--subjects", "3", "--out", str(smaller),
+                 "--set", "dataset.split_fractions=[0.34,0.33,0.33]"]) == 0
+    train = set(read_manifest(tiny_dataset)["splits"]["train"])
+    named = []
+    for split in ("train", "val", "test"):  # subjects 0-2 of 4: at least one was trained on
+        overlap = [s for s in read_manifest(smaller)["splits"][split] if s in train]
+        why = repeats_training_anatomies(smaller, split, trained_on)
+        assert (why is not None) == bool(overlap)
+        named += [why] if why else []
+    assert named and all("repeat training anatomies" in w and "another dataset.seed" in w for w in named)
+    other = tmp_path / "other"
+    assert main(["simulate", "dataset", "--config", str(CONFIGS / "tiny.yaml"), "--subjects", "3", "--out", str(other),
+                 "--set", "dataset.seed=99", "--set", "dataset.split_fractions=[0.34,0.33,0.33]"]) == 0
+    for split in ("train", "val", "test"):
+        assert repeats_training_anatomies(other, split, trained_on) is None
+    ckpt = tmp_path / "ck.pt"
+    save_checkpoint(ckpt, {"mar": build_mar(MarModelConfig(width=4))},
+                    {"kind": "mar", "training_data": [{**trained_on[0]}]})
+    assert bool(warn_repeated_anatomies([str(ckpt)], smaller, "train")) == bool(
+        set(read_manifest(smaller)["splits"]["train"]) & train)
