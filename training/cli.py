@@ -11,7 +11,7 @@ log = logging.getLogger("masc.train")
 
 
 def register_train(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    train = subparsers.add_parser("train", help="train networks (mar, masc, dqn, ss-ddqn, loupe)",
+    train = subparsers.add_parser("train", help="train networks (mar, masc, dqn, ss-ddqn, loupe, fixed-order)",
                                   description="Training: MAR pre-training (stage 1), MASC (stage 2) and the "
                                   "learned baselines.")
     actions = train.add_subparsers(dest="action", metavar="WHAT", required=True)
@@ -57,6 +57,16 @@ def register_train(subparsers: argparse._SubParsersAction, common: argparse.Argu
                        "<CKPT stem>.last.pt and .csv are written beside it")
     loupe.add_argument("--resume", metavar="CKPT", help="continue from a .last.pt checkpoint")
     loupe.set_defaults(func=cmd_train_loupe)
+    fixed = actions.add_parser("fixed-order", parents=[common],
+                               help="the population order of a protocol + its MAR network co-adapted to it",
+                               description="Learn the population-greedy order of the acquisition section's "
+                               "lines on training slices under a pre-trained MAR network, then co-adapt the "
+                               "network to those lines (section fixed_order); served like any policy "
+                               "(policy fixed-order) and scored by masc eval --methods fixed-order.")
+    fixed.add_argument("--data", required=True, metavar="DIR", help="dataset folder")
+    fixed.add_argument("--mar", required=True, metavar="CKPT", help="pre-trained MAR checkpoint (masc train mar)")
+    fixed.add_argument("--out", required=True, metavar="CKPT", help="best checkpoint (.pt); .last.pt and .csv beside it")
+    fixed.set_defaults(func=cmd_train_fixed_order)
 
 
 def register_eval(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -71,7 +81,7 @@ def register_eval(subparsers: argparse._SubParsersAction, common: argparse.Argum
                     "their own (without it: those are scored without MAR only); it never replaces the MAR network "
                     "a learned checkpoint carries")
     ev.add_argument("--checkpoint", metavar="CKPT[,CKPT...]", help="trained checkpoints of the learned methods "
-                    "(masc, dqn, ss-ddqn, loupe; each file's kind says which); a checkpoint that carries its own "
+                    "(masc, dqn, ss-ddqn, loupe, fixed-order; each file's kind says which); a checkpoint that carries its own "
                     "MAR network (masc, loupe) observes through it and is scored with it, with or without --mar, "
                     "as the gadget serves it")
     ev.add_argument("--reference", metavar="ROW", help="row for the p-values, e.g. random or random+nomar")
@@ -190,6 +200,38 @@ def cmd_train_loupe(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     best = train_loupe(config, args.data, args.mar, args.out, resume=args.resume)
     _report_best("learned-mask", args.out, best, "epoch")
+    return 0
+
+
+def cmd_train_fixed_order(args: argparse.Namespace) -> int:
+    from masc_gadget.cli import config_from_args
+    from training.fixed_order import train_fixed_order
+
+    best = train_fixed_order(config_from_args(args), args.data, args.mar, args.out)
+    _report_best("fixed-order", args.out, best, "epoch")
+    return 0
+
+
+def register_refit(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """``masc refit``."""
+    refit = subparsers.add_parser("refit", parents=[common], help="a fixed-order checkpoint refit on another "
+                                  "population or protocol",
+                                  description="Learn the fixed order again on another data set (or for the "
+                                  "acquisition section's protocol) under a checkpoint's MAR network; with "
+                                  "--finetune, co-adapt the network to the new order too.")
+    refit.add_argument("checkpoint", metavar="CKPT", help="a fixed-order checkpoint (or any with a MAR network)")
+    refit.add_argument("--data", required=True, metavar="DIR", help="the new population's dataset folder")
+    refit.add_argument("--finetune", action="store_true", help="also co-adapt the MAR network to the new order")
+    refit.add_argument("--out", required=True, metavar="CKPT", help="the refit checkpoint (.pt)")
+    refit.set_defaults(func=cmd_refit)
+
+
+def cmd_refit(args: argparse.Namespace) -> int:
+    from masc_gadget.cli import config_from_args
+    from training.fixed_order import refit_fixed_order
+
+    best = refit_fixed_order(config_from_args(args), args.checkpoint, args.data, args.out, finetune=args.finetune)
+    _report_best("fixed-order", args.out, best, "epoch")
     return 0
 
 

@@ -58,7 +58,12 @@ Q_KINDS = ("dqn", "ss-ddqn")
 """The value-based baselines: a QNet, greedy in Q."""
 LOUPE = "loupe"
 """The learned fixed mask (LOUPE-style): a fixed order and its MAR network."""
-KINDS = (KIND, *Q_KINDS, LOUPE)
+FIXED = "fixed-order"
+"""The population order of a protocol and the MAR network co-adapted to it (``masc train
+fixed-order``): a fixed order and its MAR network, as LOUPE's."""
+ORDER_KINDS = (LOUPE, FIXED)
+"""Kinds whose policy is a fixed order (metadata ``order``) and whose checkpoint holds a MAR network."""
+KINDS = (KIND, *Q_KINDS, *ORDER_KINDS)
 """Every kind of learned-policy checkpoint, each also a policy name."""
 
 MAX_MATRIX = 8192
@@ -345,9 +350,9 @@ def _q_from(ck: Checkpoint, path: str | Path, kind: str, device: str | torch.dev
     return LearnedPolicy(net, observes_mar=meta["observes_mar"], device=device, metadata=meta, name=kind)
 
 
-def _loupe_from(ck: Checkpoint, path: str | Path) -> FixedOrder:
+def _order_from(ck: Checkpoint, path: str | Path, kind: str) -> FixedOrder:
     meta = ck.metadata
-    _require(ck, path, LOUPE, "mar", ("n_pe", "order"))
+    _require(ck, path, kind, "mar", ("n_pe", "order"))
     check_size(str(path), "n_pe", meta["n_pe"], MAX_MATRIX)
     order = meta["order"]
     n_pe = meta["n_pe"]
@@ -355,7 +360,7 @@ def _loupe_from(ck: Checkpoint, path: str | Path) -> FixedOrder:
             or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < n_pe for x in order)
             or len(set(order)) != len(order)):
         raise ValueError(f"{path}: metadata order must be a list of 1 to {n_pe} distinct lines in [0, {n_pe})")
-    return FixedOrder(np.asarray(order, dtype=np.int64), name=LOUPE)
+    return FixedOrder(np.asarray(order, dtype=np.int64), name=kind)
 
 
 def _policy_from(ck: Checkpoint, path: str | Path, device: str | torch.device,
@@ -367,7 +372,7 @@ def _policy_from(ck: Checkpoint, path: str | Path, device: str | torch.device,
         return _masc_from(ck, path, device)
     if kind in Q_KINDS:
         return _q_from(ck, path, kind, device)
-    return _loupe_from(ck, path)
+    return _order_from(ck, path, kind)
 
 
 def _mar_from(ck: Checkpoint, path: str | Path, device: torch.device) -> MarNet | None:
@@ -416,3 +421,8 @@ def make_ss_ddqn_policy(checkpoint: str = "", device: str = "auto", **_: Any) ->
 def make_loupe_policy(checkpoint: str = "", device: str = "auto", **_: Any) -> SamplingPolicy:
     """Registry factory of ``loupe`` (a ``masc train loupe`` checkpoint)."""
     return make_learned_policy(checkpoint, device, kind=LOUPE)
+
+
+def make_fixed_order_policy(checkpoint: str = "", device: str = "auto", **_: Any) -> SamplingPolicy:
+    """Registry factory of ``fixed-order`` (a ``masc train fixed-order`` or ``masc refit`` checkpoint)."""
+    return make_learned_policy(checkpoint, device, kind=FIXED)

@@ -23,6 +23,7 @@ DISPLAY_NAMES = {
     "dqn": "DQN",
     "ss-ddqn": "SS-DDQN",
     "loupe": "Learned mask (LOUPE-style, fixed)",
+    "fixed-order": "Fixed order (population, MAR co-adapted)",
 }
 
 BASELINES = ("random", "random-lowbias", "center-out", "equispaced", "population")

@@ -390,7 +390,7 @@ def test_registry():
     assert make_policy("random-lowbias", sigma_fraction=0.1).sigma_fraction == 0.1
     assert all(make_policy(n).name == n for n in NAMES)
     with pytest.raises(ValueError, match=r"^unknown policy 'x'; known policies: center-out, "
-                                         r"(dqn, )?equispaced, (loupe, )?(masc, )?random, random-lowbias(, ss-ddqn)?"):
+                                         r"(dqn, )?equispaced, (fixed-order, )?(loupe, )?(masc, )?random, random-lowbias(, ss-ddqn)?"):
         make_policy("x")
 
     class Fixed(SamplingPolicy):
