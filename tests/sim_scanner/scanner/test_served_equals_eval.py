@@ -61,8 +61,9 @@ def learned_checkpoints(tmp_path_factory, masc_checkpoint):
             for p in mar.parameters():
                 p.add_(0.05 * torch.randn(p.shape))
     order = [int(x) for x in np.random.default_rng(8).permutation(N)[:BUDGET]]
-    paths["loupe"] = save_checkpoint(folder / "loupe.pt", {"mar": mar.eval()},
-                                     {"kind": "loupe", "n_pe": N, "order": order, "mar_model": to_dict(mar.config)})
+    for kind in ("loupe", "fixed-order"):  # a fixed order and its MAR network
+        paths[kind] = save_checkpoint(folder / f"{kind}.pt", {"mar": mar.eval()},
+                                      {"kind": kind, "n_pe": N, "order": order, "mar_model": to_dict(mar.config)})
     return paths
 
 
@@ -77,7 +78,7 @@ def _scan(tiny_dataset, out, policy, gadget):
 @pytest.mark.parametrize("policy", sorted(POLICIES) + sorted(KINDS))
 def test_served_image_scores_equal_masc_eval(tiny_dataset, tmp_path, perturbed_mar, learned_checkpoints, policy):
     learned = policy in KINDS
-    own_mar = policy in ("masc", "loupe")
+    own_mar = policy in ("masc", "loupe", "fixed-order")
     gadget = [f"acquisition.seed={SEED}"]
     if learned:
         gadget.append(f"gadget.policy_checkpoint={learned_checkpoints[policy]}")
