@@ -134,7 +134,10 @@ def fallback_rule(mar: Any, setting: str) -> OodCalibration | None:
 
 def check_fallback_setting(value: Any) -> str:
     """``value`` as a valid ``gadget.mar_fallback`` (``auto``, ``off`` or a number > 0, as text);
-    ValueError otherwise."""
+    ValueError otherwise. YAML reads an unquoted ``off`` in a config file or ``--set`` as false
+    (and ``on`` as true): false is ``off``, true is ``auto``."""
+    if isinstance(value, bool):
+        return "auto" if value else "off"
     text = str(value).strip().lower()
     if text in ("auto", "off"):
         return text

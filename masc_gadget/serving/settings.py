@@ -58,11 +58,12 @@ class GadgetConfig:
     return_zero_filled: bool = True
     """Also return the zero-filled image of each slice, as image series 2 (a derived series beside
     the MAR one, series 1, as scanners return derived images); false: series 1 only."""
-    mar_fallback: str | float = "auto"
+    mar_fallback: str | float | bool = "auto"
     """When a slice's MAR image is served zero-filled instead (:mod:`masc_gadget.core.ood`):
     ``auto`` when its OOD score passes the threshold calibrated for the network on validation
     data (stored in its checkpoint; a network without one is always used), ``off`` never (the
-    score is still reported), or a number: that threshold."""
+    score is still reported), or a number: that threshold. YAML's unquoted ``off`` (false) is
+    ``off``."""
     coil_combine: Literal["rss", "sensitivity"] = "rss"
     """How a multi-coil scan's channels become one image before MAR: ``rss`` (root-sum-of-squares)
     or ``sensitivity`` (adaptive combine with sensitivities from the acquired centre lines)."""

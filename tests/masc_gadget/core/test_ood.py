@@ -106,3 +106,14 @@ def test_an_exported_calibration_is_loaded_with_the_network(tmp_path, perturbed_
         export_checkpoint(perturbed_mar, tmp_path / "n.pt", ood={"score": "residual"})
     assert not (tmp_path / "n.pt").exists()
     np.testing.assert_equal(sorted(meta), sorted(set(meta)))
+
+
+def test_yaml_off_and_on_are_the_fallback_settings():
+    """Regression: ``--set gadget.mar_fallback=off`` reached the gadget section as YAML's false
+    and was refused ("must be str or float, got False")."""
+    from masc_gadget.config import load_config
+
+    assert load_config(None, ["gadget.mar_fallback=off"])["gadget"].mar_fallback == "off"
+    assert load_config(None, ["gadget.mar_fallback=on"])["gadget"].mar_fallback == "auto"
+    assert load_config(None, ["gadget.mar_fallback=0.3"])["gadget"].mar_fallback == "0.3"
+    assert check_fallback_setting(False) == "off"
