@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from masc_gadget.acquisition.episode import AcquisitionConfig
+from masc_gadget.acquisition.episode import AcquisitionConfig, initial_lines
 from masc_gadget.config import Config, to_dict
 from masc_gadget.core.kspace import zero_filled
 from masc_gadget.core.metrics import slice_metrics
@@ -73,8 +73,6 @@ class FixedOrderConfig:
 
 def order_masks(n: int, n_pe: int, initial: int, order: np.ndarray) -> torch.Tensor:
     """(n, n_pe) bool: the protocol's initial centre lines and ``order``, on every slice."""
-    from masc_gadget.acquisition.episode import initial_lines
-
     mask = torch.zeros(n_pe, dtype=torch.bool)
     mask[torch.as_tensor(initial_lines(n_pe, initial))] = True
     mask[torch.as_tensor(order)] = True
@@ -101,7 +99,7 @@ def _fit(config: Config, data_dir: str | Path, mar: torch.nn.Module, out: str | 
          epochs: int, metadata: dict[str, Any], progress: bool) -> dict[str, Any]:
     """Learn the order under ``mar``, co-adapt ``mar`` for ``epochs``, save the best checkpoint
     (``metadata`` carries the network's ``mar_model`` section)."""
-    fcfg: FixedOrderConfig = config[KIND.replace("-", "_")]
+    fcfg: FixedOrderConfig = config["fixed_order"]
     acq: AcquisitionConfig = config["acquisition"]
     train = load_split(data_dir, "train")
     val = load_split(data_dir, "val", fcfg.max_val_slices)
