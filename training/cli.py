@@ -106,6 +106,9 @@ def register_eval(subparsers: argparse._SubParsersAction, common: argparse.Argum
                     help="instead of evaluating: recompute the paired tests of earlier masc eval outputs over "
                     "subjects (their results.json and table.md are rewritten in place; the scores are not "
                     "recomputed); a --suite folder: every table, Table 2 and the combined reports")
+    ev.add_argument("--headroom", action="store_true", help="also measure the oracle's lead over a fixed order "
+                    "cross-fitted on each --data folder, under --mar (section headroom; slow: the oracle scores every "
+                    "free line); written to OUT[/NAME]/headroom.md")
     ev.add_argument("--out", metavar="OUTDIR", help="folder to write (required unless --retest)")
     ev.set_defaults(func=cmd_eval)
 
@@ -121,6 +124,35 @@ def register_diversity(subparsers: argparse._SubParsersAction, common: argparse.
     div.add_argument("--split", default="test", choices=["val", "test"])
     div.add_argument("--out", metavar="FILE.json", help="also write the report as JSON")
     div.set_defaults(func=cmd_diversity)
+
+
+def register_headroom(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    hr = subparsers.add_parser("headroom", parents=[common], help="can an adaptive policy pay here: oracle vs a "
+                               "cross-fitted fixed order",
+                               description="The gate before training an adaptive policy: on a split, the oracle's "
+                               "lead over the population order fitted on other subjects (cross-fitted over subject "
+                               "folds) and centre-out, under each MAR network, with tests over subjects. Section "
+                               "headroom: region (image | implant), margin, beam, folds, slices_per_subject, gate; "
+                               "the lines are the acquisition section's initial + budget.")
+    hr.add_argument("--data", required=True, metavar="DIR", help="dataset folder")
+    hr.add_argument("--mar", required=True, metavar="CKPT[,CKPT...]", help="MAR network(s), e.g. three training "
+                    "seeds: each is measured apart, the report gives the mean and spread")
+    hr.add_argument("--split", default="val", choices=["train", "val", "test"],
+                    help="the split measured (default val: the gate decides what to train)")
+    hr.add_argument("--out", required=True, metavar="DIR", help="where headroom.json and headroom.md go")
+    hr.set_defaults(func=cmd_headroom)
+
+
+def cmd_headroom(args: argparse.Namespace) -> int:
+    from masc_gadget.cli import config_from_args
+    from training.evaluation.headroom import headroom, render_headroom, write_headroom
+
+    mars = [m.strip() for m in args.mar.split(",") if m.strip()]
+    report = headroom(config_from_args(args), args.data, args.split, mars)
+    paths = write_headroom(report, args.out)
+    print(render_headroom(report), end="")
+    print("written: " + ", ".join(str(p) for p in paths.values()))
+    return 0
 
 
 def register_study(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -312,6 +344,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise CommandError("--resume goes with --suite (one masc eval has nothing to resume)")
     if not args.data:
         raise CommandError("masc eval needs --data DIR (or --combine DIR,DIR,... to combine seeds)")
+    if args.headroom and not args.mar:
+        raise CommandError("--headroom measures under one MAR network: give --mar CKPT")
     from training.evaluation.evaluate import evaluate, write_outputs
     from training.evaluation.tables import render_table
 
@@ -326,6 +360,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         results, figures = evaluate(config, folders[0], args.split, methods, args.mar, checkpoint=args.checkpoint)
         paths = write_outputs(results, figures, args.out)
         print(render_table(results))
+        paths.update(_eval_headroom(args, config, folders[0], args.out))
         print("written: " + ", ".join(str(p) for p in paths.values()))
         return 0
     from training.evaluation.tables import render_summary
@@ -338,11 +373,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
         results, figures = evaluate(config, folder, args.split, methods, args.mar, checkpoint=args.checkpoint)
         write_outputs(results, figures, Path(args.out) / name)
         print(f"## {name} ({folder})\n\n{render_table(results)}")
+        _eval_headroom(args, config, folder, Path(args.out) / name)
         every[name] = results
     Path(args.out, "summary.md").write_text(render_summary(every))
     print(render_summary(every))
     print(f"written: {', '.join(str(Path(args.out) / n) for n in names)}, {Path(args.out) / 'summary.md'}")
     return 0
+
+
+def _eval_headroom(args: argparse.Namespace, config, folder: str, out: str | Path) -> dict[str, Path]:
+    """``masc eval --headroom``: the gate on the folder just evaluated, under ``--mar``."""
+    if not args.headroom:
+        return {}
+    from training.evaluation.headroom import headroom, render_headroom, write_headroom
+
+    report = headroom(config, folder, args.split, [args.mar])
+    print(render_headroom(report), end="")
+    return {f"headroom_{k}": v for k, v in write_headroom(report, out).items()}
 
 
 def cmd_diversity(args: argparse.Namespace) -> int:

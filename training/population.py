@@ -30,10 +30,12 @@ log = logging.getLogger(__name__)
 @torch.no_grad()
 def population_order(data: SliceSet, initial: int, budget: int, mar: torch.nn.Module | None,
                      device: torch.device, batch_size: int = 32,
-                     oracle: GreedyOracle | None = None, progress: bool = False) -> np.ndarray:
+                     oracle: GreedyOracle | None = None, progress: bool = False,
+                     roi: torch.Tensor | None = None) -> np.ndarray:
     """(budget,) int64: the population-greedy order of ``data`` (module docstring).
 
-    Every step scores every free line on every slice of ``data`` (``budget * n_free * len(data)``
+    ``roi``: None, or (N, H, W) bool, one region of interest per slice of ``data`` where Q is
+    scored (the order that is best on average there). Every step scores every free line on every slice of ``data`` (``budget * n_free * len(data)``
     recon + MAR forwards, batched); ties go to the lowest line."""
     if len(data) == 0:
         raise ValueError("the population order needs at least one training slice")
@@ -50,7 +52,8 @@ def population_order(data: SliceSet, initial: int, budget: int, mar: torch.nn.Mo
             for line in order:
                 episodes.acquire(np.full(len(index), line, dtype=np.int64))
             total += oracle.scores(episodes, data.kspace_metal[index].to(device),
-                                   data.target[index].to(device), mar).sum(axis=0)
+                                   data.target[index].to(device), mar,
+                                   None if roi is None else roi[index].to(device)).sum(axis=0)
         order.append(int(np.argmax(total)))
         log.debug("population order step %d: line %d (mean Q %.4f)", step, order[-1],
                   total[order[-1]] / len(data))

@@ -33,6 +33,7 @@ __all__ = [
     "nmse",
     "psnr",
     "quality",
+    "roi_metrics",
     "scale_by_target",
     "slice_metrics",
     "ssim",
@@ -189,10 +190,12 @@ def _target_moments(yc: torch.Tensor, win_size: int) -> tuple[torch.Tensor, torc
 
 def _ssim_with(x: torch.Tensor, ym: torch.Tensor, yc: torch.Tensor, uyc: torch.Tensor,
                uyy: torch.Tensor, win_size: int, c1: torch.Tensor | float,
-               c2: torch.Tensor | float) -> torch.Tensor:
+               c2: torch.Tensor | float, weight: torch.Tensor | None = None) -> torch.Tensor:
     """Mean SSIM of each ``x`` (B, H, W) against a target given by its slice mean ``ym``
     (B, 1, 1), mean-shifted image ``yc`` and local moments ``uyc``, ``uyy``
-    (:func:`_target_moments`): the target side can be computed once for many predictions."""
+    (:func:`_target_moments`): the target side can be computed once for many predictions.
+    ``weight``: (B, H', W') weights of the map's interior, summing to 1 per slice (a region of
+    interest, :func:`_interior_weight`); None: the plain mean."""
     b, h, w = x.shape
     xm = x.mean(dim=(-2, -1), keepdim=True).detach()
     xc = x - xm
@@ -212,7 +215,37 @@ def _ssim_with(x: torch.Tensor, ym: torch.Tensor, yc: torch.Tensor, uyc: torch.T
     b1 = ux * ux + uy * uy + c1
     b2 = vx + vy + c2
     ssim_map = (a1 * a2) / (b1 * b2)
-    return ssim_map.mean(dim=(-2, -1))
+    if weight is None:
+        return ssim_map.mean(dim=(-2, -1))
+    return (ssim_map * weight).sum(dim=(-2, -1))
+
+
+def _as_roi(roi: torch.Tensor | np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """A ``(B, H, W)`` region of interest (bool or 0/1) as ``like``'s float dtype and device;
+    every slice must hold at least one pixel."""
+    r = torch.as_tensor(roi)
+    if r.ndim == 4 and r.shape[1] == 1:
+        r = r[:, 0]
+    if r.shape != like.shape:
+        raise ValueError(f"roi must have the images' shape {tuple(like.shape)}, got {tuple(r.shape)}")
+    r = r.to(device=like.device, dtype=like.dtype)
+    if bool((r.sum(dim=(-2, -1)) <= 0).any()):
+        raise ValueError("every slice's region of interest must hold at least one pixel")
+    return r
+
+
+def _interior_weight(roi: torch.Tensor, win_size: int) -> torch.Tensor:
+    """(B, H - w + 1, W - w + 1) weights of the SSIM map over the windows centred in ``roi``
+    (B, H, W float), normalised per slice; a region that lies wholly in the border the map
+    crops keeps the nearest interior windows (the region grown until it reaches the interior)."""
+    pad = (win_size - 1) // 2
+    inner = roi[:, pad:roi.shape[1] - pad, pad:roi.shape[2] - pad]
+    grown = roi
+    while bool((inner.sum(dim=(-2, -1)) <= 0).any()):
+        grown = F.max_pool2d(grown[:, None], 3, stride=1, padding=1)[:, 0]
+        inner = torch.where(inner.sum(dim=(-2, -1), keepdim=True) > 0, inner,
+                            grown[:, pad:roi.shape[1] - pad, pad:roi.shape[2] - pad])
+    return inner / inner.sum(dim=(-2, -1), keepdim=True)
 
 
 def ssim_loss(
@@ -298,11 +331,45 @@ def slice_metrics(
         }
 
 
+def roi_metrics(
+    pred: torch.Tensor | np.ndarray, target: torch.Tensor | np.ndarray,
+    roi: torch.Tensor | np.ndarray,
+) -> dict[str, torch.Tensor]:
+    """SSIM, PSNR and NMSE of each slice in a region of interest, after :func:`scale_by_target`
+    (the whole slice's maximum: the data range stays 1).
+
+    SSIM is the mean of the SSIM map over the windows centred in the region (the map of
+    :func:`ssim`, so a whole-image region gives :func:`ssim`); PSNR and NMSE sum the squared
+    error over the region's pixels.
+
+    Args:
+        pred: reconstruction, ``(B, H, W)`` or ``(B, 1, H, W)``.
+        target: clean fully sampled image, same shape.
+        roi: ``(B, H, W)`` bool or 0/1, at least one pixel per slice.
+
+    Returns:
+        ``{"ssim", "psnr", "nmse"}`` -> ``(B,)`` tensors.
+    """
+    with torch.no_grad():
+        p, t = _pair(pred, target)
+        dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        p, t = scale_by_target(p.to(dtype), t.to(dtype))
+        r = _as_roi(roi, t)
+        ym = t.mean(dim=(-2, -1), keepdim=True)
+        uyc, uyy = _target_moments(t - ym, _WIN)
+        s = _ssim_with(p, ym, t - ym, uyc, uyy, _WIN, 0.01**2, 0.03**2, _interior_weight(r, _WIN))
+        n = r.sum(dim=(-2, -1))
+        err = ((p - t).square() * r).sum(dim=(-2, -1))
+        return {"ssim": s, "psnr": 10.0 * torch.log10(n / err.clamp_min(_EPS)),
+                "nmse": err / (t.square() * r).sum(dim=(-2, -1)).clamp_min(_EPS)}
+
+
 def quality(
     pred: torch.Tensor | np.ndarray,
     target: torch.Tensor | np.ndarray,
     l_ssim: float = 0.5,
     l_nmse: float = 0.5,
+    roi: torch.Tensor | np.ndarray | None = None,
 ) -> torch.Tensor:
     """The paper's reconstruction quality ``Q = l_ssim * SSIM + l_nmse * (1 - NMSE)`` per slice.
 
@@ -314,12 +381,14 @@ def quality(
         target: same shape.
         l_ssim: weight of SSIM.
         l_nmse: weight of ``1 - NMSE``.
+        roi: ``(B, H, W)`` region of interest, or None (the whole image): SSIM and NMSE as
+            :func:`roi_metrics` computes them.
 
     Returns:
         ``(B,)``.
     """
     p, t = _pair(pred, target)
-    return QualityReference(t, l_ssim, l_nmse)(p)
+    return QualityReference(t, l_ssim, l_nmse, roi)(p)
 
 
 class QualityReference:
@@ -334,12 +403,14 @@ class QualityReference:
         target: ``(B, H, W)`` or ``(B, 1, H, W)`` clean images (at least 7 x 7).
         l_ssim: weight of SSIM.
         l_nmse: weight of ``1 - NMSE``.
+        roi: ``(B, H, W)`` region of interest, or None (the whole image).
     """
 
-    _FIELDS = ("inv_scale", "target", "mean", "centred", "local_mean", "local_sq", "energy")
+    _FIELDS = ("inv_scale", "target", "mean", "centred", "local_mean", "local_sq", "energy",
+               "region", "weight")
 
     def __init__(self, target: torch.Tensor | np.ndarray, l_ssim: float = 0.5,
-                 l_nmse: float = 0.5) -> None:
+                 l_nmse: float = 0.5, roi: torch.Tensor | np.ndarray | None = None) -> None:
         if not (math.isfinite(l_ssim) and math.isfinite(l_nmse)):
             raise ValueError(f"l_ssim and l_nmse must be finite, got {l_ssim} and {l_nmse}")
         t = _as_bhw(target, "target").detach()
@@ -353,7 +424,12 @@ class QualityReference:
         self.mean = self.target.mean(dim=(-2, -1), keepdim=True)
         self.centred = self.target - self.mean
         self.local_mean, self.local_sq = _target_moments(self.centred, _WIN)
-        self.energy = self.target.square().sum(dim=(-2, -1)).clamp_min(_EPS)
+        self.region = self.weight = None  # whole image
+        if roi is not None:
+            self.region = _as_roi(roi, self.target)
+            self.weight = _interior_weight(self.region, _WIN)
+        energy = self.target.square() if self.region is None else self.target.square() * self.region
+        self.energy = energy.sum(dim=(-2, -1)).clamp_min(_EPS)
 
     @classmethod
     def _of(cls, fields: dict[str, torch.Tensor], l_ssim: float, l_nmse: float) -> QualityReference:
@@ -364,14 +440,24 @@ class QualityReference:
         return ref
 
     def cat(self, other: QualityReference) -> QualityReference:
-        """This batch followed by ``other``'s (same weights, image size, device)."""
-        return self._of({f: torch.cat([getattr(self, f), getattr(other, f)]) for f in self._FIELDS},
-                        self.l_ssim, self.l_nmse)
+        """This batch followed by ``other``'s (same weights, image size, device, and both with or
+        both without a region of interest)."""
+        self._same_kind(other)
+        return self._of({f: None if getattr(self, f) is None else torch.cat([getattr(self, f), getattr(other, f)])
+                         for f in self._FIELDS}, self.l_ssim, self.l_nmse)
+
+    def _same_kind(self, other: QualityReference) -> None:
+        if (self.region is None) != (other.region is None):
+            raise ValueError("cannot combine references with and without a region of interest")
 
     def replace(self, rows: torch.Tensor, other: QualityReference) -> QualityReference:
         """A copy with slices ``rows`` ((n,) long) replaced by ``other``'s n references."""
+        self._same_kind(other)
         fields = {}
         for f in self._FIELDS:
+            if getattr(self, f) is None:
+                fields[f] = None
+                continue
             value = getattr(self, f).clone()
             value[rows] = getattr(other, f)
             fields[f] = value
@@ -385,6 +471,10 @@ class QualityReference:
                              f"got {tuple(p.shape)}")
         p = p.to(self.target.device) * self.inv_scale
         c1, c2 = 0.01**2, 0.03**2  # data range 1, scikit-image's K1 and K2
-        s = _ssim_with(p, self.mean, self.centred, self.local_mean, self.local_sq, _WIN, c1, c2)
-        err = (p - self.target).square().sum(dim=(-2, -1)) / self.energy
+        s = _ssim_with(p, self.mean, self.centred, self.local_mean, self.local_sq, _WIN, c1, c2,
+                       self.weight)
+        err = (p - self.target).square()
+        if self.region is not None:
+            err = err * self.region
+        err = err.sum(dim=(-2, -1)) / self.energy
         return self.l_ssim * s + self.l_nmse * (1.0 - err)

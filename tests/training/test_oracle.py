@@ -63,3 +63,47 @@ def test_oracle_gain_is_none_without_a_gain():
     assert oracle_gain(block) == {"oracle": None, "random": None, "masc": None}
     block["rows"][0] = row("oracle", True, 0.7)
     assert oracle_gain(block)["masc"] == pytest.approx(0.5)
+
+
+def _start(n, n_pe, initial):
+    from masc_gadget.acquisition.episode import initial_lines
+
+    start = np.zeros((n, n_pe), dtype=bool)
+    start[:, initial_lines(n_pe, initial)] = True
+    return start
+
+
+def test_beam_of_one_is_the_greedy_oracle_and_a_wider_beam_never_falls_below(tiny_dataset, perturbed_mar):
+    from masc_gadget.acquisition.episode import EpisodeBatch
+    from masc_gadget.core.kspace import zero_filled
+    from masc_gadget.core.metrics import quality
+    from training.oracle import BeamOracle
+
+    data = load_split(tiny_dataset, "train")
+    mar = load_mar(perturbed_mar, "cpu")[0].eval()
+    device = torch.device("cpu")
+    kspace, target = data.kspace_metal, data.target
+    start = _start(len(data), data.n_pe, 1)
+    with torch.no_grad():
+        greedy = run_method(GreedyOracle(), data, 1, 3, mar, 0, 8, device)
+        lines1, q1 = BeamOracle(1).plan(start, 3, kspace, target, mar)
+        lines4, q4 = BeamOracle(4).plan(start, 3, kspace, target, mar)
+        assert np.array_equal(lines1, greedy.lines[:, 1:])
+        assert np.all(q4 >= q1 - 1e-9)
+        mask = start.copy()
+        mask[np.arange(len(data))[:, None], lines4] = True  # the reported Q is the returned lines' Q
+        again = quality(mar(zero_filled(kspace, torch.from_numpy(mask))), target).double().numpy()
+        assert np.allclose(again, q4, atol=1e-5)
+        assert all(len(set(row)) == 3 and not start[0, row].any() for row in lines4)
+        # with a region of interest, the score is Q in that region
+        roi = torch.zeros(len(data), *data.target.shape[1:], dtype=torch.bool)
+        roi[:, 8:24, 4:16] = True
+        episodes = EpisodeBatch(data.n_pe, 1, 3, len(data), device)
+        scores = GreedyOracle().scores(episodes, kspace, target, mar, roi)
+        cand = start.copy()
+        cand[:, 3] = True
+        direct = quality(mar(zero_filled(kspace, torch.from_numpy(cand))), target, roi=roi).double().numpy()
+        assert np.allclose(scores[:, 3], direct, atol=1e-6)
+        assert not np.allclose(scores[:, 3], GreedyOracle().scores(episodes, kspace, target, mar)[:, 3])
+    with pytest.raises(ValueError, match="beam width"):
+        BeamOracle(0)

@@ -323,3 +323,47 @@ def test_cuda_matches_cpu(device):
         ssim_loss(*scale_by_target(x, t.to(dev))).backward()
         grads.append(x.grad.cpu())
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7)
+
+
+def test_roi_metrics_over_the_whole_image_are_the_slice_metrics():
+    from masc_gadget.core.metrics import quality, roi_metrics, slice_metrics
+
+    gen = torch.Generator().manual_seed(3)
+    target = torch.rand(3, 24, 20, generator=gen)
+    pred = target + 0.2 * torch.randn(3, 24, 20, generator=gen)
+    whole = torch.ones(3, 24, 20, dtype=torch.bool)
+    local, plain = roi_metrics(pred, target, whole), slice_metrics(pred, target)
+    for key in ("ssim", "psnr", "nmse"):
+        assert torch.allclose(local[key], plain[key], rtol=1e-5, atol=1e-6), key
+    assert torch.allclose(quality(pred, target, roi=whole), quality(pred, target), atol=1e-6)
+
+
+def test_roi_metrics_see_only_their_region():
+    from masc_gadget.core.metrics import QualityReference, quality, roi_metrics
+
+    gen = torch.Generator().manual_seed(4)
+    target = torch.rand(2, 32, 32, generator=gen) + 0.5
+    pred = target.clone()
+    pred[:, :, 16:] += 0.5 * torch.randn(2, 32, 16, generator=gen)  # only the right half is wrong
+    left = torch.zeros(2, 32, 32, dtype=torch.bool)
+    left[:, 4:28, 3:10] = True  # every window centred here lies in the left half
+    right = torch.zeros_like(left)
+    right[:, 4:28, 22:29] = True
+    good, bad = roi_metrics(pred, target, left), roi_metrics(pred, target, right)
+    assert torch.allclose(good["ssim"], torch.ones(2), atol=1e-6) and torch.all(good["nmse"] < 1e-12)
+    assert torch.all(bad["ssim"] < 0.9) and torch.all(bad["psnr"] < good["psnr"])
+    assert torch.all(quality(pred, target, roi=left) > quality(pred, target) + 0.01)
+    with pytest.raises(ValueError, match="at least one pixel"):
+        roi_metrics(pred, target, torch.zeros_like(left))
+    with pytest.raises(ValueError, match="with and without a region"):
+        QualityReference(target, roi=left).cat(QualityReference(target))
+
+
+def test_a_region_in_the_cropped_border_still_has_windows():
+    from masc_gadget.core.metrics import roi_metrics
+
+    target = torch.rand(1, 16, 16, generator=torch.Generator().manual_seed(5))
+    corner = torch.zeros(1, 16, 16, dtype=torch.bool)
+    corner[0, 0, 0] = True  # no SSIM window is centred on the corner pixel
+    out = roi_metrics(target * 0.9, target, corner)
+    assert torch.isfinite(out["ssim"]).all() and 0 < float(out["ssim"]) <= 1

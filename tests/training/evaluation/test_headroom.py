@@ -1,0 +1,84 @@
+"""The headroom gate: a fixed order cross-fitted over subject folds, the oracle, centre-out,
+under one or several MAR networks, with tests over subjects and a verdict."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from masc_gadget.cli import main
+from masc_gadget.config import load_config
+from masc_gadget.models.checkpoint import load_mar
+from tests.conftest import CONFIGS, write_perturbed_mar
+from training.data import load_split
+from training.evaluation.headroom import (HeadroomConfig, headroom, measured_slices, periprosthetic_roi,
+                                          render_headroom, subject_folds)
+from training.population import population_order
+
+
+def test_folds_keep_each_subject_whole_and_need_enough_subjects():
+    subjects = ["b", "a", "c", "a", "b", "d", "c"]
+    folds = subject_folds(subjects, 2)
+    for s in set(subjects):
+        assert len({int(f) for f, x in zip(folds, subjects) if x == s}) == 1
+    assert sorted({x: int(f) for f, x in zip(folds, subjects)}.values()) == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="at least 3 subjects"):
+        subject_folds(["a", "b", "a"], 3)
+
+
+def test_the_periprosthetic_region_grows_the_implant_and_covers_slices_it_misses(tiny_dataset):
+    data = load_split(tiny_dataset, "train")
+    mask = data.implant_mask.bool()
+    assert mask.any()
+    roi0, roi3 = periprosthetic_roi(data, 0), periprosthetic_roi(data, 3)
+    assert torch.all(roi3 >= roi0) and int(roi3.sum()) > int(roi0.sum())
+    hit = mask.reshape(len(data), -1).any(dim=1)
+    assert torch.equal(roi0[hit], mask[hit])
+    data.implant_mask[1] = 0  # a slice the implant misses: its subject's footprint
+    footprint = data.implant_mask[[i for i, s in enumerate(data.subjects) if s == data.subjects[1]]].bool().any(dim=0)
+    assert torch.equal(periprosthetic_roi(data, 0)[1], footprint)
+    data.implant_mask.zero_()  # no implant anywhere: the whole image
+    assert bool(periprosthetic_roi(data, 2).all())
+    picked = measured_slices(load_split(tiny_dataset, "train"), 1)
+    assert len(picked) == len(set(data.subjects))
+
+
+def test_headroom_cross_fits_the_order_and_reports_over_subjects(tiny_dataset, perturbed_mar, tmp_path):
+    second = write_perturbed_mar(tmp_path / "mar2.pt", seed=7)
+    config = load_config(CONFIGS / "tiny.yaml", ["headroom.slices_per_subject=0", "headroom.batch_size=4"])
+    report = headroom(config, tiny_dataset, "train", [perturbed_mar, second], progress=False)
+    data = load_split(tiny_dataset, "train")
+    assert report["n_slices"] == len(data) and len(report["runs"]) == 2
+    run = report["runs"][0]
+    folds = np.asarray(run["folds"])
+    mar = load_mar(perturbed_mar, "cpu")[0].eval()
+    for k in (0, 1):  # fold k plays the order fitted on the other fold only
+        refit = population_order(data.subset(np.flatnonzero(folds != k)), 1, 2, mar, torch.device("cpu"))
+        assert run["orders"][k] == refit.tolist()
+    for method in ("oracle", "fixed", "center-out"):
+        assert len(run["slices"][method]["ssim"]) == len(data)
+        assert run["means"][method]["ssim"] == pytest.approx(np.mean(run["slices"][method]["ssim"]))
+    lead = np.subtract(run["slices"]["oracle"]["ssim"], run["slices"]["fixed"]["ssim"])
+    assert run["lead"]["diff"] == pytest.approx(lead.mean()) and run["lead"]["n_subjects"] == 2
+    summary = report["summary"]
+    assert summary["lead"]["mean"] == pytest.approx(np.mean([r["lead"]["diff"] for r in report["runs"]]))
+    assert summary["passes"] == (summary["lead"]["mean"] >= 0.03) and summary["n_subjects"] == 2
+    text = render_headroom(report)
+    assert "Gate (0.03 ssim)" in text and summary["verdict"] in text
+
+
+def test_headroom_command_and_eval_flag(tiny_dataset, perturbed_mar, tmp_path, capsys):
+    args = ["--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset), "--split", "train",
+            "--set", "headroom.region=implant", "--set", "headroom.margin=2"]
+    assert main(["headroom", *args, "--mar", str(perturbed_mar), "--out", str(tmp_path / "hr")]) == 0
+    report = json.loads((tmp_path / "hr" / "headroom.json").read_text())
+    assert report["metric"] == "roi_ssim" and report["n_slices"] == 4  # two slices per subject by default
+    assert "periprosthetic region (implant + 2 px)" in (tmp_path / "hr" / "headroom.md").read_text()
+    assert main(["eval", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset), "--split", "train",
+                 "--methods", "center-out", "--headroom", "--out", str(tmp_path / "ev")]) == 2
+    assert "--headroom measures under one MAR network" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="region must be one of image, implant"):
+        HeadroomConfig(region="knee")
+    with pytest.raises(ValueError, match="folds must be >= 2"):
+        HeadroomConfig(folds=1)

@@ -1,0 +1,335 @@
+"""The headroom of adaptive line choice: how far the oracle leads the best fixed order.
+
+An adaptive policy can only beat a fixed line order by what a per-slice choice adds over the best
+order a population allows. ``masc headroom`` (and ``masc eval --headroom``) measures that lead on
+a data set before anyone trains for it:
+
+- **the fixed order, cross-fitted**: the subjects are split into ``folds`` folds; for each fold,
+  the population-greedy order (:func:`training.population.population_order`) is fitted on the
+  other folds' slices and played on this fold's. No slice is scored by an order fitted on it, so
+  the order pays what a refit on a new population pays, and nothing more.
+- **the oracle**: per slice, with the clean image, the greedy one-step oracle, or with ``beam``
+  > 1 a beam search that keeps the greedy path (:class:`training.oracle.BeamOracle`): a yardstick,
+  not a bound on what a policy can reach.
+- **centre-out**, the conventional order, for scale.
+
+All three acquire the protocol's ``initial + budget`` lines (section ``acquisition``) under one
+MAR network, choose to maximise ``Q`` in the chosen region (``region: image``, or ``implant``:
+the periprosthetic region, the implant dilated by ``margin`` pixels, a radiologist's reading
+area) and are scored on the served MAR image (:func:`masc_gadget.core.served.served_images`,
+without the OOD fallback: a line choice is compared, not a fallback rule). The lead ``oracle -
+fixed`` is tested over subjects (:func:`training.evaluation.stats.subject_tests`). With several
+MAR networks (``--mar A,B,C``, e.g. three training seeds) each is measured apart, and the
+report gives the mean and spread of the lead and a test on the subjects' leads averaged over the
+networks. The gate: a lead below ``gate`` (0.03 SSIM) says a fixed order refit per population is
+the method to deploy there, and an adaptive policy is not worth training for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from masc_gadget.acquisition.episode import AcquisitionConfig, initial_lines
+from masc_gadget.acquisition.policies import center_out_rank
+from masc_gadget.config import Config, to_dict
+from masc_gadget.core.kspace import zero_filled
+from masc_gadget.core.metrics import roi_metrics, slice_metrics
+from masc_gadget.core.served import served_images
+from masc_gadget.device import resolve_device
+from masc_gadget.models.checkpoint import load_mar
+from training.data import SliceSet, load_split
+from training.evaluation.stats import mean_std, paired_tests, subject_means, subject_tests
+from training.oracle import BeamOracle
+from training.population import population_order
+
+__all__ = ["HeadroomConfig", "REGIONS", "headroom", "periprosthetic_roi", "render_headroom", "subject_folds",
+           "write_headroom"]
+
+log = logging.getLogger(__name__)
+
+REGIONS = ("image", "implant")
+"""Where the line choice is scored: the whole image, or the periprosthetic region."""
+
+METHODS = ("oracle", "fixed", "center-out")
+"""The rows of a headroom measurement."""
+
+
+@dataclass(frozen=True)
+class HeadroomConfig:
+    """``masc headroom`` and ``masc eval --headroom`` (config section ``headroom``)."""
+
+    folds: int = 2
+    """Subject folds of the cross-fitted fixed order (>= 2)."""
+    slices_per_subject: int = 2
+    """Slices measured per subject, those with the most implant (0 = every slice). The oracle
+    scores every free line at every step, so this sets the run time."""
+    region: str = "image"
+    """Where ``Q`` is maximised and SSIM decides: ``image`` or ``implant`` (periprosthetic)."""
+    margin: int = 8
+    """Pixels the implant is dilated by to give the periprosthetic region."""
+    beam: int = 1
+    """Beams of the oracle's search (1: the greedy oracle)."""
+    gate: float = 0.03
+    """The SSIM lead at which adaptivity is worth training for."""
+    batch_size: int = 32
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.folds < 2:
+            raise ValueError(f"folds must be >= 2 (the order is fitted on the others), got {self.folds}")
+        if self.region not in REGIONS:
+            raise ValueError(f"region must be one of {', '.join(REGIONS)}, got {self.region!r}")
+        for name in ("slices_per_subject", "margin"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.beam < 1 or self.batch_size < 1:
+            raise ValueError(f"beam and batch_size must be >= 1, got {self.beam} and {self.batch_size}")
+        if not self.gate > 0:
+            raise ValueError(f"gate must be > 0, got {self.gate}")
+
+
+def periprosthetic_roi(data: SliceSet, margin: int) -> torch.Tensor:
+    """(N, H, W) bool: each slice's implant mask dilated by ``margin`` pixels. A slice the
+    implant does not cross takes its subject's implant footprint (the union over its slices); a
+    subject with no implant at all, the whole image."""
+    mask = data.implant_mask.bool()
+    footprint = {}
+    for s in dict.fromkeys(data.subjects):
+        rows = torch.as_tensor([i for i, x in enumerate(data.subjects) if x == s])
+        footprint[s] = mask[rows].any(dim=0)
+    roi = mask.clone()
+    for i, s in enumerate(data.subjects):
+        if not bool(roi[i].any()):
+            roi[i] = footprint[s] if bool(footprint[s].any()) else True
+    if margin > 0:
+        roi = F.max_pool2d(roi[:, None].float(), 2 * margin + 1, stride=1, padding=margin)[:, 0] > 0
+    return roi
+
+
+def subject_folds(subjects: list[str], folds: int) -> np.ndarray:
+    """(N,) int: the fold of each slice, its subject's position in sorted order modulo ``folds``
+    (deterministic, every subject wholly in one fold)."""
+    names = sorted(set(subjects))
+    if len(names) < folds:
+        raise ValueError(f"{folds} folds need at least {folds} subjects, got {len(names)}")
+    fold = {s: i % folds for i, s in enumerate(names)}
+    return np.array([fold[s] for s in subjects], dtype=np.int64)
+
+
+def measured_slices(data: SliceSet, per_subject: int) -> np.ndarray:
+    """Indices of the ``per_subject`` slices of each subject with the most implant pixels (all
+    when 0), in data order."""
+    if per_subject <= 0:
+        return np.arange(len(data))
+    area = data.implant_mask.reshape(len(data), -1).sum(dim=1).numpy()
+    keep: list[int] = []
+    for s in dict.fromkeys(data.subjects):
+        rows = np.array([i for i, x in enumerate(data.subjects) if x == s])
+        keep.extend(rows[np.argsort(-area[rows], kind="stable")[:per_subject]].tolist())
+    return np.sort(np.asarray(keep, dtype=np.int64))
+
+
+def _masks(n: int, n_pe: int, initial: int, lines: np.ndarray) -> np.ndarray:
+    """(n, n_pe) bool: the initial centre lines and ``lines`` ((n, k) or (k,)) on every slice."""
+    out = np.zeros((n, n_pe), dtype=bool)
+    out[:, initial_lines(n_pe, initial)] = True
+    lines = np.broadcast_to(np.asarray(lines, dtype=np.int64), (n, np.shape(lines)[-1]))
+    out[np.arange(n)[:, None], lines] = True
+    return out
+
+
+@torch.no_grad()
+def score_masks(data: SliceSet, masks: np.ndarray, mar: torch.nn.Module, roi: torch.Tensor,
+                device: torch.device, batch_size: int) -> dict[str, np.ndarray]:
+    """Per slice: SSIM and PSNR of the served MAR image of the line sets ``masks`` (N, n_pe),
+    over the whole image and in ``roi`` (``roi_ssim``, ``roi_psnr``)."""
+    out: dict[str, list[np.ndarray]] = {k: [] for k in ("ssim", "psnr", "roi_ssim", "roi_psnr")}
+    for start in range(0, len(data), batch_size):
+        index = list(range(start, min(start + batch_size, len(data))))
+        mask = torch.from_numpy(masks[index]).to(device)
+        zf = zero_filled(data.kspace_metal[index].to(device), mask)
+        image = served_images(zf, mar(zf)).image
+        target = data.target[index].to(device)
+        whole = slice_metrics(image, target)
+        local = roi_metrics(image, target, roi[index].to(device))
+        out["ssim"].append(whole["ssim"].double().cpu().numpy())
+        out["psnr"].append(whole["psnr"].double().cpu().numpy())
+        out["roi_ssim"].append(local["ssim"].double().cpu().numpy())
+        out["roi_psnr"].append(local["psnr"].double().cpu().numpy())
+    return {k: np.concatenate(v) for k, v in out.items()}
+
+
+def _measure_one(data: SliceSet, mar: torch.nn.Module, acq: AcquisitionConfig, hcfg: HeadroomConfig,
+                 roi: torch.Tensor, device: torch.device, progress: bool) -> dict[str, Any]:
+    """The three methods' lines and scores under one MAR network."""
+    from tqdm.auto import tqdm
+
+    n, n_pe = len(data), data.n_pe
+    initial, budget = acq.initial, acq.budget
+    objective = roi if hcfg.region == "implant" else None
+    oracle = BeamOracle(hcfg.beam)
+    folds = subject_folds(data.subjects, hcfg.folds)
+    fixed = np.zeros((n, budget), dtype=np.int64)
+    orders = []
+    for k in range(hcfg.folds):
+        fit = np.flatnonzero(folds != k)
+        order = population_order(data.subset(fit), initial, budget, mar, device, hcfg.batch_size, oracle,
+                                 progress=progress, roi=None if objective is None else objective[fit])
+        fixed[folds == k] = order
+        orders.append(order.tolist())
+    start = _masks(n, n_pe, initial, np.zeros((0,), dtype=np.int64))
+    chosen = np.zeros((n, budget), dtype=np.int64)
+    bar = tqdm(total=n, desc=oracle.name, unit="slice", disable=not progress)
+    for s in range(0, n, hcfg.batch_size):
+        index = list(range(s, min(s + hcfg.batch_size, n)))
+        lines, _ = oracle.plan(start[index], budget, data.kspace_metal[index].to(device),
+                               data.target[index].to(device), mar,
+                               None if objective is None else objective[index].to(device))
+        chosen[index] = lines
+        bar.update(len(index))
+    bar.close()
+    free = np.ones(n_pe, dtype=bool)
+    free[initial_lines(n_pe, initial)] = False
+    centre = np.flatnonzero(free)[np.argsort(center_out_rank(n_pe)[free], kind="stable")][:budget]
+    lines = {"oracle": chosen, "fixed": fixed, "center-out": np.broadcast_to(centre, (n, budget))}
+    scores = {m: score_masks(data, _masks(n, n_pe, initial, lines[m]), mar, roi, device, hcfg.batch_size)
+              for m in METHODS}
+    return {"orders": orders, "folds": folds.tolist(), "oracle_lines": chosen.tolist(), "scores": scores}
+
+
+def _key(region: str) -> str:
+    return "ssim" if region == "image" else "roi_ssim"
+
+
+def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[str | Path],
+             progress: bool = True) -> dict[str, Any]:
+    """Measure the oracle's lead over the cross-fitted fixed order (module docstring) on
+    ``split`` of ``data_dir`` under each MAR network of ``mar_paths``; returns the report."""
+    hcfg: HeadroomConfig = config["headroom"]
+    acq: AcquisitionConfig = config["acquisition"]
+    if not mar_paths:
+        raise ValueError("the headroom is measured under a MAR network: give at least one --mar")
+    device = resolve_device(hcfg.device)
+    full = load_split(data_dir, split)
+    if acq.initial + acq.budget > full.n_pe:
+        raise ValueError(f"acquisition initial + budget ({acq.initial} + {acq.budget}) exceeds the data's "
+                         f"{full.n_pe} phase-encoding lines")
+    data = full.subset(measured_slices(full, hcfg.slices_per_subject))
+    roi = periprosthetic_roi(data, hcfg.margin)
+    log.info("headroom on %s/%s: %d slices of %d subjects, %d + %d of %d lines, region %s, beam %d, %d MAR "
+             "network(s)", data_dir, split, len(data), len(set(data.subjects)), acq.initial, acq.budget,
+             data.n_pe, hcfg.region, hcfg.beam, len(mar_paths))
+    key = _key(hcfg.region)
+    runs = []
+    for path in mar_paths:
+        mar, meta = load_mar(path, device)
+        mar.eval()
+        one = _measure_one(data, mar, acq, hcfg, roi, device, progress)
+        scores = one.pop("scores")
+        one.update({
+            "mar": str(path),
+            "mar_metadata": {k: meta.get(k) for k in ("kind", "epoch", "code_version") if k in meta},
+            "slices": {m: {k: v.tolist() for k, v in scores[m].items()} for m in METHODS},
+            "means": {m: {k: float(np.mean(v)) for k, v in scores[m].items()} for m in METHODS},
+            "lead": subject_tests(scores["oracle"][key], scores["fixed"][key], data.subjects),
+            "lead_psnr": subject_tests(scores["oracle"][key.replace("ssim", "psnr")],
+                                       scores["fixed"][key.replace("ssim", "psnr")], data.subjects),
+            "fixed_vs_center_out": subject_tests(scores["fixed"][key], scores["center-out"][key], data.subjects),
+        })
+        log.info("headroom under %s: oracle %.4f, fixed %.4f, centre-out %.4f %s; lead %+.4f (subject p %.2g)",
+                 path, one["means"]["oracle"][key], one["means"]["fixed"][key], one["means"]["center-out"][key],
+                 key, one["lead"]["diff"], one["lead"]["p_ttest"])
+        runs.append(one)
+    report: dict[str, Any] = {
+        "data": str(data_dir), "split": split, "n_slices": len(data), "n_subjects": len(set(data.subjects)),
+        "labels": [data.label(i) for i in range(len(data))],
+        "acquisition": {"initial": acq.initial, "budget": acq.budget, "n_pe": data.n_pe},
+        "config": {"headroom": to_dict(hcfg)}, "metric": key, "runs": runs,
+    }
+    report["summary"] = summarise(report)
+    return report
+
+
+def summarise(report: dict[str, Any]) -> dict[str, Any]:
+    """Mean and spread over the MAR networks, a test on the subjects' leads averaged over them,
+    and the gate's verdict."""
+    key, runs = report["metric"], report["runs"]
+    hcfg = report["config"]["headroom"]
+    labels = report["labels"]
+    subjects = [lab.rsplit("/", 1)[0] for lab in labels]
+    leads = np.array([r["lead"]["diff"] for r in runs])
+    per_subject = []
+    for r in runs:
+        a = np.asarray(r["slices"]["oracle"][key]) - np.asarray(r["slices"]["fixed"][key])
+        per_subject.append(subject_means(a, subjects)[1])
+    pooled = np.mean(per_subject, axis=0)
+    test = paired_tests(pooled, np.zeros_like(pooled))
+    lead = mean_std(leads)
+    verdict = ("adaptive line choice can pay here: train MASC for it" if lead["mean"] >= hcfg["gate"]
+               else "a fixed order refit on this population is the method to deploy here")
+    return {
+        "metric": key,
+        "lead": lead,
+        "lead_per_mar": leads.tolist(),
+        "lead_psnr": mean_std(np.array([r["lead_psnr"]["diff"] for r in runs])),
+        "means": {m: mean_std(np.array([r["means"][m][key] for r in runs])) for m in METHODS},
+        "p_subjects": test["p_ttest"], "p_wilcoxon_subjects": test["p_wilcoxon"],
+        "subjects_oracle_ahead": int((pooled > 0).sum()), "n_subjects": len(pooled),
+        "gate": hcfg["gate"], "passes": bool(lead["mean"] >= hcfg["gate"]), "verdict": verdict,
+    }
+
+
+def _fmt(value: float, digits: int = 4) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
+
+
+def render_headroom(report: dict[str, Any]) -> str:
+    """The report as Markdown."""
+    s, acq, key = report["summary"], report["acquisition"], report["metric"]
+    h = report["config"]["headroom"]
+    region = "whole image" if h["region"] == "image" else f"periprosthetic region (implant + {h['margin']} px)"
+    oracle = "greedy oracle" if h["beam"] == 1 else f"beam-{h['beam']} oracle"
+    lines = [
+        f"# Headroom of adaptive line choice: {report['data']} / {report['split']}",
+        "",
+        f"{report['n_slices']} slices of {report['n_subjects']} subjects, {acq['initial']} + {acq['budget']} of "
+        f"{acq['n_pe']} lines, scored in the {region} ({key}); fixed order cross-fitted over {h['folds']} subject "
+        f"folds; {oracle}; {len(report['runs'])} MAR network(s).",
+        "",
+        "| MAR | oracle | fixed (cross-fitted) | centre-out | lead (oracle - fixed) | subject p | lead, dB |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in report["runs"]:
+        m = r["means"]
+        lines.append(f"| {Path(r['mar']).name} | {_fmt(m['oracle'][key])} | {_fmt(m['fixed'][key])} | "
+                     f"{_fmt(m['center-out'][key])} | {r['lead']['diff']:+.4f} | {r['lead']['p_ttest']:.2g} | "
+                     f"{r['lead_psnr']['diff']:+.2f} |")
+    lead = s["lead"]
+    lines += [
+        "",
+        f"Lead over the MAR networks: **{lead['mean']:+.4f} +- {lead['std']:.4f} {key}** "
+        f"({s['lead_psnr']['mean']:+.2f} dB); the oracle is ahead for {s['subjects_oracle_ahead']} of "
+        f"{s['n_subjects']} subjects (paired t-test over subjects p {s['p_subjects']:.2g}).",
+        "",
+        f"Gate ({s['gate']:.2f} {key}): **{s['verdict']}**.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_headroom(report: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
+    """``headroom.json`` and ``headroom.md`` in ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "headroom.json", "md": out / "headroom.md"}
+    paths["json"].write_text(json.dumps(report, indent=1))
+    paths["md"].write_text(render_headroom(report))
+    return paths
