@@ -428,6 +428,11 @@ def register_mar_check(subparsers: argparse._SubParsersAction, common: argparse.
     mc.set_defaults(func=cmd_mar_check)
 
 
+OWN_LINES = ("masc", "fixed-order", "loupe")
+"""Checkpoint kinds whose network serves the lines of its own policy: ``mar-check --calibrate``
+pools those lines with the fixed policy's."""
+
+
 def cmd_mar_check(args: argparse.Namespace) -> int:
     import torch
 
@@ -446,7 +451,7 @@ def cmd_mar_check(args: argparse.Namespace) -> int:
         if not sep:
             name, path = Path(item).stem, item
         mars[name] = load_mar(path, "cpu")[0]
-        if args.calibrate and load_checkpoint(path, map_location="cpu").metadata.get("kind") == "masc":
+        if args.calibrate and load_checkpoint(path, map_location="cpu").metadata.get("kind") in OWN_LINES:
             policies[name] = load_learned(path, "cpu")[0]  # its own lines join the calibration
     if args.reference and args.reference not in mars:
         raise CommandError(f"--reference {args.reference!r} names none of the networks: {', '.join(mars)}")

@@ -62,3 +62,23 @@ def test_train_refit_serve_and_score(tiny_dataset, perturbed_mar, tmp_path):
                  "--out", str(report)]) == 0
     keys = [r["key"] for r in json.loads((report / "results.json").read_text())["accelerations"]["10x"]["rows"]]
     assert FIXED in keys and f"{FIXED}+nomar" in keys
+
+
+def test_calibrated_on_its_own_order_exported_and_served_with_the_fallback(tiny_dataset, perturbed_mar, tmp_path):
+    from training.data import load_split
+
+    out = tmp_path / "fixed.pt"
+    assert main(["train", "fixed-order", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset),
+                 "--mar", str(perturbed_mar), "--out", str(out), *FAST, "--set", "fixed_order.epochs=0"]) == 0
+    check = tmp_path / "check"
+    assert main(["mar-check", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset), "--split", "val",
+                 "--calibrate", "--mar", f"fixed={out}", "--out", str(check)]) == 0
+    calibration = json.loads((check / "ood.json").read_text())["fixed"]
+    assert calibration["n_slices"] == 2 * len(load_split(tiny_dataset, "val"))  # centre-out's lines and its own
+    shipped = tmp_path / "shipped.pt"
+    assert main(["export", str(out), "--out", str(shipped), "--ood", f"{check / 'ood.json'}:fixed"]) == 0
+    meta = load_checkpoint(shipped).metadata
+    assert meta["kind"] == FIXED and meta["ood"]["score"] == calibration["score"]
+    assert json.loads(shipped.with_suffix(".json").read_text())["ood"]["threshold"] == calibration["threshold"]
+    _, mar, _ = load_learned(shipped, "cpu")
+    assert mar.ood is not None and mar.ood.threshold == calibration["threshold"]
