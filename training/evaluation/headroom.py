@@ -21,7 +21,9 @@ without the OOD fallback: a line choice is compared, not a fallback rule). The l
 fixed`` is tested over subjects (:func:`training.evaluation.stats.subject_tests`). With several
 MAR networks (``--mar A,B,C``, e.g. three training seeds) each is measured apart, and the
 report gives the mean and spread of the lead and a test on the subjects' leads averaged over the
-networks. The gate: a lead below ``gate`` (0.03 SSIM) says a fixed order refit per population is
+networks. With ``corruption`` > 0, each acquisition of a line is corrupted with that probability
+(:mod:`training.evaluation.corruption`, ``motion`` or ``spike``): the fixed order and centre-out
+play their lines' first acquisitions, and the oracle may also acquire a line again. The gate: a lead below ``gate`` (0.03 SSIM) says a fixed order refit per population is
 the method to deploy there, and an adaptive policy is not worth training for it.
 """
 
@@ -30,7 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,7 @@ from masc_gadget.core.served import served_images
 from masc_gadget.device import resolve_device
 from masc_gadget.models.checkpoint import load_mar
 from training.data import SliceSet, load_split
+from training.evaluation.corruption import CorruptionModel, ReacquireOracle, draw_attempts, kspace_of
 from training.evaluation.stats import mean_std, paired_tests, subject_means, subject_tests
 from training.oracle import BeamOracle
 from training.population import population_order
@@ -80,6 +83,15 @@ class HeadroomConfig:
     """Beams of the oracle's search (1: the greedy oracle)."""
     gate: float = 0.03
     """The SSIM lead at which adaptivity is worth training for."""
+    corruption: float = 0.0
+    """Probability that an acquisition of a line is corrupted (0: none); the oracle may then
+    acquire a line again."""
+    corruption_kind: str = "motion"
+    """``motion`` (a rigid shift along the readout during that line) or ``spike``."""
+    attempts: int = 3
+    """With corruption: acquisitions of one line at most (the first and its repeats)."""
+    seed: int = 0
+    """The corruption draws' seed."""
     batch_size: int = 32
     device: str = "auto"
 
@@ -95,6 +107,11 @@ class HeadroomConfig:
             raise ValueError(f"beam and batch_size must be >= 1, got {self.beam} and {self.batch_size}")
         if not self.gate > 0:
             raise ValueError(f"gate must be > 0, got {self.gate}")
+        CorruptionModel(self.corruption, self.corruption_kind)  # refuses a bad probability or kind
+        if self.attempts < 1 or self.seed < 0:
+            raise ValueError(f"attempts must be >= 1 and seed >= 0, got {self.attempts} and {self.seed}")
+        if self.corruption > 0 and self.beam > 1:
+            raise ValueError("with corruption the oracle is greedy over new lines and repeats: set beam 1")
 
 
 def periprosthetic_roi(data: SliceSet, margin: int) -> torch.Tensor:
@@ -150,8 +167,8 @@ def _masks(n: int, n_pe: int, initial: int, lines: np.ndarray) -> np.ndarray:
 @torch.no_grad()
 def score_masks(data: SliceSet, masks: np.ndarray, mar: torch.nn.Module, roi: torch.Tensor,
                 device: torch.device, batch_size: int) -> dict[str, np.ndarray]:
-    """Per slice: SSIM and PSNR of the served MAR image of the line sets ``masks`` (N, n_pe),
-    over the whole image and in ``roi`` (``roi_ssim``, ``roi_psnr``)."""
+    """Per slice: SSIM and PSNR of the served MAR image of the line sets ``masks`` (N, n_pe) of
+    ``data.kspace_metal``, over the whole image and in ``roi`` (``roi_ssim``, ``roi_psnr``)."""
     out: dict[str, list[np.ndarray]] = {k: [] for k in ("ssim", "psnr", "roi_ssim", "roi_psnr")}
     for start in range(0, len(data), batch_size):
         index = list(range(start, min(start + batch_size, len(data))))
@@ -177,6 +194,12 @@ def _measure_one(data: SliceSet, mar: torch.nn.Module, acq: AcquisitionConfig, h
     initial, budget = acq.initial, acq.budget
     objective = roi if hcfg.region == "implant" else None
     oracle = BeamOracle(hcfg.beam)
+    attempts = None
+    if hcfg.corruption > 0:  # every method's first acquisitions; the oracle may repeat a line
+        model = CorruptionModel(hcfg.corruption, hcfg.corruption_kind)
+        attempts, corrupted = draw_attempts(data.kspace_metal, data.slices, model, hcfg.attempts, hcfg.seed)
+        clean = data
+        data = replace(data, kspace_metal=attempts[:, 0].contiguous())
     folds = subject_folds(data.subjects, hcfg.folds)
     fixed = np.zeros((n, budget), dtype=np.int64)
     orders = []
@@ -188,13 +211,19 @@ def _measure_one(data: SliceSet, mar: torch.nn.Module, acq: AcquisitionConfig, h
         orders.append(order.tolist())
     start = _masks(n, n_pe, initial, np.zeros((0,), dtype=np.int64))
     chosen = np.zeros((n, budget), dtype=np.int64)
-    bar = tqdm(total=n, desc=oracle.name, unit="slice", disable=not progress)
+    count = np.zeros((n, n_pe), dtype=np.int64)
+    bar = tqdm(total=n, desc=oracle.name if attempts is None else ReacquireOracle.name, unit="slice",
+               disable=not progress)
     for s in range(0, n, hcfg.batch_size):
         index = list(range(s, min(s + hcfg.batch_size, n)))
-        lines, _ = oracle.plan(start[index], budget, data.kspace_metal[index].to(device),
-                               data.target[index].to(device), mar,
-                               None if objective is None else objective[index].to(device))
-        chosen[index] = lines
+        region = None if objective is None else objective[index].to(device)
+        target = data.target[index].to(device)
+        if attempts is None:
+            chosen[index], _ = oracle.plan(start[index], budget, data.kspace_metal[index].to(device), target, mar,
+                                           region)
+        else:
+            chosen[index], count[index] = ReacquireOracle().plan(attempts[index].to(device), start[index], budget,
+                                                                 target, mar, region)
         bar.update(len(index))
     bar.close()
     free = np.ones(n_pe, dtype=bool)
@@ -203,7 +232,19 @@ def _measure_one(data: SliceSet, mar: torch.nn.Module, acq: AcquisitionConfig, h
     lines = {"oracle": chosen, "fixed": fixed, "center-out": np.broadcast_to(centre, (n, budget))}
     scores = {m: score_masks(data, _masks(n, n_pe, initial, lines[m]), mar, roi, device, hcfg.batch_size)
               for m in METHODS}
-    return {"orders": orders, "folds": folds.tolist(), "oracle_lines": chosen.tolist(), "scores": scores}
+    record: dict[str, Any] = {"orders": orders, "folds": folds.tolist(), "oracle_lines": chosen.tolist()}
+    if attempts is not None:  # the oracle's own acquisitions, repeats included
+        served = replace(clean, kspace_metal=kspace_of(attempts, count))
+        scores["oracle"] = score_masks(served, count > 0, mar, roi, device, hcfg.batch_size)
+        first = corrupted[:, 0]
+        record["corruption"] = {
+            "repeats_per_slice": float((count.sum(axis=1) - count.astype(bool).sum(axis=1)).mean()),
+            "corrupted_lines_fixed": float(np.mean([first[i, _masks(1, n_pe, initial, fixed[i])[0]].sum()
+                                                    for i in range(n)])),
+            "corrupted_lines_oracle": float(np.mean([corrupted[i, np.clip(count[i] - 1, 0, None), np.arange(n_pe)]
+                                                     [count[i] > 0].sum() for i in range(n)])),
+        }
+    return {**record, "scores": scores}
 
 
 def _key(region: str) -> str:
@@ -225,9 +266,9 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
                          f"{full.n_pe} phase-encoding lines")
     data = full.subset(measured_slices(full, hcfg.slices_per_subject))
     roi = periprosthetic_roi(data, hcfg.margin)
-    log.info("headroom on %s/%s: %d slices of %d subjects, %d + %d of %d lines, region %s, beam %d, %d MAR "
-             "network(s)", data_dir, split, len(data), len(set(data.subjects)), acq.initial, acq.budget,
-             data.n_pe, hcfg.region, hcfg.beam, len(mar_paths))
+    log.info("headroom on %s/%s: %d slices of %d subjects, %d + %d of %d lines, region %s, beam %d, corruption "
+             "%g (%s), %d MAR network(s)", data_dir, split, len(data), len(set(data.subjects)), acq.initial,
+             acq.budget, data.n_pe, hcfg.region, hcfg.beam, hcfg.corruption, hcfg.corruption_kind, len(mar_paths))
     key = _key(hcfg.region)
     runs = []
     for path in mar_paths:
@@ -298,6 +339,9 @@ def render_headroom(report: dict[str, Any]) -> str:
     h = report["config"]["headroom"]
     region = "whole image" if h["region"] == "image" else f"periprosthetic region (implant + {h['margin']} px)"
     oracle = "greedy oracle" if h["beam"] == 1 else f"beam-{h['beam']} oracle"
+    if h.get("corruption", 0) > 0:
+        oracle = (f"{h['corruption']:.0%} of acquisitions corrupted ({h['corruption_kind']}); greedy oracle that may "
+                  f"acquire a line again (up to {h['attempts']} times)")
     lines = [
         f"# Headroom of adaptive line choice: {report['data']} / {report['split']}",
         "",

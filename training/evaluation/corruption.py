@@ -1,0 +1,148 @@
+"""k-space-local corruption, and re-acquiring a line as a legal action: the fourth place the
+headroom gate looks for per-slice adaptivity (:mod:`training.evaluation.headroom`).
+
+A fixed order cannot know which of its lines came back corrupted; a policy that watches the data
+can spend a line of its budget on acquiring a corrupted one again. :class:`CorruptionModel`
+corrupts each *acquisition* of a line independently with ``probability``:
+
+- ``motion``: the patient moved during that line; the line carries the phase of a rigid shift
+  along the readout (up to ``shift`` pixels) and a random phase offset;
+- ``spike``: a k-space spike, one readout sample raised by ``spike`` times the slice's largest
+  k-space magnitude, at a random phase.
+
+:func:`draw_attempts` draws every slice's acquisitions up front, seeded per slice (its position in
+the set and its index in its subject, :func:`~masc_gadget.acquisition.policies.slice_rng`): attempt ``a`` of line ``k`` is the same
+whoever acquires it, so methods are compared on the same draws. :class:`ReacquireOracle` is the
+greedy oracle with re-acquisition: at every step it scores every free line (its first attempt)
+and every acquired line again (its next attempt, which replaces the last), on the clean image;
+it knows the outcome of each draw, so it is a yardstick, as the oracle is without corruption.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from masc_gadget.acquisition.policies import slice_rng
+from masc_gadget.core.kspace import zero_filled
+from masc_gadget.core.metrics import quality
+
+__all__ = ["KINDS", "CorruptionModel", "ReacquireOracle", "draw_attempts", "kspace_of"]
+
+KINDS = ("motion", "spike")
+
+
+@dataclass(frozen=True)
+class CorruptionModel:
+    """Each acquisition of a line is corrupted with ``probability`` (module docstring)."""
+
+    probability: float = 0.1
+    kind: str = "motion"
+    shift: float = 4.0
+    """Largest rigid shift along the readout, in pixels (``motion``)."""
+    spike: float = 0.5
+    """Spike height, times the slice's largest k-space magnitude (``spike``)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.probability <= 1.0:
+            raise ValueError(f"the corruption probability must be in [0, 1], got {self.probability}")
+        if self.kind not in KINDS:
+            raise ValueError(f"the corruption kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.shift < 0 or self.spike < 0:
+            raise ValueError(f"shift and spike must be >= 0, got {self.shift} and {self.spike}")
+
+
+def draw_attempts(kspace: torch.Tensor, slices: np.ndarray, model: CorruptionModel, attempts: int,
+                  seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
+    """Every slice's ``attempts`` acquisitions of every line.
+
+    Args:
+        kspace: (N, PE, RO) complex, the uncorrupted k-space.
+        slices: (N,) the index of each slice in its subject (with ``seed``, its random stream).
+        attempts: acquisitions drawn per line (>= 1).
+
+    Returns:
+        ``(attempt_kspace, corrupted)``: (N, attempts, PE, RO) complex, and (N, attempts, PE) bool,
+        which acquisitions are corrupted."""
+    if attempts < 1:
+        raise ValueError(f"attempts must be >= 1, got {attempts}")
+    n, n_pe, n_ro = kspace.shape
+    out = kspace[:, None].repeat(1, attempts, 1, 1)
+    corrupted = np.zeros((n, attempts, n_pe), dtype=bool)
+    ro = torch.arange(n_ro, dtype=torch.float64) - n_ro // 2
+    for i in range(n):
+        rng = slice_rng(seed, i, int(slices[i]))
+        hit = rng.random((attempts, n_pe)) < model.probability
+        corrupted[i] = hit
+        a, k = np.nonzero(hit)
+        if a.size == 0:
+            continue
+        if model.kind == "motion":
+            shift = torch.from_numpy(rng.uniform(-model.shift, model.shift, a.size))
+            offset = torch.from_numpy(rng.uniform(-math.pi, math.pi, a.size))
+            phase = torch.polar(torch.ones(a.size, n_ro, dtype=torch.float64),
+                                -2 * math.pi * shift[:, None] * ro[None] / n_ro + offset[:, None])
+            out[i, a, k] = out[i, a, k] * phase.to(out.dtype)
+        else:
+            where = torch.from_numpy(rng.integers(0, n_ro, a.size))
+            height = model.spike * float(kspace[i].abs().max())
+            spikes = torch.polar(torch.full((a.size,), height, dtype=torch.float64),
+                                 torch.from_numpy(rng.uniform(-math.pi, math.pi, a.size))).to(out.dtype)
+            out[i, torch.from_numpy(a), torch.from_numpy(k), where] += spikes
+    return out, corrupted
+
+
+def kspace_of(attempt_kspace: torch.Tensor, count: np.ndarray) -> torch.Tensor:
+    """(B, PE, RO): each acquired line's latest attempt (``count`` (B, PE) int, acquisitions
+    of each line so far; a line never acquired takes attempt 0, masked out by the caller)."""
+    b, a, n_pe, _ = attempt_kspace.shape
+    latest = torch.from_numpy(np.clip(count - 1, 0, a - 1)).to(attempt_kspace.device)
+    index = latest[:, None, :, None].expand(b, 1, n_pe, attempt_kspace.shape[-1])
+    return attempt_kspace.gather(1, index)[:, 0]
+
+
+class ReacquireOracle:
+    """Greedy oracle over new lines and re-acquisitions (module docstring).
+
+    Args:
+        l_ssim, l_nmse: the weights of Q.
+        chunk: candidate images per forward pass.
+    """
+
+    name = "oracle-reacquire"
+
+    def __init__(self, l_ssim: float = 0.5, l_nmse: float = 0.5, chunk: int = 256) -> None:
+        self.l_ssim, self.l_nmse, self.chunk = float(l_ssim), float(l_nmse), int(chunk)
+
+    @torch.no_grad()
+    def plan(self, attempt_kspace: torch.Tensor, start: np.ndarray, budget: int, target: torch.Tensor,
+             mar: torch.nn.Module | None, roi: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Spend ``budget`` acquisitions on every slice from the initial lines ``start`` (B, PE)
+        bool (acquired once each).
+
+        Returns ``(actions, count)``: (B, budget) int64, the line of each acquisition (a line
+        that appears twice was re-acquired), and (B, PE) int, acquisitions of each line at the
+        end (the k-space served is :func:`kspace_of` that)."""
+        b, attempts, n_pe, _ = attempt_kspace.shape
+        count = start.astype(np.int64)
+        actions = np.zeros((b, budget), dtype=np.int64)
+        for step in range(budget):
+            rows, lines = np.nonzero(count < attempts)  # a line with attempts left: new or again
+            cand = count[rows].copy()
+            cand[np.arange(len(rows)), lines] += 1
+            scores = np.full((b, n_pe), -np.inf)
+            for s in range(0, len(rows), self.chunk):
+                part = slice(s, s + self.chunk)
+                r = torch.from_numpy(rows[part]).to(attempt_kspace.device)
+                k = kspace_of(attempt_kspace[r], cand[part])
+                image = zero_filled(k, torch.from_numpy(cand[part] > 0).to(k.device))
+                if mar is not None:
+                    image = mar(image)
+                q = quality(image, target[r], self.l_ssim, self.l_nmse, None if roi is None else roi[r])
+                scores[rows[part], lines[part]] = q.double().cpu().numpy()
+            actions[:, step] = scores.argmax(axis=1)
+            count[np.arange(b), actions[:, step]] += 1
+        return actions, count
