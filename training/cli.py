@@ -135,8 +135,9 @@ def register_headroom(subparsers: argparse._SubParsersAction, common: argparse.A
                                "headroom: region (image | implant), margin, beam, folds, slices_per_subject, gate; "
                                "the lines are the acquisition section's initial + budget.")
     hr.add_argument("--data", required=True, metavar="DIR", help="dataset folder")
-    hr.add_argument("--mar", required=True, metavar="CKPT[,CKPT...]", help="MAR network(s), e.g. three training "
-                    "seeds: each is measured apart, the report gives the mean and spread")
+    hr.add_argument("--mar", metavar="CKPT[,CKPT...]", help="MAR network(s), e.g. three training seeds: each is "
+                    "measured apart, the report gives the mean and spread (required, except with headroom.recon=sense, "
+                    "which is scored without one)")
     hr.add_argument("--split", default="val", choices=["train", "val", "test"],
                     help="the split measured (default val: the gate decides what to train)")
     hr.add_argument("--out", required=True, metavar="DIR", help="where headroom.json and headroom.md go")
@@ -147,7 +148,7 @@ def cmd_headroom(args: argparse.Namespace) -> int:
     from masc_gadget.cli import config_from_args
     from training.evaluation.headroom import headroom, render_headroom, write_headroom
 
-    mars = [m.strip() for m in args.mar.split(",") if m.strip()]
+    mars = [m.strip() for m in (args.mar or "").split(",") if m.strip()]
     report = headroom(config_from_args(args), args.data, args.split, mars)
     paths = write_headroom(report, args.out)
     print(render_headroom(report), end="")

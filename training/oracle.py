@@ -14,6 +14,8 @@ score it maximises.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -31,14 +33,17 @@ class GreedyOracle:
     Args:
         l_ssim, l_nmse: the weights of Q (the environment's reward; paper 0.5 / 0.5).
         chunk: candidate images per forward pass.
+        recon: the image of a k-space and its line mask, ``(B, PE, RO), (B, PE) -> (B, H, W)``
+            (default :func:`~masc_gadget.core.kspace.zero_filled`, the product's), before MAR.
     """
 
     name = NAME
 
-    def __init__(self, l_ssim: float = 0.5, l_nmse: float = 0.5, chunk: int = 256) -> None:
+    def __init__(self, l_ssim: float = 0.5, l_nmse: float = 0.5, chunk: int = 256,
+                 recon: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = zero_filled) -> None:
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1 candidate image, got {chunk}")
-        self.l_ssim, self.l_nmse, self.chunk = float(l_ssim), float(l_nmse), int(chunk)
+        self.l_ssim, self.l_nmse, self.chunk, self.recon = float(l_ssim), float(l_nmse), int(chunk), recon
 
     @torch.no_grad()
     def scores(self, episodes: EpisodeBatch, kspace: torch.Tensor, target: torch.Tensor,
@@ -62,7 +67,7 @@ class GreedyOracle:
         for start in range(0, len(rows), self.chunk):
             part = slice(start, start + self.chunk)
             r_t = torch.from_numpy(np.asarray(rows[part])).to(kspace.device)
-            image = zero_filled(kspace[r_t], torch.from_numpy(masks[part]).to(kspace.device))
+            image = self.recon(kspace[r_t], torch.from_numpy(masks[part]).to(kspace.device))
             if mar is not None:
                 image = mar(image)
             q = quality(image, target[r_t], self.l_ssim, self.l_nmse, None if roi is None else roi[r_t])
@@ -91,11 +96,12 @@ class BeamOracle(GreedyOracle):
 
     Args:
         width: beams kept per slice (>= 1).
-        l_ssim, l_nmse, chunk: as :class:`GreedyOracle`.
+        l_ssim, l_nmse, chunk, recon: as :class:`GreedyOracle`.
     """
 
-    def __init__(self, width: int = 4, l_ssim: float = 0.5, l_nmse: float = 0.5, chunk: int = 256) -> None:
-        super().__init__(l_ssim, l_nmse, chunk)
+    def __init__(self, width: int = 4, l_ssim: float = 0.5, l_nmse: float = 0.5, chunk: int = 256,
+                 recon: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = zero_filled) -> None:
+        super().__init__(l_ssim, l_nmse, chunk, recon)
         if isinstance(width, bool) or not isinstance(width, int) or width < 1:
             raise ValueError(f"the beam width must be an int >= 1, got {width!r}")
         self.width = width

@@ -23,7 +23,10 @@ MAR networks (``--mar A,B,C``, e.g. three training seeds) each is measured apart
 report gives the mean and spread of the lead and a test on the subjects' leads averaged over the
 networks. With ``corruption`` > 0, each acquisition of a line is corrupted with that probability
 (:mod:`training.evaluation.corruption`, ``motion`` or ``spike``): the fixed order and centre-out
-play their lines' first acquisitions, and the oracle may also acquire a line again. The gate: a lead below ``gate`` (0.03 SSIM) says a fixed order refit per population is
+play their lines' first acquisitions, and the oracle may also acquire a line again. With ``recon:
+sense`` the lines are reconstructed with ``coils`` receive coils by CG-SENSE
+(:mod:`training.evaluation.sense`) and scored without a MAR network (none is trained on such
+images), so that coil encoding can make lines redundant slice by slice. The gate: a lead below ``gate`` (0.03 SSIM) says a fixed order refit per population is
 the method to deploy there, and an adaptive policy is not worth training for it.
 """
 
@@ -34,7 +37,7 @@ import logging
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -48,7 +51,9 @@ from masc_gadget.core.metrics import roi_metrics, slice_metrics
 from masc_gadget.core.served import served_images
 from masc_gadget.device import resolve_device
 from masc_gadget.models.checkpoint import load_mar
+from sim_scanner.physics.coils import body_array
 from training.data import SliceSet, load_split
+from training.evaluation.sense import SenseRecon
 from training.evaluation.corruption import CorruptionModel, ReacquireOracle, draw_attempts, kspace_of
 from training.evaluation.stats import mean_std, paired_tests, subject_means, subject_tests
 from training.oracle import BeamOracle
@@ -58,6 +63,10 @@ __all__ = ["HeadroomConfig", "REGIONS", "headroom", "periprosthetic_roi", "rende
            "write_headroom"]
 
 log = logging.getLogger(__name__)
+
+RECONS = ("zero-filled", "sense")
+"""How the acquired lines become an image: the product's zero-filled image (then MAR), or
+multi-coil CG-SENSE (no MAR)."""
 
 REGIONS = ("image", "implant")
 """Where the line choice is scored: the whole image, or the periprosthetic region."""
@@ -92,6 +101,13 @@ class HeadroomConfig:
     """With corruption: acquisitions of one line at most (the first and its repeats)."""
     seed: int = 0
     """The corruption draws' seed."""
+    recon: str = "zero-filled"
+    """``zero-filled`` (the product's image, then each MAR network) or ``sense`` (``coils``
+    receive coils, CG-SENSE, no MAR network)."""
+    coils: int = 8
+    """With ``recon: sense``: elements of the body array."""
+    sense_iterations: int = 10
+    """With ``recon: sense``: conjugate-gradient iterations."""
     batch_size: int = 32
     device: str = "auto"
 
@@ -110,6 +126,12 @@ class HeadroomConfig:
         CorruptionModel(self.corruption, self.corruption_kind)  # refuses a bad probability or kind
         if self.attempts < 1 or self.seed < 0:
             raise ValueError(f"attempts must be >= 1 and seed >= 0, got {self.attempts} and {self.seed}")
+        if self.recon not in RECONS:
+            raise ValueError(f"recon must be one of {', '.join(RECONS)}, got {self.recon!r}")
+        if self.coils < 1 or self.sense_iterations < 1:
+            raise ValueError(f"coils and sense_iterations must be >= 1, got {self.coils} and {self.sense_iterations}")
+        if self.corruption > 0 and self.recon != "zero-filled":
+            raise ValueError("corruption is measured on the zero-filled image: set recon zero-filled")
         if self.corruption > 0 and self.beam > 1:
             raise ValueError("with corruption the oracle is greedy over new lines and repeats: set beam 1")
 
@@ -165,16 +187,18 @@ def _masks(n: int, n_pe: int, initial: int, lines: np.ndarray) -> np.ndarray:
 
 
 @torch.no_grad()
-def score_masks(data: SliceSet, masks: np.ndarray, mar: torch.nn.Module, roi: torch.Tensor,
-                device: torch.device, batch_size: int) -> dict[str, np.ndarray]:
-    """Per slice: SSIM and PSNR of the served MAR image of the line sets ``masks`` (N, n_pe) of
-    ``data.kspace_metal``, over the whole image and in ``roi`` (``roi_ssim``, ``roi_psnr``)."""
+def score_masks(data: SliceSet, masks: np.ndarray, mar: torch.nn.Module | None, roi: torch.Tensor,
+                device: torch.device, batch_size: int,
+                recon: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = zero_filled) -> dict[str, np.ndarray]:
+    """Per slice: SSIM and PSNR of the served image (``recon``, then ``mar`` when given) of the
+    line sets ``masks`` (N, n_pe) of ``data.kspace_metal``, over the whole image and in ``roi``
+    (``roi_ssim``, ``roi_psnr``)."""
     out: dict[str, list[np.ndarray]] = {k: [] for k in ("ssim", "psnr", "roi_ssim", "roi_psnr")}
     for start in range(0, len(data), batch_size):
         index = list(range(start, min(start + batch_size, len(data))))
         mask = torch.from_numpy(masks[index]).to(device)
-        zf = zero_filled(data.kspace_metal[index].to(device), mask)
-        image = served_images(zf, mar(zf)).image
+        zf = recon(data.kspace_metal[index].to(device), mask)
+        image = served_images(zf, None if mar is None else mar(zf)).image
         target = data.target[index].to(device)
         whole = slice_metrics(image, target)
         local = roi_metrics(image, target, roi[index].to(device))
@@ -185,15 +209,16 @@ def score_masks(data: SliceSet, masks: np.ndarray, mar: torch.nn.Module, roi: to
     return {k: np.concatenate(v) for k, v in out.items()}
 
 
-def _measure_one(data: SliceSet, mar: torch.nn.Module, acq: AcquisitionConfig, hcfg: HeadroomConfig,
-                 roi: torch.Tensor, device: torch.device, progress: bool) -> dict[str, Any]:
-    """The three methods' lines and scores under one MAR network."""
+def _measure_one(data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionConfig, hcfg: HeadroomConfig,
+                 roi: torch.Tensor, device: torch.device, progress: bool,
+                 recon: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = zero_filled) -> dict[str, Any]:
+    """The three methods' lines and scores under one MAR network (or none)."""
     from tqdm.auto import tqdm
 
     n, n_pe = len(data), data.n_pe
     initial, budget = acq.initial, acq.budget
     objective = roi if hcfg.region == "implant" else None
-    oracle = BeamOracle(hcfg.beam)
+    oracle = BeamOracle(hcfg.beam, recon=recon)
     attempts = None
     if hcfg.corruption > 0:  # every method's first acquisitions; the oracle may repeat a line
         model = CorruptionModel(hcfg.corruption, hcfg.corruption_kind)
@@ -230,7 +255,7 @@ def _measure_one(data: SliceSet, mar: torch.nn.Module, acq: AcquisitionConfig, h
     free[initial_lines(n_pe, initial)] = False
     centre = np.flatnonzero(free)[np.argsort(center_out_rank(n_pe)[free], kind="stable")][:budget]
     lines = {"oracle": chosen, "fixed": fixed, "center-out": np.broadcast_to(centre, (n, budget))}
-    scores = {m: score_masks(data, _masks(n, n_pe, initial, lines[m]), mar, roi, device, hcfg.batch_size)
+    scores = {m: score_masks(data, _masks(n, n_pe, initial, lines[m]), mar, roi, device, hcfg.batch_size, recon)
               for m in METHODS}
     record: dict[str, Any] = {"orders": orders, "folds": folds.tolist(), "oracle_lines": chosen.tolist()}
     if attempts is not None:  # the oracle's own acquisitions, repeats included
@@ -257,7 +282,10 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
     ``split`` of ``data_dir`` under each MAR network of ``mar_paths``; returns the report."""
     hcfg: HeadroomConfig = config["headroom"]
     acq: AcquisitionConfig = config["acquisition"]
-    if not mar_paths:
+    sense = hcfg.recon == "sense"
+    if sense and mar_paths:
+        raise ValueError("recon sense is scored without a MAR network (none is trained on SENSE images): drop --mar")
+    if not sense and not mar_paths:
         raise ValueError("the headroom is measured under a MAR network: give at least one --mar")
     device = resolve_device(hcfg.device)
     full = load_split(data_dir, split)
@@ -270,14 +298,19 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
              "%g (%s), %d MAR network(s)", data_dir, split, len(data), len(set(data.subjects)), acq.initial,
              acq.budget, data.n_pe, hcfg.region, hcfg.beam, hcfg.corruption, hcfg.corruption_kind, len(mar_paths))
     key = _key(hcfg.region)
+    recon = zero_filled
+    if sense:
+        maps = torch.from_numpy(body_array(hcfg.coils, tuple(data.target.shape[1:]), config["sequence"].fov_mm))
+        recon = SenseRecon(maps.to(device), hcfg.sense_iterations)
     runs = []
-    for path in mar_paths:
-        mar, meta = load_mar(path, device)
-        mar.eval()
-        one = _measure_one(data, mar, acq, hcfg, roi, device, progress)
+    for path in mar_paths or [None]:
+        mar, meta = (None, {}) if path is None else load_mar(path, device)
+        if mar is not None:
+            mar.eval()
+        one = _measure_one(data, mar, acq, hcfg, roi, device, progress, recon)
         scores = one.pop("scores")
         one.update({
-            "mar": str(path),
+            "mar": f"none ({hcfg.coils}-coil SENSE)" if path is None else str(path),
             "mar_metadata": {k: meta.get(k) for k in ("kind", "epoch", "code_version") if k in meta},
             "slices": {m: {k: v.tolist() for k, v in scores[m].items()} for m in METHODS},
             "means": {m: {k: float(np.mean(v)) for k, v in scores[m].items()} for m in METHODS},
@@ -342,12 +375,14 @@ def render_headroom(report: dict[str, Any]) -> str:
     if h.get("corruption", 0) > 0:
         oracle = (f"{h['corruption']:.0%} of acquisitions corrupted ({h['corruption_kind']}); greedy oracle that may "
                   f"acquire a line again (up to {h['attempts']} times)")
+    if h.get("recon") == "sense":
+        oracle += f"; {h['coils']}-coil CG-SENSE ({h['sense_iterations']} iterations), no MAR network"
     lines = [
         f"# Headroom of adaptive line choice: {report['data']} / {report['split']}",
         "",
         f"{report['n_slices']} slices of {report['n_subjects']} subjects, {acq['initial']} + {acq['budget']} of "
         f"{acq['n_pe']} lines, scored in the {region} ({key}); fixed order cross-fitted over {h['folds']} subject "
-        f"folds; {oracle}; {len(report['runs'])} MAR network(s).",
+        f"folds; {oracle}" + ("." if h.get("recon") == "sense" else f"; {len(report['runs'])} MAR network(s)."),
         "",
         "| MAR | oracle | fixed (cross-fitted) | centre-out | lead (oracle - fixed) | subject p | lead, dB |",
         "| --- | --- | --- | --- | --- | --- | --- |",

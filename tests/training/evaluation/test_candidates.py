@@ -1,5 +1,5 @@
-"""k-space corruption and re-acquisition: the draws are seeded and local to their lines, the
-oracle repeats a line whose acquisition was spoiled, and the headroom gate measures it."""
+"""The headroom candidates: k-space corruption with re-acquisition (seeded draws, local to their
+lines; the oracle repeats a spoiled line) and multi-coil CG-SENSE, each measured by the gate."""
 
 import numpy as np
 import pytest
@@ -63,3 +63,34 @@ def test_headroom_with_corruption(tiny_dataset, perturbed_mar):
     assert len(run["slices"]["oracle"]["ssim"]) == len(load_split(tiny_dataset, "train"))
     with pytest.raises(ValueError, match="set beam 1"):
         load_config(CONFIGS / "tiny.yaml", ["headroom.corruption=0.1", "headroom.beam=2"])
+
+
+def test_sense_with_one_uniform_coil_is_the_zero_filled_image_and_coils_resolve_aliasing():
+    from masc_gadget.core.kspace import fft2c, zero_filled
+    from masc_gadget.core.metrics import slice_metrics
+    from sim_scanner.physics.coils import body_array
+    from training.evaluation.sense import SenseRecon
+
+    gen = torch.Generator().manual_seed(1)
+    image = torch.zeros(2, 32, 32)
+    image[:, 6:26, 8:24] = 1.0 + 0.2 * torch.rand(2, 20, 16, generator=gen)
+    k = fft2c(image.to(torch.complex64))
+    mask = torch.zeros(2, 32, dtype=torch.bool)
+    mask[:, ::2] = True  # R = 2: the zero-filled image folds over half the field of view
+    one = SenseRecon(torch.ones(1, 32, 32, dtype=torch.complex64), iterations=5, lam=0.0)
+    assert torch.allclose(one(k, mask), zero_filled(k, mask), atol=1e-4)
+    eight = SenseRecon(torch.from_numpy(body_array(8, (32, 32), (300.0, 300.0))), iterations=30)
+    assert slice_metrics(eight(k, mask), image)["nmse"].max() < 0.1 * slice_metrics(zero_filled(k, mask), image)["nmse"].min()
+    with pytest.raises(ValueError, match="maps must be complex"):
+        SenseRecon(torch.ones(8, 32, 32))
+
+
+def test_headroom_with_sense_needs_no_mar(tiny_dataset, perturbed_mar):
+    config = load_config(CONFIGS / "tiny.yaml", ["headroom.recon=sense", "headroom.coils=4",
+                                                  "headroom.sense_iterations=3"])
+    report = headroom(config, tiny_dataset, "train", [], progress=False)
+    assert report["runs"][0]["mar"] == "none (4-coil SENSE)" and report["summary"]["n_subjects"] == 2
+    with pytest.raises(ValueError, match="drop --mar"):
+        headroom(config, tiny_dataset, "train", [perturbed_mar], progress=False)
+    with pytest.raises(ValueError, match="give at least one --mar"):
+        headroom(load_config(CONFIGS / "tiny.yaml"), tiny_dataset, "train", [], progress=False)
