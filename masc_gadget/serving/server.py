@@ -289,27 +289,3 @@ def _refuse(conn: socket.socket, message: str, dialect: str = "mrd") -> None:
         pass
     finally:
         conn.close()
-
-
-def register(subparsers, common) -> None:
-    """``masc serve``."""
-    serve = subparsers.add_parser(
-        "serve", parents=[common], help="run the MASC gadget as a standalone MRD server",
-        description="Standalone MRD server running the MASC gadget (gadgetron_ismrmrd_client and "
-        "python-ismrmrd-server client dialects). Stops on SIGTERM / Ctrl-C.",
-    )
-    serve.add_argument("--host", help="address to listen on (default: server.host, 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port (default: server.port, 9002)")
-    serve.set_defaults(func=_cmd_serve)
-
-
-def _cmd_serve(args) -> int:
-    from masc_gadget.cli import config_from_args
-
-    config = config_from_args(args)
-    server = MascServer(config, host=args.host, port=args.port)
-    settings = server.serving.default
-    log.info("default settings: policy %s, %d + %d lines, MAR %s, device %s", settings.policy,
-             settings.initial, settings.budget, settings.mar_checkpoint or "off", settings.device)
-    server.serve_forever()
-    return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -92,4 +93,9 @@ def cmd_scan(args: argparse.Namespace) -> int:
     report = run_scan(config, args.data, args.split, args.out, progress=not args.no_progress)
     print(report.summary())
     print(f"report written to {args.out}/report.json, images to {args.out}/images.h5")
+    errors = [e for sub in report.subjects for e in sub.gadget_errors]
+    if errors:  # the scan completed on the fallback order, but not as asked: say so and fail
+        print(f"masc scan: error: the gadget reported {len(errors)} error(s), the first: {errors[0]} "
+              f"(every line was still acquired; see {args.out}/report.json)", file=sys.stderr)
+        return 1
     return 0

@@ -109,3 +109,16 @@ def test_config_section_of_a_missing_extra_is_kept_unvalidated(monkeypatch):
     assert built["acquisition"].budget == 4  # installed sections are still validated
     with pytest.raises(config.ConfigError, match="acquisition"):
         config.build_config({"ghost": {}, "acquisition": {"budget": "x"}})
+
+
+def test_help_loads_neither_torch_nor_the_training_stack():
+    """``masc --help`` and every subcommand's ``--help`` build the whole parser: it must not import
+    torch (seconds on a loaded machine), the trainers or the servers."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from masc_gadget.cli import build_parser; build_parser(); "
+            "heavy = [m for m in ('torch', 'scipy', 'h5py', 'training.data', 'masc_gadget.serving.server') "
+            "if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"imported by the parser: {done.stdout.strip()} {done.stderr[-500:]}"

@@ -21,18 +21,7 @@ import shlex
 import sys
 from pathlib import Path
 
-import torch
-
-from masc_gadget.acquisition.episode import AcquisitionConfig
-from masc_gadget.device import resolve_device
-from masc_gadget.models.policy_net import PolicyNetConfig
-from masc_gadget.models.unet import MarModelConfig
-from training.bench.common import environment
-from training.bench.env import bench_env, bench_ppo, format_env_table, seeded_mar
-from training.bench.sb3 import SB3_HINT, SB3_POLICIES, sb3_available
-from training.bench.unet import VARIANTS, bench_unet, format_table
-from training.rl.env import EnvConfig
-from training.rl.ppo import PPOConfig
+from training.bench.names import SB3_HINT, SB3_POLICIES, VARIANTS
 
 log = logging.getLogger(__name__)
 
@@ -227,8 +216,12 @@ def _register_serve(actions: argparse._SubParsersAction, common: argparse.Argume
 
 
 def cmd_unet(args: argparse.Namespace) -> int:
+    import torch
+
     from masc_gadget.cli import config_from_args
     from masc_gadget.models.unet import MarModelConfig
+    from training.bench.common import environment
+    from training.bench.unet import bench_unet, format_table
 
     mar_cfg = config_from_args(args).sections.get("mar_model", MarModelConfig())
     if args.threads is not None:
@@ -254,8 +247,19 @@ def _load(values: list[float] | None) -> str:
 
 
 def cmd_env(args: argparse.Namespace) -> int:
+    import torch
+
+    from masc_gadget.acquisition.episode import AcquisitionConfig
     from masc_gadget.cli import CommandError, config_from_args
+    from masc_gadget.device import resolve_device
+    from masc_gadget.models.policy_net import PolicyNetConfig
+    from masc_gadget.models.unet import MarModelConfig
+    from training.bench.common import environment
+    from training.bench.env import bench_env, bench_ppo, format_env_table, seeded_mar
+    from training.bench.sb3 import sb3_available
     from training.data import load_split
+    from training.rl.env import EnvConfig
+    from training.rl.ppo import PPOConfig
 
     config = config_from_args(args)
     sections = config.sections
@@ -313,6 +317,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from masc_gadget.cli import config_from_args
     from sim_scanner.scanner.config import ScannerConfig
+    from training.bench.common import environment
     from training.bench.serve import bench_serve, format_serve_table
 
     config = config_from_args(args)

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from training.bench.common import environment
 
 STEPS = ("tests", "unet", "data", "env", "serve", "serve-cpu", "paper-sim")
 CUDA_ONLY = {"serve-cpu", "paper-sim"}
@@ -305,6 +304,8 @@ def gpu_check(out: str | Path, device: str = "auto", quick: bool = False,
     if plan.device != "cuda":
         log("[gpu-check] no CUDA device: running the CPU-safe parts; the CUDA-only ones are skipped")
     t0 = time.monotonic()
+    from training.bench.common import environment
+
     report = {"device": plan.device, "quick": quick, "environment": environment(plan.device),
               "budget_s": budget_s, "wall_s": 0.0, "steps": []}
     for step in (s for s in STEPS if s in steps):

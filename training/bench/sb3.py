@@ -16,15 +16,11 @@ from torch import nn
 from masc_gadget.acquisition.episode import AcquisitionConfig
 from masc_gadget.models.policy_net import PolicyNet, PolicyNetConfig
 from training.bench.common import _sync
+from training.bench.names import SB3_HINT, SB3_POLICIES
 from training.data import SliceSet
 from training.rl.env import EnvConfig
 from training.rl.ppo import PPOConfig
 
-SB3_HINT = "pip install sb3-contrib (or .[bench])"
-"""What to do when sb3-contrib is missing."""
-
-SB3_POLICIES = ("mlp", "ours")
-"""Networks of the MaskablePPO side: sb3's default MLP, or our :class:`PolicyNet`."""
 
 
 def sb3_available() -> bool:

@@ -30,10 +30,10 @@ import torch
 from masc_gadget.device import resolve_device
 from masc_gadget.models.unet import MarNet
 from training.bench.common import _percentile, _sync
+from training.bench.names import VARIANTS
 
 log = logging.getLogger("masc.bench")
 
-VARIANTS = ("fp32", "bf16", "nchw", "nchw_bf16", "compile", "compile_bf16")
 CPU_DEFAULT_VARIANTS = ("fp32",)
 CUDA_DEFAULT_VARIANTS = VARIANTS
 

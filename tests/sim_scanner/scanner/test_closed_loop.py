@@ -133,3 +133,20 @@ def test_masc_scan_sends_the_token_a_server_requires(tiny_dataset, tmp_path):
     assert with_token.totals.fallbacks == 0 and with_token.totals.gadget_errors == 0
     assert without.totals.from_gadget == 0 and without.totals.images_zero_filled == without.totals.slices
     assert any("authentication required" in e for s in without.subjects for e in s.gadget_errors)
+
+
+def test_masc_scan_fails_when_the_gadget_refused_what_it_asked(tiny_dataset, tmp_path, capsys):
+    """Regression: a misspelt policy ran the whole scan on the fallback order and exited 0."""
+    from masc_gadget.cli import main
+
+    server = MascServer(load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu"]), host="127.0.0.1", port=0)
+    _, port = server.start()
+    try:
+        code = main(["scan", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset), "--server",
+                     f"127.0.0.1:{port}", "--out", str(tmp_path / "scan"), "--no-progress",
+                     "--set", "acquisition.policy=mascc"])
+    finally:
+        server.shutdown()
+    err = capsys.readouterr().err
+    assert code == 1 and "the gadget reported" in err and "unknown policy 'mascc'" in err
+    assert (tmp_path / "scan" / "report.json").is_file() and (tmp_path / "scan" / "images.h5").is_file()

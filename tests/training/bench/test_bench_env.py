@@ -157,7 +157,9 @@ def test_bench_ppo_against_maskable_ppo_with_our_network(tiny_train, global_rng_
 
 
 def test_bench_env_command(tiny_dataset, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(bench, "sb3_available", lambda: False)  # the CLI's skip path
+    from training.bench import sb3 as bench_sb3
+
+    monkeypatch.setattr(bench_sb3, "sb3_available", lambda: False)  # the CLI's skip path (imported when run)
     out = tmp_path / "bench_env.json"
     parser = _parser()
     args = parser.parse_args(["bench", "env", "--config", str(CONFIGS / "tiny.yaml"), "--data",
