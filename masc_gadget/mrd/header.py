@@ -398,6 +398,31 @@ def flag_mask(*flags: int) -> int:
     return mask
 
 
+NOT_IMAGING = flag_mask(
+    ismrmrd.ACQ_IS_NOISE_MEASUREMENT,
+    ismrmrd.ACQ_IS_NAVIGATION_DATA,
+    ismrmrd.ACQ_IS_PHASECORR_DATA,
+    ismrmrd.ACQ_IS_HPFEEDBACK_DATA,
+    ismrmrd.ACQ_IS_DUMMYSCAN_DATA,
+    ismrmrd.ACQ_IS_RTFEEDBACK_DATA,
+    ismrmrd.ACQ_IS_SURFACECOILCORRECTIONSCAN_DATA,
+    ismrmrd.ACQ_IS_PHASE_STABILIZATION_REFERENCE,
+    ismrmrd.ACQ_IS_PHASE_STABILIZATION,
+    ismrmrd.ACQ_IS_PARALLEL_CALIBRATION,  # reference lines only (not ..._AND_IMAGING)
+)
+"""The flags of acquisitions that carry no line of the image: noise, navigators, phase
+correction, feedback, dummy scans, coil-correction and phase-stabilisation scans, and
+parallel-imaging reference lines sent apart from the image's. The one list every reader of
+lines uses (:func:`is_imaging_line`)."""
+
+
+def is_imaging_line(flags: int) -> bool:
+    """Whether an acquisition with header ``flags`` carries a line of the image (none of
+    :data:`NOT_IMAGING`; MASC's in-band feedback is told apart by
+    :func:`masc_gadget.mrd.feedback.is_feedback`)."""
+    return not int(flags) & NOT_IMAGING
+
+
 def user_parameters(
     header: ismrmrd.xsd.ismrmrdHeader | str | bytes,
 ) -> dict[str, float | int | str]:

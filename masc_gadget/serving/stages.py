@@ -28,7 +28,8 @@ from masc_gadget.acquisition.engine import AcquisitionEngine, SliceResult
 from masc_gadget.core.readout import oversampling_output, place_readout, remove_oversampling
 from masc_gadget.config import ConfigError
 from masc_gadget.mrd.feedback import fire_feedback, ZmqFeedback, feedback_acquisition, is_feedback
-from masc_gadget.mrd.header import EncodingGeometry, encoding_geometry, receiver_channels, slice_limit
+from masc_gadget.mrd.header import (EncodingGeometry, encoding_geometry, is_imaging_line, receiver_channels,
+                                    slice_limit)
 from masc_gadget.serving.host import Host
 from masc_gadget.serving.models import build_engine
 from masc_gadget.serving.settings import GadgetSettings, settings_from_json
@@ -37,15 +38,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Context", "STAGES", "active_channels", "decide", "imaging_lines", "images", "make_image", "parameters",
            "pipeline", "process", "send_all", "well_formed"]
-
-# acquisitions that carry no imaging data for this reconstruction
-_SKIP_FLAGS = (
-    ismrmrd.ACQ_IS_NOISE_MEASUREMENT,
-    ismrmrd.ACQ_IS_NAVIGATION_DATA,
-    ismrmrd.ACQ_IS_PHASECORR_DATA,
-    ismrmrd.ACQ_IS_DUMMYSCAN_DATA,
-    ismrmrd.ACQ_IS_PARALLEL_CALIBRATION,
-)
 
 
 def _size(nbytes: int) -> str:
@@ -231,11 +223,11 @@ def parameters(items: Iterable[Any], ctx: Context) -> Iterator[Any]:
 
 def imaging_lines(items: Iterable[Any], ctx: Context) -> Iterator[ismrmrd.Acquisition]:
     """Only the acquisitions that carry imaging lines: no other item types, no feedback
-    acquisitions, no noise / navigation / phase-correction / dummy / calibration data."""
+    acquisitions, none flagged :data:`~masc_gadget.mrd.header.NOT_IMAGING`."""
     for item in items:
         if not isinstance(item, ismrmrd.Acquisition):
             log.debug("ignoring %s", type(item).__name__)
-        elif not (is_feedback(item) or any(item.is_flag_set(f) for f in _SKIP_FLAGS)):
+        elif is_imaging_line(item.flags) and not is_feedback(item):
             yield item
 
 

@@ -39,8 +39,10 @@ import torch
 
 from masc_gadget.config import Config, to_dict
 from masc_gadget.core.kspace import fft2c, magnitude
+from masc_gadget.mrd.header import encoding_geometry
 from sim_scanner.dataset.layout import (SubjectData, prepare_folder, subject_file, subject_id, write_manifest,
                                         write_subject)
+from sim_scanner.dataset.mrd_hdf5 import read_mrd_group
 from sim_scanner.physics.artifact2d import Artifact2DConfig, add_implant
 
 log = logging.getLogger(__name__)
@@ -72,32 +74,19 @@ def _fastmri(path: Path, f: h5py.File) -> Volume:
 
 
 def _ismrmrd(path: Path) -> Volume:
-    import ismrmrd
-
-    dset = ismrmrd.Dataset(str(path), "dataset", create_if_needed=False)
-    try:
-        header = ismrmrd.xsd.CreateFromDocument(dset.read_xml_header())
-        enc = header.encoding[0].encodedSpace.matrixSize
-        n_ro, n_pe = int(enc.x), int(enc.y)
-        acqs = [dset.read_acquisition(i) for i in range(dset.number_of_acquisitions())]
-    finally:
-        dset.close()
-    lines = [a for a in acqs if not a.is_flag_set(ismrmrd.ACQ_IS_NOISE_MEASUREMENT)]
-    if not lines:
+    """The root-sum-of-squares images of an ISMRMRD file's ``dataset`` group, read by the one MRD
+    reader (:func:`~sim_scanner.dataset.mrd_hdf5.read_mrd_group`: imaging lines only), cropped
+    to the recon field of view when the readout is oversampled."""
+    group = read_mrd_group(path, "dataset")
+    if not group.acquired.any():
         raise ValueError(f"{path}: the ISMRMRD dataset holds no imaging acquisitions")
-    n_slices = 1 + max(a.idx.slice for a in lines)
-    n_coils = lines[0].active_channels
-    kspace = np.zeros((n_slices, n_coils, n_pe, lines[0].number_of_samples), dtype=np.complex64)
-    for a in lines:
-        pe = a.idx.kspace_encode_step_1
-        if not 0 <= pe < n_pe or a.active_channels != n_coils:
-            raise ValueError(f"{path}: acquisition with line {pe} / {a.active_channels} coils does not fit the "
-                             f"header's {n_pe} lines and {n_coils} coils")
-        kspace[a.idx.slice, :, pe, :] = a.data
+    kspace = group.kspace if group.kspace.ndim == 4 else group.kspace[:, None]
     images = np.sqrt((magnitude(torch.from_numpy(kspace)).numpy().astype(np.float64) ** 2).sum(axis=1))
-    if images.shape[-1] > n_ro:  # readout oversampling: keep the encoded field of view
-        start = (images.shape[-1] - n_ro) // 2
-        images = images[..., start:start + n_ro]
+    geometry = encoding_geometry(group.header_xml)
+    if geometry.removes_oversampling:  # keep the recon field of view
+        width = int(round(geometry.n_readout / geometry.readout_ratio))
+        start = (images.shape[-1] - width) // 2
+        images = images[..., start:start + width]
     return Volume(path.stem, images, "ismrmrd")
 
 

@@ -32,7 +32,9 @@ import ismrmrd.xsd as xsd
 import numpy as np
 from ismrmrd.hdf5 import acquisition_dtype, acquisition_header_dtype
 
+from masc_gadget.mrd.feedback import FEEDBACK_FLAG
 from masc_gadget.mrd.header import (
+    NOT_IMAGING,
     EncodingGeometry,
     encoding_geometry,
     flag_mask,
@@ -53,18 +55,7 @@ _UINT16_MAX = 2**16 - 1
 _H5_CHUNK = 128
 """Acquisitions per HDF5 chunk of ``<group>/data`` (~48 KB of headers and heap references)."""
 
-_SKIPPED_FLAGS = flag_mask(
-    ismrmrd.ACQ_IS_NOISE_MEASUREMENT,
-    ismrmrd.ACQ_IS_NAVIGATION_DATA,
-    ismrmrd.ACQ_IS_PHASECORR_DATA,
-    ismrmrd.ACQ_IS_HPFEEDBACK_DATA,
-    ismrmrd.ACQ_IS_DUMMYSCAN_DATA,
-    ismrmrd.ACQ_IS_RTFEEDBACK_DATA,
-    ismrmrd.ACQ_IS_SURFACECOILCORRECTIONSCAN_DATA,
-    ismrmrd.ACQ_IS_PHASE_STABILIZATION_REFERENCE,
-    ismrmrd.ACQ_IS_PHASE_STABILIZATION,
-    ismrmrd.ACQ_USER1,  # in-band next-line feedback (header only)
-)
+_SKIPPED_FLAGS = NOT_IMAGING | flag_mask(FEEDBACK_FLAG)  # and MASC's in-band next-line feedback
 """Acquisitions that are not imaging lines; :func:`read_mrd_group` leaves them out."""
 
 
@@ -603,8 +594,8 @@ def _read_group(
 
 def read_mrd_group(path: str | os.PathLike, group: str) -> MrdGroup:
     """Read an ISMRMRD group into a (slice, pe, ro) k-space, by ``idx.slice`` and line; a
-    (slice, coil, pe, ro) one when the header has ``receiverChannels`` > 1 (every line must then
-    carry all of them).
+    (slice, coil, pe, ro) one when the header has ``receiverChannels`` > 1, or has none and the
+    lines carry more than one channel (every line must then carry all of them).
 
     Cartesian data only; non-imaging acquisitions (noise, navigators, phase
     correction, dummy scans, in-band feedback ``ACQ_USER1``) are skipped; a line delivered twice
@@ -612,24 +603,25 @@ def read_mrd_group(path: str | os.PathLike, group: str) -> MrdGroup:
     """
     where = f"MRD group {group!r} in {path}"
     header_xml, geometry, records = _read_group(path, group, where)
-    n_coils = receiver_channels(parse_header(header_xml)) or 1
+    declared = receiver_channels(parse_header(header_xml))
     shape = (geometry.n_slices, geometry.n_pe, geometry.n_readout)
+    heads = records["head"] if len(records) else None
+    keep = None
+    if heads is not None:
+        keep = ((heads["flags"] & np.uint64(_SKIPPED_FLAGS)) == 0) & (heads["number_of_samples"] > 0)
+    found = sorted(set(heads["active_channels"][keep].tolist())) if heads is not None else []
+    # without receiverChannels in the header, the lines say how many coils there are
+    n_coils = declared or (found[0] if len(found) == 1 else 1)
     kspace = np.zeros(shape if n_coils == 1 else (shape[0], n_coils, *shape[1:]), dtype=np.complex64)
     acquired = np.zeros(shape[:2], dtype=bool)
-    if len(records) == 0:
+    if heads is None or not keep.any():
         return MrdGroup(header_xml, kspace, acquired)
-    heads = records["head"]
-    keep = (heads["flags"] & np.uint64(_SKIPPED_FLAGS)) == 0
-    keep &= heads["number_of_samples"] > 0
     heads = heads[keep]
     payload = records["data"][keep]
-    if len(heads) == 0:
-        return MrdGroup(header_xml, kspace, acquired)
-    channels = heads["active_channels"]
-    if np.any(channels != n_coils):
+    if found != [n_coils]:
         raise ValueError(
             f"{where}: every acquisition must carry the header's {n_coils} receiver channel(s), "
-            f"found {sorted(set(channels.tolist()))} channels"
+            f"found {found} channels"
         )
     samples = heads["number_of_samples"]
     if np.any(samples != geometry.n_readout):

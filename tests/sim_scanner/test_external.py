@@ -274,3 +274,45 @@ def test_augmented_training_draws_are_the_slice_in_one_of_its_eight_orientations
     orientations = {np.ascontiguousarray(m).tobytes() for k in range(4)
                     for m in (np.rot90(image, k), np.rot90(image, k)[:, ::-1])}
     assert seen == orientations
+
+
+def test_ismrmrd_import_skips_what_is_not_an_image_line_and_crops_readout_oversampling(tmp_path):
+    """The import reads through the one MRD reader: noise and separate reference lines are left
+    out, and a 2x oversampled readout comes back at the recon field of view."""
+    import ismrmrd
+
+    from masc_gadget.mrd.header import NOT_IMAGING, is_imaging_line
+
+    n = 32
+    image = np.zeros((n, 2 * n))
+    image[:, n // 2:n // 2 + n] = _phantom(n)  # the object inside the central recon field of view
+    k = _fft2c(image)
+    xml = (f"<?xml version='1.0'?><ismrmrdHeader xmlns='http://www.ismrm.org/ISMRMRD'>"
+           f"<experimentalConditions><H1resonanceFrequency_Hz>127000000</H1resonanceFrequency_Hz>"
+           f"</experimentalConditions><encoding><encodedSpace><matrixSize><x>{2 * n}</x><y>{n}</y><z>1</z>"
+           f"</matrixSize><fieldOfView_mm><x>600</x><y>300</y><z>3</z></fieldOfView_mm></encodedSpace><reconSpace>"
+           f"<matrixSize><x>{n}</x><y>{n}</y><z>1</z></matrixSize><fieldOfView_mm><x>300</x><y>300</y><z>3</z>"
+           f"</fieldOfView_mm></reconSpace><encodingLimits/><trajectory>cartesian</trajectory></encoding>"
+           f"</ismrmrdHeader>")
+    path = tmp_path / "oversampled.h5"
+    dset = ismrmrd.Dataset(str(path), "dataset", create_if_needed=True)
+    dset.write_xml_header(xml)
+    junk = ismrmrd.Acquisition.from_array(np.full((1, 2 * n), 1e3, dtype=np.complex64))
+    junk.set_flag(ismrmrd.ACQ_IS_NOISE_MEASUREMENT)
+    dset.append_acquisition(junk)
+    for pe in range(n):
+        acq = ismrmrd.Acquisition.from_array(k[None, pe, :].astype(np.complex64))
+        acq.idx.kspace_encode_step_1 = pe
+        dset.append_acquisition(acq)
+    reference = ismrmrd.Acquisition.from_array(np.full((1, 2 * n), 1e3, dtype=np.complex64))
+    reference.idx.kspace_encode_step_1 = n // 2
+    reference.set_flag(ismrmrd.ACQ_IS_PARALLEL_CALIBRATION)  # a separate reference line, after the image's
+    dset.append_acquisition(reference)
+    dset.close()
+    (volume,) = read_volumes(path)
+    assert volume.images.shape == (1, n, n)
+    assert np.allclose(volume.images[0], _phantom(n), atol=1e-4)
+    assert not is_imaging_line(reference.flags) and not is_imaging_line(junk.flags)
+    both = ismrmrd.Acquisition()
+    both.set_flag(ismrmrd.ACQ_IS_PARALLEL_CALIBRATION_AND_IMAGING)
+    assert is_imaging_line(both.flags) and is_imaging_line(0) and NOT_IMAGING & (1 << (ismrmrd.ACQ_IS_NOISE_MEASUREMENT - 1))
