@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from masc_gadget.core.seeding import isolated_rng
 from masc_gadget.models.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from training.csvlog import append_row
 
@@ -35,8 +36,7 @@ T = TypeVar("T")
 def seeded(seed: int, build: Callable[[], T]) -> T:
     """``build()`` with torch's global generator seeded by ``seed`` for the call only (seeded
     weight initialisation; the caller's global RNG state is left as it was)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with isolated_rng(seed):
         return build()
 
 

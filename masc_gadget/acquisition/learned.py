@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from masc_gadget.acquisition.episode import AcquisitionState
+from masc_gadget.core.seeding import isolated_rng
 from masc_gadget.models.checkpoint import (Checkpoint, check_size, check_weights_fit, load_checkpoint,
                                            mar_from_checkpoint)
 from masc_gadget.config import ConfigError, from_dict, to_dict
@@ -301,7 +302,7 @@ def _build(path: str | Path, build: Any, weights: Any, what: str, section: str) 
     """``build()`` checked against the stored weights, then loaded with them."""
     try:
         check_weights_fit(build, weights, what, str(path))
-        with torch.random.fork_rng(devices=[]):  # the init is overwritten; leave the global RNG alone
+        with isolated_rng():  # the init is overwritten; leave the global RNGs alone
             net = build()
     except ConfigError as err:
         raise ValueError(f"{path}: {err}") from None

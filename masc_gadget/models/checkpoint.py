@@ -37,6 +37,7 @@ from torch import nn
 
 from masc_gadget import __version__
 from masc_gadget.config import from_dict
+from masc_gadget.core.seeding import isolated_rng
 from masc_gadget.device import resolve_device
 from masc_gadget.core.ood import OodCalibration
 from masc_gadget.models.unet import MarModelConfig, MarNet, build_mar
@@ -217,7 +218,7 @@ def check_weights_fit(build: Callable[[], nn.Module], weights: Any, what: str, l
     alone; bound every size it reads (:func:`check_size`) before calling this."""
     if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
         raise ValueError(f"{label}: {what!r} weights are not a state dict of tensors")
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+    with isolated_rng(), torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in build().state_dict().items()}
     n_params = sum(math.prod(shape) for shape in expected.values())
     if n_params > MAX_PARAMETERS:
@@ -248,7 +249,7 @@ def mar_from_checkpoint(ck: Checkpoint, path: str | Path, device: torch.device) 
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
     check_weights_fit(lambda: build_mar(cfg), ck.state_dicts["mar"], "mar", str(path))
-    with torch.random.fork_rng(devices=[]):  # the init is overwritten; leave the global RNG alone
+    with isolated_rng():  # the init is overwritten; leave the global RNGs alone
         model = build_mar(cfg)
     try:
         model.load_state_dict(ck.state_dicts["mar"])

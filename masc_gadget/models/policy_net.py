@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.distributions import Categorical
 
+from masc_gadget.core.seeding import isolated_rng
 from masc_gadget.models.unet import check_scale_quantile, check_sizes, image_scale
 
 
@@ -176,7 +177,7 @@ class PolicyNet(nn.Module):
         self.n_pe, self.height, self.width = n_pe, height, width
         # The layers' default init is replaced below; building them under a forked RNG keeps
         # that throw-away init from advancing the global RNG.
-        with torch.random.fork_rng(devices=[]):
+        with isolated_rng():
             convs: list[nn.Module] = []
             in_channels = 2
             for out_channels in cfg.channels:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from masc_gadget.core.seeding import isolated_rng
 from masc_gadget.models.policy_net import PoolTo, input_planes, layer_init
 from masc_gadget.models.unet import check_scale_quantile, check_sizes
 
@@ -91,7 +92,7 @@ class QNet(nn.Module):
             raise TypeError(f"spectral must be true or false, got {spectral!r}")
         self.config = cfg
         self.n_pe, self.height, self.width, self.spectral = n_pe, height, width, spectral
-        with torch.random.fork_rng(devices=[]):  # the default init is replaced below
+        with isolated_rng():  # the default init is replaced below
             layers: list[nn.Module] = []
             in_channels = 3 if spectral else 2
             for out_channels in cfg.channels:

@@ -48,6 +48,7 @@ from masc_gadget.acquisition import learned
 from masc_gadget.acquisition.learned import KINDS as LEARNED_KINDS
 from masc_gadget.acquisition.policies import POLICIES, SamplingPolicy, make_policy
 from masc_gadget.config import ConfigError
+from masc_gadget.core.seeding import isolated_rng
 from masc_gadget.device import resolve_device
 from masc_gadget.models import shipped
 from masc_gadget.serving.settings import GadgetSettings
@@ -374,9 +375,8 @@ def build_engine(settings: GadgetSettings, n_pe: int, n_readout: int, cache: Mod
     )
     policy = models.policy
     if policy is None:
-        device = resolve_device(scan.device)
         # building a policy never moves the global RNGs
-        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        with isolated_rng():
             policy = make_policy(settings.policy)
     return AcquisitionEngine(scan, policy, mar=models.mar, mar_name=models.mar_name, batcher=batcher)
 

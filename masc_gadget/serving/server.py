@@ -37,7 +37,7 @@ from masc_gadget.serving.connection import Connection
 from masc_gadget.serving.host import Host, ServerConfig, is_loopback, peer_allowed
 from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache, warm_up
 
-__all__ = ["MascServer", "ServerConfig", "register", "serve_connect_mode"]
+__all__ = ["MascServer", "ServerConfig", "serve_connect_mode"]
 
 log = logging.getLogger(__name__)
 

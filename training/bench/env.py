@@ -17,11 +17,13 @@ import torch
 from torch import nn
 
 from masc_gadget.acquisition.episode import AcquisitionConfig
+from masc_gadget.core.seeding import isolated_rng
 from masc_gadget.device import resolve_device
 from masc_gadget.models.policy_net import PolicyNet, PolicyNetConfig
 from masc_gadget.models.unet import MarModelConfig, MarNet, build_mar
 from training.bench.common import _steps_per_s, _sync
-from training.bench.sb3 import SB3_HINT, SB3_POLICIES, _time_sb3, sb3_available
+from training.bench.names import SB3_HINT, SB3_POLICIES
+from training.bench.sb3 import _time_sb3, sb3_available
 from training.data import SliceSet
 from training.rl.env import BatchedAcquisitionEnv, EnvConfig
 from training.rl.ppo import PPOConfig, make_optimizer, run_ppo
@@ -82,8 +84,7 @@ def seeded_mar(width: int, cfg: MarModelConfig | None = None, seed: int = 0,
     if width == 0:
         return None
     cfg = dataclasses.replace(cfg or MarModelConfig(), width=width)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with isolated_rng(seed):
         mar = build_mar(cfg)
     return mar.to(resolve_device(device)).eval()
 

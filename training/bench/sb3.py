@@ -16,7 +16,6 @@ from torch import nn
 from masc_gadget.acquisition.episode import AcquisitionConfig
 from masc_gadget.models.policy_net import PolicyNet, PolicyNetConfig
 from training.bench.common import _sync
-from training.bench.names import SB3_HINT, SB3_POLICIES
 from training.data import SliceSet
 from training.rl.env import EnvConfig
 from training.rl.ppo import PPOConfig

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from masc_gadget.core.seeding import isolated_rng
 from masc_gadget.device import resolve_device
 from masc_gadget.models.unet import MarNet
 from training.bench.common import _percentile, _sync
@@ -66,8 +67,7 @@ def _reference_model(width: int, depth: int, scale_quantile: float, seed: int,
     """A MarNet with seeded random weights (head included, so r != 0 and variant differences
     are visible) and BatchNorm statistics taken from one calibration batch, so activations
     have trained-like magnitudes in eval mode. Leaves the global RNG state alone."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with isolated_rng(seed):
         model = MarNet(width=width, depth=depth, scale_quantile=scale_quantile)
         torch.nn.init.normal_(model.residual.head.weight, std=1.0 / math.sqrt(width))
     bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
