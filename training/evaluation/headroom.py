@@ -239,8 +239,9 @@ def _measure_one(data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionCo
     count = np.zeros((n, n_pe), dtype=np.int64)
     bar = tqdm(total=n, desc=oracle.name if attempts is None else ReacquireOracle.name, unit="slice",
                disable=not progress)
-    for s in range(0, n, hcfg.batch_size):
-        index = list(range(s, min(s + hcfg.batch_size, n)))
+    step = 1 if attempts is None else hcfg.batch_size  # the beam searches slice by slice: the bar moves each
+    for s in range(0, n, step):
+        index = list(range(s, min(s + step, n)))
         region = None if objective is None else objective[index].to(device)
         target = data.target[index].to(device)
         if attempts is None:
