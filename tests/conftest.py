@@ -28,6 +28,15 @@ def tiny_dataset(tmp_path_factory, tiny_config):
     return out
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a server a test starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture
 def device():
     """CPU always; CUDA too where present (tests parametrise over it themselves)."""
@@ -68,3 +77,16 @@ def write_perturbed_mar(path, seed: int = 1, scale: float = 0.05):
 def perturbed_mar(tmp_path_factory):
     """Path of a width-4, non-identity MAR checkpoint (untrained, perturbed weights)."""
     return write_perturbed_mar(tmp_path_factory.mktemp("mar") / "mar.pt")
+
+
+@pytest.fixture(scope="session")
+def tiny_masc(tmp_path_factory, tiny_dataset, perturbed_mar):
+    """Path of a MASC checkpoint trained once on the tiny dataset (two rollouts), for the tests
+    that need a trained model rather than test the training."""
+    from masc_gadget.config import load_config
+    from training.coadapt import train_masc
+
+    out = tmp_path_factory.mktemp("masc") / "masc.pt"
+    train_masc(load_config(CONFIGS / "tiny.yaml", ["masc_train.rollouts=2"]), tiny_dataset, perturbed_mar, out,
+               progress=False)
+    return out

@@ -28,7 +28,7 @@ from masc_gadget.serving.host import Host
 from masc_gadget.serving.models import ModelCache
 from masc_gadget.serving.settings import settings_from_xml
 from sim_scanner.dataset.layout import read_manifest, subject_path
-from tests.conftest import CONFIGS
+from tests.conftest import CONFIGS, free_port
 
 pytestmark = [
     pytest.mark.gadgetron,
@@ -38,12 +38,6 @@ pytestmark = [
 
 XMLS = CONFIGS / "gadgetron"
 CONNECT_PORT = 18000  # as configs/gadgetron/masc_connect.xml ships
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 60) -> None:
@@ -69,7 +63,7 @@ def _env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def gadgetron(tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     work = tmp_path_factory.mktemp("gadgetron")
     log = (work / "gadgetron.log").open("w")
     proc = subprocess.Popen(["gadgetron", "-p", str(port), "-d", "true", "-W", str(work)],

@@ -12,7 +12,7 @@ import torch
 
 from masc_gadget.models.checkpoint import load_checkpoint
 
-from tests.conftest import CONFIGS
+from tests.conftest import CONFIGS, free_port
 
 SETTINGS = ["mar_model.norm=group", "mar_train.batch_size=4", "mar_train.device=cpu", "mar_train.input=mixed"]
 
@@ -39,16 +39,8 @@ def _max_diff(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a if a[k].is_floating_point())
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_ranks_equal_one_process_with_the_same_global_batch(tiny_dataset, tmp_path):
-    subprocess.run(_cmd(tiny_dataset, tmp_path / "two.pt", 2, 2, _free_port()), check=True, env=_env(),
+    subprocess.run(_cmd(tiny_dataset, tmp_path / "two.pt", 2, 2, free_port()), check=True, env=_env(),
                    capture_output=True, timeout=300)
     subprocess.run(_cmd(tiny_dataset, tmp_path / "one.pt", 2, 1, 0), check=True, env=_env(), capture_output=True,
                    timeout=300)
@@ -59,7 +51,7 @@ def test_two_ranks_equal_one_process_with_the_same_global_batch(tiny_dataset, tm
 
 def test_a_run_killed_mid_way_resumes_from_its_last_checkpoint_on_other_ranks(tiny_dataset, tmp_path):
     epochs = 8
-    proc = subprocess.Popen(_cmd(tiny_dataset, tmp_path / "run.pt", epochs, 2, _free_port()), env=_env(),
+    proc = subprocess.Popen(_cmd(tiny_dataset, tmp_path / "run.pt", epochs, 2, free_port()), env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     log = tmp_path / "run.csv"
     deadline = time.time() + 240
@@ -96,7 +88,7 @@ def test_simulation_spreads_subjects_over_ranks_and_reruns_resume(tmp_path):
 
     from sim_scanner.dataset.layout import read_manifest, split_files
 
-    _simulate(tmp_path / "two", 2, _free_port())
+    _simulate(tmp_path / "two", 2, free_port())
     _simulate(tmp_path / "one", 1, 0)
     assert read_manifest(tmp_path / "two")["splits"] == read_manifest(tmp_path / "one")["splits"]
     files = {p.relative_to(tmp_path / "one") for split in ("train", "val", "test")
@@ -108,7 +100,7 @@ def test_simulation_spreads_subjects_over_ranks_and_reruns_resume(tmp_path):
     victim = sorted(files)[0]
     (tmp_path / "two" / victim).unlink()
     kept = {rel: (tmp_path / "two" / rel).stat().st_mtime_ns for rel in files if rel != victim}
-    result = _simulate(tmp_path / "two", 3, _free_port())  # a rerun on another number of ranks
+    result = _simulate(tmp_path / "two", 3, free_port())  # a rerun on another number of ranks
     assert "already simulated" in result.stderr + result.stdout
     assert (tmp_path / "two" / victim).is_file()
     assert all((tmp_path / "two" / rel).stat().st_mtime_ns == t for rel, t in kept.items())
@@ -117,7 +109,7 @@ def test_simulation_spreads_subjects_over_ranks_and_reruns_resume(tmp_path):
 def test_coadaptive_training_on_two_ranks_stays_in_sync_and_resumes_on_one(tiny_dataset, tmp_path, perturbed_mar):
     def masc(out, ranks, rollouts, resume=None):
         base = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-                str(_free_port()), "-m"] if ranks > 1 else [sys.executable, "-m"]
+                str(free_port()), "-m"] if ranks > 1 else [sys.executable, "-m"]
         cmd = [*base, "masc_gadget.cli", "train", "masc", "--config", str(CONFIGS / "tiny.yaml"), "--data",
                str(tiny_dataset), "--mar", str(perturbed_mar), "--out", str(out), "--set",
                f"masc_train.rollouts={rollouts}", "--set", "masc_train.val_every=2"]
@@ -135,7 +127,7 @@ def test_coadaptive_training_on_two_ranks_stays_in_sync_and_resumes_on_one(tiny_
 
 def _train(what, tiny_dataset, out, ranks, settings):
     base = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-            str(_free_port()), "-m"] if ranks > 1 else [sys.executable, "-m"]
+            str(free_port()), "-m"] if ranks > 1 else [sys.executable, "-m"]
     cmd = [*base, "masc_gadget.cli", "train", what, "--config", str(CONFIGS / "tiny.yaml"), "--data",
            str(tiny_dataset), "--out", str(out)]
     for s in settings:

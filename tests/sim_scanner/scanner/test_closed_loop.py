@@ -19,13 +19,7 @@ from sim_scanner.dataset.layout import read_manifest, subject_path
 from sim_scanner.scanner.config import ScannerConfig
 from sim_scanner.scanner.session import run_scan, scan_subject
 
-from tests.conftest import CONFIGS
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.conftest import CONFIGS, free_port
 
 
 def _start_serve(port, *extra):
@@ -73,7 +67,7 @@ def test_masc_scan_closed_loop_equals_offline(tiny_dataset, tmp_path, interleave
 
 
 def test_killing_the_server_mid_scan_completes_on_fallback(tiny_dataset, tmp_path):
-    port = _free_port()
+    port = free_port()
     proc = _start_serve(port, "--log-level", "WARNING")
     try:
         manifest = read_manifest(tiny_dataset)
@@ -106,7 +100,7 @@ def test_killing_the_server_mid_scan_completes_on_fallback(tiny_dataset, tmp_pat
 
 
 def test_sigterm_stops_the_server_cleanly(tmp_path):
-    port = _free_port()
+    port = free_port()
     proc = _start_serve(port)
     try:
         proc.send_signal(signal.SIGTERM)
