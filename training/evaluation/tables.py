@@ -29,13 +29,23 @@ DISPLAY_NAMES = {
 BASELINES = ("random", "random-lowbias", "center-out", "equispaced", "population")
 """The non-adaptive baselines: "the best baseline" of a table is the best of these present."""
 
+TABLE_METRICS = ("ssim", "psnr", "nmse")
+"""The metrics the Markdown table shows (results.json holds every one of :data:`METRICS`)."""
+
+MIN_ORACLE_GAIN = 0.005
+"""The oracle's SSIM gain over the base row below which the share of it a row captures is not
+shown: divided by a gain near zero, it means nothing (it read -1158 % once)."""
+
+ALPHA = 0.05
+"""The level of the closing summary's statements (a difference at p >= ALPHA is a tie)."""
+
 
 def oracle_gain(block: dict[str, Any], over: str = "random") -> dict[str, float | None]:
     """Per row key: the fraction of the oracle's SSIM gain over a base row that the row
     captures, ``(SSIM_row - SSIM_base) / (SSIM_oracle - SSIM_base)``, in the MAR setting the
     oracle chose its lines in (under the MAR network when the block has one: its lines are then
     no bound without MAR); None elsewhere, when the block lacks the oracle or the base row, or
-    when the oracle gains nothing over it.
+    when the oracle gains less than :data:`MIN_ORACLE_GAIN` over it.
 
     ``over``: "random" (the Random row) or "best" (the best of the :data:`BASELINES` rows in
     that setting, by mean SSIM)."""
@@ -51,7 +61,7 @@ def oracle_gain(block: dict[str, Any], over: str = "random") -> dict[str, float 
     base = max(bases)
     gain = ssim["oracle" + suffix] - base
     for key, row in by_key.items():
-        if row["mar"] == chose_under_mar and gain > 0:
+        if row["mar"] == chose_under_mar and gain >= MIN_ORACLE_GAIN:
             out[key] = (ssim[key] - base) / gain
     return out
 
@@ -98,7 +108,7 @@ def render_table(results: dict[str, Any]) -> str:
         out.append(f"## {acc}: {block['initial']} initial + {block['budget']} chosen of "
                    f"{block['n_pe']} lines ({block['factor']:.1f}x)")
         out.append("")
-        header = ["Method", "MAR"] + [f"{m.upper()} {'↑' if HIGHER_IS_BETTER[m] else '↓'}" for m in METRICS]
+        header = ["Method", "MAR"] + [f"{m.upper()} {'↑' if HIGHER_IS_BETTER[m] else '↓'}" for m in TABLE_METRICS]
         header += ["p subjects (t / Wilcoxon, SSIM)", "p slices (t-test, SSIM)"]
         captured = {over: oracle_gain(block, over) for over in ("random", "best")}
         shown = [over for over, v in captured.items() if any(x is not None for x in v.values())]
@@ -107,14 +117,14 @@ def render_table(results: dict[str, Any]) -> str:
         out.append("| " + " | ".join(header) + " |")
         out.append("|" + "|".join(["---"] * 2 + ["---:"] * (len(header) - 2)) + "|")
         best = {}
-        for m in METRICS:
+        for m in TABLE_METRICS:
             means = [row["summary"][m]["mean"] for row in block["rows"]]
             finite = [v for v in means if not math.isnan(v)]
             if finite:
                 best[m] = max(finite) if HIGHER_IS_BETTER[m] else min(finite)
         for row in block["rows"]:
             cells = [DISPLAY_NAMES.get(row["method"], row["method"]), "✓" if row["mar"] else "✗"]
-            for m in METRICS:
+            for m in TABLE_METRICS:
                 text = _fmt(m, row["summary"][m])
                 cells.append(f"**{text}**" if row["summary"][m]["mean"] == best.get(m) else text)
             tests = row.get("tests")
@@ -139,7 +149,53 @@ def render_table(results: dict[str, Any]) -> str:
                  f"the best non-adaptive baseline of the table: {', '.join(BASELINES)}) that a row reaches, in "
                  f"the setting the oracle chose its lines in (with MAR when evaluated with a MAR network).")
     out.append(note)
+    out += ["", "## Summary", ""] + closing_summary(results)
     return "\n".join(out) + "\n"
+
+
+def closing_summary(results: dict[str, Any]) -> list[str]:
+    """What the numbers say, per acceleration: the ranking of the served images (with MAR where
+    the evaluation had a MAR network) by mean SSIM, each other method against the best
+    non-adaptive baseline (:data:`BASELINES`) with a paired t-test over subjects, and one
+    sentence on the method evaluated (the first learned one, else the best row)."""
+    subjects = result_subjects(results)
+    n_subjects = len(set(subjects))
+    lines: list[str] = []
+    for acc, block in results["accelerations"].items():
+        with_mar = any(row["mar"] for row in block["rows"])
+        rows = [row for row in block["rows"] if row["mar"] == with_mar]
+        rows.sort(key=lambda r: -r["summary"]["ssim"]["mean"])
+        name = {r["key"]: DISPLAY_NAMES.get(r["method"], r["method"]).split(" (")[0] for r in rows}
+        ranking = ", ".join(f"{name[r['key']]} {r['summary']['ssim']['mean']:.4f}" for r in rows)
+        lines.append(f"- **{acc}**, SSIM of the served images{' (MAR)' if with_mar else ''}, best first: {ranking}.")
+        baselines = [r for r in rows if r["method"] in BASELINES]
+        if not baselines:
+            continue
+        base = baselines[0]
+        others = [r for r in rows if r["method"] not in BASELINES]
+        verdicts = []
+        for r in others:
+            test = subject_tests(np.asarray(r["per_slice"]["ssim"]), np.asarray(base["per_slice"]["ssim"]), subjects)
+            p, diff = test["p_ttest"], test["diff"]
+            if n_subjects < 3 or math.isnan(p):
+                word = "too few subjects to test"
+            elif p < ALPHA:
+                word = "better" if diff > 0 else "worse"
+            else:
+                word = "no significant difference"
+            verdicts.append((r, diff, p, word))
+            lines.append(f"  - {name[r['key']]} against the best baseline, {name[base['key']]}: {diff:+.4f} SSIM "
+                         f"(paired t-test over {n_subjects} subjects, p {_fmt_p(p)}): {word}.")
+        learned = [v for v in verdicts if v[0]["method"] != "oracle"]
+        if learned:
+            r, diff, p, word = learned[0]
+            meaning = {"better": f"here {name[r['key']]} beats every fixed schedule evaluated",
+                       "worse": f"here {name[r['key']]} loses to {name[base['key']]}, a fixed schedule",
+                       "no significant difference": f"here {name[r['key']]} does no better than "
+                                                    f"{name[base['key']]}, a fixed schedule",
+                       "too few subjects to test": "scan more subjects before reading anything into the gap"}[word]
+            lines.append(f"  - In one sentence: {meaning}.")
+    return lines
 
 
 def render_summary(every: dict[str, dict[str, Any]]) -> str:
