@@ -66,6 +66,9 @@ def register_train(subparsers: argparse._SubParsersAction, common: argparse.Argu
     fixed.add_argument("--data", required=True, metavar="DIR", help="dataset folder")
     fixed.add_argument("--mar", required=True, metavar="CKPT", help="pre-trained MAR checkpoint (masc train mar)")
     fixed.add_argument("--out", required=True, metavar="CKPT", help="best checkpoint (.pt); .last.pt and .csv beside it")
+    fixed.add_argument("--order-from", metavar="CKPT", help="take the order of an earlier fixed-order checkpoint "
+                       "learned on the same data under the same --mar (it must have this protocol's lines), and "
+                       "only co-adapt the network, e.g. for more epochs")
     fixed.set_defaults(func=cmd_train_fixed_order)
 
 
@@ -240,7 +243,7 @@ def cmd_train_fixed_order(args: argparse.Namespace) -> int:
     from masc_gadget.cli import config_from_args
     from training.fixed_order import train_fixed_order
 
-    best = train_fixed_order(config_from_args(args), args.data, args.mar, args.out)
+    best = train_fixed_order(config_from_args(args), args.data, args.mar, args.out, order_from=args.order_from)
     _report_best("fixed-order", args.out, best, "epoch")
     return 0
 

@@ -31,7 +31,7 @@ from masc_gadget.core.kspace import zero_filled
 from masc_gadget.core.metrics import slice_metrics
 from masc_gadget.core.served import served_images
 from masc_gadget.device import resolve_device
-from masc_gadget.models.checkpoint import load_mar
+from masc_gadget.models.checkpoint import load_checkpoint, load_mar
 from training.coadapt import finetune_mar
 from training.data import load_split, spread_subset
 from training.population import population_order
@@ -96,16 +96,17 @@ def served_metrics(mar: torch.nn.Module, data, masks: torch.Tensor, batch_size: 
 
 
 def _fit(config: Config, data_dir: str | Path, mar: torch.nn.Module, out: str | Path, device: torch.device,
-         epochs: int, metadata: dict[str, Any], progress: bool) -> dict[str, Any]:
-    """Learn the order under ``mar``, co-adapt ``mar`` for ``epochs``, save the best checkpoint
-    (``metadata`` carries the network's ``mar_model`` section)."""
+         epochs: int, metadata: dict[str, Any], progress: bool, order: np.ndarray | None = None) -> dict[str, Any]:
+    """Learn the order under ``mar`` (or take ``order``), co-adapt ``mar`` for ``epochs``, save the
+    best checkpoint (``metadata`` carries the network's ``mar_model`` section)."""
     fcfg: FixedOrderConfig = config["fixed_order"]
     acq: AcquisitionConfig = config["acquisition"]
     train = load_split(data_dir, "train")
     val = load_split(data_dir, "val", fcfg.max_val_slices)
     acq.check(train.n_pe)
-    subset = spread_subset(train, fcfg.population_slices) if fcfg.population_slices else train
-    order = population_order(subset, acq.initial, acq.budget, mar, device, progress=progress)
+    if order is None:
+        subset = spread_subset(train, fcfg.population_slices) if fcfg.population_slices else train
+        order = population_order(subset, acq.initial, acq.budget, mar, device, progress=progress)
     run = TrainingRun(out, "ssim", higher_is_better=True)
     val_masks = order_masks(len(val), val.n_pe, acq.initial, order)
     meta = {**metadata, "kind": KIND, "n_pe": int(train.n_pe), "order": [int(x) for x in order],
@@ -135,13 +136,29 @@ def _fit(config: Config, data_dir: str | Path, mar: torch.nn.Module, out: str | 
 
 
 def train_fixed_order(config: Config, data_dir: str | Path, mar_path: str | Path, out: str | Path,
-                      progress: bool = True) -> dict[str, Any]:
-    """``masc train fixed-order`` (module docstring); returns the best validation metrics."""
+                      progress: bool = True, order_from: str | Path | None = None) -> dict[str, Any]:
+    """``masc train fixed-order`` (module docstring); returns the best validation metrics.
+    ``order_from``: an earlier fixed-order checkpoint whose order is taken instead of learned
+    again (it must have been learned for this protocol; recorded in the metadata)."""
     fcfg: FixedOrderConfig = config["fixed_order"]
+    acq: AcquisitionConfig = config["acquisition"]
     device = resolve_device(fcfg.device)
     mar, meta = load_mar(mar_path, device)
-    return _fit(config, data_dir, mar, out, device, fcfg.epochs,
-                {"mar_pretrained": str(mar_path), "mar_model": meta["mar_model"]}, progress)
+    extra: dict[str, Any] = {"mar_pretrained": str(mar_path), "mar_model": meta["mar_model"]}
+    order = None
+    if order_from is not None:
+        earlier = load_checkpoint(order_from).metadata
+        if earlier.get("kind") != KIND:
+            raise ValueError(f"{order_from} is a {earlier.get('kind')!r} checkpoint, not a {KIND} one")
+        if (earlier.get("initial"), earlier.get("budget")) != (acq.initial, acq.budget):
+            raise ValueError(f"{order_from} holds an order of {earlier.get('initial')} + {earlier.get('budget')} lines, "
+                             f"the protocol has {acq.initial} + {acq.budget}")
+        if earlier.get("mar_pretrained") not in (None, str(mar_path)):
+            log.warning("%s learned its order under %s, not %s", order_from, earlier["mar_pretrained"], mar_path)
+        order = np.asarray(earlier["order"], dtype=np.int64)
+        extra["order_from"] = str(order_from)
+        log.info("order %s taken from %s", order.tolist(), order_from)
+    return _fit(config, data_dir, mar, out, device, fcfg.epochs, extra, progress, order)
 
 
 def refit_fixed_order(config: Config, checkpoint: str | Path, data_dir: str | Path, out: str | Path,

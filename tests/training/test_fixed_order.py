@@ -82,3 +82,17 @@ def test_calibrated_on_its_own_order_exported_and_served_with_the_fallback(tiny_
     assert json.loads(shipped.with_suffix(".json").read_text())["ood"]["threshold"] == calibration["threshold"]
     _, mar, _ = load_learned(shipped, "cpu")
     assert mar.ood is not None and mar.ood.threshold == calibration["threshold"]
+
+
+def test_order_from_an_earlier_checkpoint_skips_learning_it(tiny_dataset, perturbed_mar, tmp_path):
+    first = tmp_path / "first.pt"
+    assert main(["train", "fixed-order", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset),
+                 "--mar", str(perturbed_mar), "--out", str(first), *FAST, "--set", "fixed_order.epochs=0"]) == 0
+    again = tmp_path / "again.pt"
+    assert main(["train", "fixed-order", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset),
+                 "--mar", str(perturbed_mar), "--out", str(again), *FAST, "--order-from", str(first)]) == 0
+    meta = load_checkpoint(again).metadata
+    assert meta["order"] == load_checkpoint(first).metadata["order"] and meta["order_from"] == str(first)
+    assert main(["train", "fixed-order", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset),
+                 "--mar", str(perturbed_mar), "--out", str(tmp_path / "x.pt"), *FAST, "--order-from", str(first),
+                 "--set", "acquisition.budget=1"]) == 2  # an order of another protocol is refused
