@@ -75,3 +75,42 @@ def plot_training(log_csv: Path, out: Path, imitation_csv: Path | None = None) -
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return Path(out)
+
+
+def plot_epochs(log_csv: Path, out: Path, panels: Sequence[tuple[str, Sequence[tuple[str, str]]]],
+                best: str, higher_is_better: bool) -> Path:
+    """A learning curve of a per-epoch CSV log: one panel per ``(title, [(column, label), ...])``
+    against epochs, the selected epoch (the best ``best`` column) marked in every panel; columns
+    the log lacks are left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = read_rows(log_csv)
+    panels = [(title, columns) for title, columns in panels
+              if any(math.isfinite(r.get(c, math.nan)) for r in rows for c, _ in columns)]
+    epochs = np.array([r.get("epoch", np.nan) for r in rows])
+    score = np.array([r.get(best, np.nan) for r in rows])
+    chosen = None
+    if np.isfinite(score).any():
+        chosen = int(np.nanargmax(score) if higher_is_better else np.nanargmin(score))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.4), constrained_layout=True, squeeze=False)
+    for ax, (title, columns) in zip(axes[0], panels):
+        for column, label in columns:
+            y = np.array([r.get(column, np.nan) for r in rows])
+            keep = np.isfinite(y)
+            if not keep.any():
+                continue
+            ax.plot(epochs[keep], y[keep], "o-", ms=3, lw=1.4, label=label)
+        if chosen is not None:
+            ax.axvline(epochs[chosen], color="0.5", ls=":", lw=1, label=f"selected: epoch {int(epochs[chosen])}")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{Path(log_csv).stem}: the epoch with the best {best} is kept", fontsize=11)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return Path(out)

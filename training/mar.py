@@ -30,6 +30,7 @@ from masc_gadget.models.unet import build_mar
 from masc_gadget.acquisition.policies import make_policy, run_episode
 from training.run import TrainingRun, seeded
 from training.distributed import Dist, setup, shard
+from training.csvlog import plot_epochs
 from training.data import SliceSet, data_dirs, load_split
 
 log = logging.getLogger(__name__)
@@ -275,4 +276,15 @@ def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str
                      " *best*" if improved else "")
     bar.close()
     run.finish({"mar": model}, metadata(tcfg.epochs, run.best))  # e.g. resumed a finished run into a new path
+    if dist.main and run.csv.exists():
+        figure = plot_epochs(run.csv, run.out.with_suffix(".png"), MAR_PANELS, "val_loss", higher_is_better=False)
+        log.info("learning curve: %s", figure)
     return run.best
+
+
+MAR_PANELS = (
+    ("loss: L1 + lambda (1 - SSIM)", (("train_loss", "training"), ("val_loss", "validation"))),
+    ("validation SSIM", (("val_ssim", "MAR output"), ("val_input_ssim", "its input"))),
+    ("do no harm: clean, fully sampled in", (("val_identity_ssim", "SSIM of the output"),)),
+)
+"""The panels of ``masc train mar``'s learning curve (``<out>.png``)."""

@@ -29,6 +29,7 @@ def test_pretraining_lowers_validation_loss(tiny_dataset, tmp_path, global_rng_g
     model, meta = load_mar(out, torch.device("cpu"))
     assert meta["kind"] == "mar" and meta["mar_model"]["width"] == 4 and meta["epoch"] == best["epoch"]
     assert meta["val"]["loss"] == pytest.approx(best["loss"])
+    assert out.with_suffix(".png").stat().st_size > 10_000  # the learning curve, selected epoch marked
 
 
 def test_resume_continues_where_it_stopped(tiny_dataset, tmp_path):
