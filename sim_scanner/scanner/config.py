@@ -15,6 +15,8 @@ IMAGE_FROM_GADGET = "gadget"
 IMAGE_ZERO_FILLED = "scanner zero-filled"
 REPORT_FILE = "report.json"
 IMAGES_FILE = "images.h5"
+FIGURE_FILE = "scan.png"
+"""The first subject's lines and images, drawn (:mod:`sim_scanner.scanner.figure`)."""
 
 SOURCE_INITIAL, SOURCE_GADGET, SOURCE_FALLBACK = "initial", "gadget", "fallback"
 """Where each acquired line came from (``SliceReport.sources``)."""

@@ -81,6 +81,7 @@ from sim_scanner.dataset.layout import (
 from sim_scanner.scanner.config import (
     IMAGE_FROM_GADGET,
     IMAGE_ZERO_FILLED,
+    FIGURE_FILE,
     IMAGES_FILE,
     REASON_DISCONNECTED,
     REASON_INVALID,
@@ -303,13 +304,15 @@ def scan_subject(
     images_path: str | os.PathLike | None = None,
     require_gadget: bool = True,
     on_slice_done: Callable[[int], None] | None = None,
+    figure: str | os.PathLike | None = None,
 ) -> SubjectReport:
     """Scan one subject file against the gadget of ``scfg`` (see the module docstring).
 
     images_path: ISMRMRD file to append this subject's images to (group ``subject_id``);
     require_gadget: raise ConnectionError when the gadget cannot be reached (else scan on the
     fallback order and record ``connection = "unreachable"``); on_slice_done(slice) is called
-    when a slice has all its lines (progress bars).
+    when a slice has all its lines (progress bars); figure: where to draw the subject's lines
+    and images (:func:`~sim_scanner.scanner.figure.plot_scan_subject`), or None.
     """
     started = time.perf_counter()
     config_xml = read_config_xml(scfg)
@@ -371,12 +374,17 @@ def scan_subject(
 
     images = run.link.images if run.link is not None else []
     by_slice = _collect_images(report, images, run.board, n_slices)
-    zero_filled_written = _score_slices(
+    zero_filled_written, served = _score_slices(
         report, run.states, by_slice, run.acquired, run.episodes.mask, data.clean[:n_slices]
     )
     report.duration_s = time.perf_counter() - started
     if images_path is not None:
         _write_images(images_path, subject_id, data.header_xml, by_slice, zero_filled_written)
+    if figure is not None:
+        from sim_scanner.scanner.figure import plot_scan_subject
+
+        log.info("figure of %s's slices: %s", subject_id, plot_scan_subject(report, served, data.clean[:n_slices],
+                                                                             figure))
     _log_subject(report, scfg)
     return report
 
@@ -482,10 +490,11 @@ def _score_slices(
     acquired: np.ndarray,
     masks: torch.Tensor,
     targets: np.ndarray,
-) -> dict[int, np.ndarray]:
+) -> tuple[dict[int, np.ndarray], np.ndarray]:
     """Score every slice (the gadget's image, else the scanner's zero-filled one) and its
     zero-filled reconstruction against ``targets``; fill the slice reports into ``report`` and
-    sum them. Returns the zero-filled images that stand in for missing ones, by slice."""
+    sum them. Returns the zero-filled images that stand in for missing ones, by slice, and the
+    (slice, H, W) images scored."""
     zf_images = served_images(coil_combine(torch.from_numpy(acquired), masks, "rss")).zero_filled.numpy()
     shape = tuple(targets.shape[1:])
     preds, zero_filled_written = _pick_images(states, by_slice, zf_images, shape, report.gadget_errors)
@@ -502,7 +511,7 @@ def _score_slices(
         report.fallbacks += rep.fallbacks
         report.misses += rep.misses
         report.invalid += rep.invalid
-    return zero_filled_written
+    return zero_filled_written, preds
 
 
 def _pick_images(
@@ -585,8 +594,8 @@ def run_scan(
     scanner: ScannerConfig | None = None,
     progress: bool = True,
 ) -> ScanReport:
-    """Scan every subject of ``split`` in dataset ``data_dir``; write ``out_dir/report.json``
-    and ``out_dir/images.h5``.
+    """Scan every subject of ``split`` in dataset ``data_dir``; write ``out_dir/report.json``,
+    ``out_dir/images.h5`` and the first subject's figure ``out_dir/scan.png``.
 
     config: sections ``scanner`` (or pass ``scanner``) and ``acquisition``. The first subject
     raises ConnectionError when the gadget cannot be reached; later subjects are scanned on the
@@ -637,6 +646,7 @@ def run_scan(
                     images_path=images_path,
                     require_gadget=i == 0,
                     on_slice_done=lambda _s: bar.update(),
+                    figure=out / FIGURE_FILE if i == 0 else None,
                 )
             )
     finally:

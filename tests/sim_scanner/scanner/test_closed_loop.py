@@ -64,6 +64,7 @@ def test_masc_scan_closed_loop_equals_offline(tiny_dataset, tmp_path, interleave
             # the returned image is the zero-filled image of these lines (MAR off)
             assert sl.metrics["ssim"] == pytest.approx(sl.zero_filled_metrics["ssim"], abs=1e-5)
     assert (tmp_path / "scan" / "report.json").is_file() and (tmp_path / "scan" / "images.h5").is_file()
+    assert (tmp_path / "scan" / "scan.png").stat().st_size > 10_000  # the first subject's lines and images
 
 
 def test_killing_the_server_mid_scan_completes_on_fallback(tiny_dataset, tmp_path):

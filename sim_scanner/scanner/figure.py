@@ -1,0 +1,63 @@
+"""``masc scan``'s figure (``scan.png``): for each slice of the first subject, the lines
+acquired and where each came from, the image served, the ground truth and the error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from sim_scanner.scanner.report import SubjectReport
+
+SOURCE_COLOURS = {"initial": (0.6, 0.6, 0.6), "gadget": (0.2, 0.7, 0.3), "fallback": (0.85, 0.2, 0.2)}
+"""The colour of a line in the mask panel, by where the line came from."""
+
+ERROR_RANGE = 0.3
+"""The error maps' shared colour scale, in units of the clean image's maximum."""
+
+
+def plot_scan_subject(report: SubjectReport, served: np.ndarray, targets: np.ndarray, out: str | Path,
+                      max_slices: int = 8) -> Path:
+    """Write the figure of one scanned subject to ``out``: one row per slice (at most
+    ``max_slices``): its acquired lines coloured by source, the served image, the clean ground
+    truth and ``|served - truth|`` on one colour scale with a colourbar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    slices = sorted(report.slices, key=lambda r: r.slice)[:max_slices]
+    fig, axes = plt.subplots(len(slices), 4, figsize=(10.5, 2.4 * len(slices) + 0.8), squeeze=False,
+                             constrained_layout=True)
+    error = None
+    for row, rep in zip(axes, slices):
+        s = rep.slice
+        scale = float(targets[s].max()) or 1.0
+        mask = np.ones((report.n_pe, 3))
+        for line, source in zip(rep.lines, rep.sources):
+            if 0 <= line < report.n_pe:
+                mask[line] = SOURCE_COLOURS.get(source, (0.0, 0.0, 0.0))
+        row[0].imshow(np.repeat(mask[:, None, :], 24, axis=1), aspect="auto", interpolation="nearest")
+        row[0].set_ylabel(f"slice {s}", fontsize=9)
+        row[0].set_title(f"{len(rep.lines)} lines: {rep.from_gadget} from the gadget, {rep.fallbacks} fallback",
+                         fontsize=8)
+        row[1].imshow(served[s] / scale, cmap="gray", vmin=0, vmax=1)
+        ssim = rep.metrics.get("ssim", float("nan"))
+        row[1].set_title(f"served ({rep.image_source or 'none'}), SSIM {ssim:.3f}", fontsize=8)
+        row[2].imshow(targets[s] / scale, cmap="gray", vmin=0, vmax=1)
+        row[2].set_title("ground truth (clean, every line)", fontsize=8)
+        error = row[3].imshow(np.abs(served[s] - targets[s]) / scale, cmap="magma", vmin=0, vmax=ERROR_RANGE)
+        row[3].set_title("|served - truth|", fontsize=8)
+        for ax in row:
+            ax.set_xticks([])
+            ax.set_yticks([])
+    if error is not None:
+        bar = fig.colorbar(error, ax=axes[:, 3].tolist(), shrink=0.6)
+        bar.set_label("|error| / max of the clean image", fontsize=8)
+    fig.legend(handles=[Patch(color=c, label=k) for k, c in SOURCE_COLOURS.items()], loc="outside lower center",
+               ncol=3, fontsize=8, title="lines (phase encoding, top to bottom)", title_fontsize=8)
+    fig.suptitle(f"masc scan: subject {report.subject}", fontsize=11)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return Path(out)
