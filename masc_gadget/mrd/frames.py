@@ -44,26 +44,26 @@ MESSAGE_NAMES: dict[int, str] = {
 CONFIG_FILE_BYTES = 1024
 """Fixed size of the config file name field (id 1), NUL padded."""
 
-_MESSAGE_ID = struct.Struct("<H")
-_UINT32 = struct.Struct("<I")
-_UINT64 = struct.Struct("<Q")
+MESSAGE_ID = struct.Struct("<H")
+UINT32 = struct.Struct("<I")
+UINT64 = struct.Struct("<Q")
 
-_TEXT_LENGTH = {  # length prefix of each text message
-    ID_CONFIG_TEXT: _UINT32,
-    ID_HEADER: _UINT32,
-    ID_TEXT: _UINT32,
-    ID_ERROR: _UINT64,
+TEXT_LENGTH = {  # length prefix of each text message
+    ID_CONFIG_TEXT: UINT32,
+    ID_HEADER: UINT32,
+    ID_TEXT: UINT32,
+    ID_ERROR: UINT64,
 }
 
-_ACQUISITION_HEADER_BYTES = ctypes.sizeof(ismrmrd.AcquisitionHeader)  # 340
-_IMAGE_HEADER_BYTES = ctypes.sizeof(ismrmrd.ImageHeader)  # 198
-_WAVEFORM_HEADER_BYTES = ctypes.sizeof(ismrmrd.WaveformHeader)  # 40
+ACQUISITION_HEADER_BYTES = ctypes.sizeof(ismrmrd.AcquisitionHeader)  # 340
+IMAGE_HEADER_BYTES = ctypes.sizeof(ismrmrd.ImageHeader)  # 198
+WAVEFORM_HEADER_BYTES = ctypes.sizeof(ismrmrd.WaveformHeader)  # 40
 
-_TRAJECTORY_DTYPE = np.dtype("<f4")
-_SAMPLE_DTYPE = np.dtype("<c8")
-_WAVEFORM_DTYPE = np.dtype("<u4")
+TRAJECTORY_DTYPE = np.dtype("<f4")
+SAMPLE_DTYPE = np.dtype("<c8")
+WAVEFORM_DTYPE = np.dtype("<u4")
 
-_IMAGE_WIRE_DTYPES: dict[int, np.dtype] = {  # ISMRMRD_DataTypes, as the C/C++ library defines them
+IMAGE_WIRE_DTYPES: dict[int, np.dtype] = {  # ISMRMRD_DataTypes, as the C/C++ library defines them
     ismrmrd.DATATYPE_USHORT: np.dtype("<u2"),
     ismrmrd.DATATYPE_SHORT: np.dtype("<i2"),
     ismrmrd.DATATYPE_UINT: np.dtype("<u4"),
@@ -172,14 +172,14 @@ def frame_config_file(name: str) -> bytes:
         )
     if b"\x00" in data:
         raise ProtocolError("config file: name contains a NUL byte")
-    return _MESSAGE_ID.pack(ID_CONFIG_FILE) + data.ljust(CONFIG_FILE_BYTES, b"\x00")
+    return MESSAGE_ID.pack(ID_CONFIG_FILE) + data.ljust(CONFIG_FILE_BYTES, b"\x00")
 
 
 def _frame_text(message_id: int, text: str | bytes, nul_terminate: bool) -> bytes:
     data = _encode(text, MESSAGE_NAMES[message_id])
     if nul_terminate:
         data += b"\x00"
-    return _MESSAGE_ID.pack(message_id) + _TEXT_LENGTH[message_id].pack(len(data)) + data
+    return MESSAGE_ID.pack(message_id) + TEXT_LENGTH[message_id].pack(len(data)) + data
 
 
 def frame_config_text(text: str | bytes, nul_terminate: bool = False) -> bytes:
@@ -207,7 +207,7 @@ def frame_error(text: str | bytes) -> bytes:
 
 def frame_close() -> bytes:
     """Id 4: end of stream."""
-    return _MESSAGE_ID.pack(ID_CLOSE)
+    return MESSAGE_ID.pack(ID_CLOSE)
 
 
 def _serialize(obj) -> bytes:
@@ -225,11 +225,11 @@ def frame_acquisition(acq: ismrmrd.Acquisition) -> bytes:
     body = _serialize(acq)
     samples, channels, dims = acq.number_of_samples, acq.active_channels, acq.trajectory_dimensions
     expected = (
-        _ACQUISITION_HEADER_BYTES
-        + samples * dims * _TRAJECTORY_DTYPE.itemsize
-        + samples * channels * _SAMPLE_DTYPE.itemsize
+        ACQUISITION_HEADER_BYTES
+        + samples * dims * TRAJECTORY_DTYPE.itemsize
+        + samples * channels * SAMPLE_DTYPE.itemsize
     )
-    dtypes_ok = acq.data.dtype == _SAMPLE_DTYPE and acq.traj.dtype == _TRAJECTORY_DTYPE
+    dtypes_ok = acq.data.dtype == SAMPLE_DTYPE and acq.traj.dtype == TRAJECTORY_DTYPE
     if len(body) != expected or not dtypes_ok:
         raise ProtocolError(
             f"acquisition: serialises to {len(body)} bytes but the header "
@@ -238,7 +238,7 @@ def frame_acquisition(acq: ismrmrd.Acquisition) -> bytes:
             f"{acq.data.shape}), trajectory float32 {(samples, dims)} (is {acq.traj.dtype} "
             f"{acq.traj.shape})"
         )
-    return _MESSAGE_ID.pack(ID_ACQUISITION) + body
+    return MESSAGE_ID.pack(ID_ACQUISITION) + body
 
 
 def frame_image(image: ismrmrd.Image) -> bytes:
@@ -253,7 +253,7 @@ def frame_image(image: ismrmrd.Image) -> bytes:
     # compares equal to the copy the peer reads back.
     image._head.attribute_string_len = len(attributes)
     header = image.getHead()
-    wire_dtype = _IMAGE_WIRE_DTYPES.get(header.data_type)
+    wire_dtype = IMAGE_WIRE_DTYPES.get(header.data_type)
     if wire_dtype is None:
         raise ProtocolError(f"image: data_type {header.data_type} is not an ISMRMRD data type")
     data = image.data
@@ -278,9 +278,9 @@ def frame_image(image: ismrmrd.Image) -> bytes:
     pixels = np.ascontiguousarray(data, dtype=wire_dtype).tobytes()
     return b"".join(
         (
-            _MESSAGE_ID.pack(ID_IMAGE),
+            MESSAGE_ID.pack(ID_IMAGE),
             bytes(header),
-            _UINT64.pack(len(attributes)),
+            UINT64.pack(len(attributes)),
             attributes,
             pixels,
         )
@@ -291,13 +291,13 @@ def frame_waveform(waveform: ismrmrd.Waveform) -> bytes:
     """Id 1026: header and uint32 data [channels, samples]; as ``writers.write_waveform``."""
     body = _serialize(waveform)
     samples, channels = waveform.number_of_samples, waveform.channels
-    expected = _WAVEFORM_HEADER_BYTES + samples * channels * _WAVEFORM_DTYPE.itemsize
-    if len(body) != expected or waveform.data.dtype != _WAVEFORM_DTYPE:
+    expected = WAVEFORM_HEADER_BYTES + samples * channels * WAVEFORM_DTYPE.itemsize
+    if len(body) != expected or waveform.data.dtype != WAVEFORM_DTYPE:
         raise ProtocolError(
             f"waveform: serialises to {len(body)} bytes but the header ({samples} samples, "
             f"{channels} channels) implies {expected}; data must be uint32 {(channels, samples)}"
         )
-    return _MESSAGE_ID.pack(ID_WAVEFORM) + body
+    return MESSAGE_ID.pack(ID_WAVEFORM) + body
 
 
 class Feedback(NamedTuple):
@@ -314,8 +314,8 @@ def frame_feedback(feedback: Feedback) -> bytes:
     """Id 1028: :class:`Feedback` as uint32 + name, uint32 + data."""
     name = _encode(feedback.name, "feedback name")
     data = bytes(feedback.data)
-    return (_MESSAGE_ID.pack(ID_FEEDBACK) + _UINT32.pack(len(name)) + name
-            + _UINT32.pack(len(data)) + data)
+    return (MESSAGE_ID.pack(ID_FEEDBACK) + UINT32.pack(len(name)) + name
+            + UINT32.pack(len(data)) + data)
 
 
 _FRAMERS: dict[int, Callable[[object], bytes]] = {

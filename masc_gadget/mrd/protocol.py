@@ -46,58 +46,51 @@ import ismrmrd
 import numpy as np
 
 from masc_gadget.mrd import tcp
-from masc_gadget.mrd.frames import (  # noqa: F401  (the wire's names, re-exported)
-    _UINT32,
-    frame_feedback,
-    ID_FEEDBACK,
-    Feedback,
+from masc_gadget.mrd.frames import (
+    ACQUISITION_HEADER_BYTES,
+    IMAGE_HEADER_BYTES,
+    IMAGE_WIRE_DTYPES,
+    MESSAGE_ID,
+    SAMPLE_DTYPE,
+    TEXT_LENGTH,
+    TRAJECTORY_DTYPE,
+    UINT32,
+    UINT64,
+    WAVEFORM_DTYPE,
+    WAVEFORM_HEADER_BYTES,
     CONFIG_FILE_BYTES,
     ConnectionClosed,
-    ID_ACQUISITION,
-    ID_CLOSE,
-    ID_CONFIG_FILE,
-    ID_CONFIG_TEXT,
-    ID_ERROR,
-    ID_HEADER,
-    ID_IMAGE,
-    ID_TEXT,
-    ID_WAVEFORM,
-    Limits,
-    MESSAGE_NAMES,
-    Message,
-    ProtocolError,
-    ReadTimeout,
-    _ACQUISITION_HEADER_BYTES,
-    _IMAGE_HEADER_BYTES,
-    _IMAGE_WIRE_DTYPES,
-    _MESSAGE_ID,
-    _SAMPLE_DTYPE,
-    _TEXT_LENGTH,
-    _TRAJECTORY_DTYPE,
-    _UINT64,
-    _WAVEFORM_DTYPE,
-    _WAVEFORM_HEADER_BYTES,
     decode_text,
+    Feedback,
     frame_acquisition,
     frame_close,
     frame_config_file,
     frame_config_text,
     frame_error,
+    frame_feedback,
     frame_header,
     frame_image,
     frame_message,
     frame_text,
     frame_waveform,
+    ID_ACQUISITION,
+    ID_CLOSE,
+    ID_CONFIG_FILE,
+    ID_CONFIG_TEXT,
+    ID_ERROR,
+    ID_FEEDBACK,
+    ID_HEADER,
+    ID_IMAGE,
+    ID_TEXT,
+    ID_WAVEFORM,
+    Limits,
+    Message,
+    MESSAGE_NAMES,
+    ProtocolError,
+    ReadTimeout,
 )
 
-__all__ = [
-    "ID_CONFIG_FILE", "ID_CONFIG_TEXT", "ID_HEADER", "ID_CLOSE", "ID_TEXT", "ID_ERROR",
-    "ID_ACQUISITION", "ID_IMAGE", "ID_WAVEFORM", "MESSAGE_NAMES", "CONFIG_FILE_BYTES", "Limits",
-    "ProtocolError", "ConnectionClosed", "ReadTimeout", "Message", "MrdStream", "frame_config_file",
-    "frame_config_text", "frame_header", "frame_text", "frame_error", "frame_close",
-    "frame_acquisition", "frame_image", "frame_waveform", "frame_message", "decode_text",
-    "ID_FEEDBACK", "Feedback", "frame_feedback",
-]
+__all__ = ["EAGER_BYTES", "MrdStream"]
 
 # --------------------------------------------------------------------------------------------
 # The stream
@@ -201,8 +194,8 @@ class MrdStream:
         """One message (read lock held); a mid-frame failure leaves the stream out of step."""
         self._in_frame = False
         try:
-            raw = self._recv_exact(_MESSAGE_ID.size, "message id", at_boundary=True)
-            message_id = _MESSAGE_ID.unpack(raw)[0]
+            raw = self._recv_exact(MESSAGE_ID.size, "message id", at_boundary=True)
+            message_id = MESSAGE_ID.unpack(raw)[0]
             reader = self._readers.get(message_id)
             if reader is None:  # its length is unknown: the stream cannot be resynchronised
                 raise ProtocolError(f"unknown message id {message_id}")
@@ -284,7 +277,7 @@ class MrdStream:
 
     def _read_text(self, message_id: int) -> str:
         name = MESSAGE_NAMES[message_id]
-        length_format = _TEXT_LENGTH[message_id]
+        length_format = TEXT_LENGTH[message_id]
         length = length_format.unpack(self._recv_exact(length_format.size, f"{name} length"))[0]
         self._check(f"{name}: length", length, self.limits.max_text_bytes)
         raw = self._recv_exact(length, name)
@@ -299,12 +292,12 @@ class MrdStream:
 
     def _read_blob(self, what: str, limit: int) -> bytearray:
         """``uint32`` length (at most ``limit``) + that many bytes, inside a frame."""
-        length = _UINT32.unpack(self._recv_exact(_UINT32.size, f"{what} length"))[0]
+        length = UINT32.unpack(self._recv_exact(UINT32.size, f"{what} length"))[0]
         self._check(f"{what}: length", length, limit)
         return self._recv_exact(length, what)
 
     def _read_acquisition(self) -> ismrmrd.Acquisition:
-        head = self._recv_exact(_ACQUISITION_HEADER_BYTES, "acquisition header")
+        head = self._recv_exact(ACQUISITION_HEADER_BYTES, "acquisition header")
         header = ismrmrd.AcquisitionHeader.from_buffer_copy(head)
         limits = self.limits
         samples, channels = header.number_of_samples, header.active_channels
@@ -314,19 +307,19 @@ class MrdStream:
         self._check(
             "acquisition: trajectory_dimensions", dims, limits.max_trajectory_dimensions
         )
-        size = samples * (dims * _TRAJECTORY_DTYPE.itemsize + channels * _SAMPLE_DTYPE.itemsize)
+        size = samples * (dims * TRAJECTORY_DTYPE.itemsize + channels * SAMPLE_DTYPE.itemsize)
         body = self._recv_exact(size, "acquisition data")
         self._frame_done()
         return ismrmrd.Acquisition.deserialize_from(io.BytesIO(head + body).read)
 
     def _read_image(self) -> ismrmrd.Image:
-        head = self._recv_exact(_IMAGE_HEADER_BYTES, "image header")
+        head = self._recv_exact(IMAGE_HEADER_BYTES, "image header")
         header = ismrmrd.ImageHeader.from_buffer_copy(head)
-        wire_dtype = _IMAGE_WIRE_DTYPES.get(header.data_type)
+        wire_dtype = IMAGE_WIRE_DTYPES.get(header.data_type)
         if wire_dtype is None:
             raise ProtocolError(
                 f"image: data_type {header.data_type} is not an ISMRMRD data type "
-                f"(known: {sorted(_IMAGE_WIRE_DTYPES)})"
+                f"(known: {sorted(IMAGE_WIRE_DTYPES)})"
             )
         x, y, z = header.matrix_size
         channels = header.channels
@@ -336,7 +329,7 @@ class MrdStream:
                 f"image: data size {x}x{y}x{z} x {channels} channels x {wire_dtype.itemsize} "
                 f"bytes = {size} bytes exceeds the limit {self.limits.max_image_bytes}"
             )
-        length = _UINT64.unpack(self._recv_exact(_UINT64.size, "image attribute length"))[0]
+        length = UINT64.unpack(self._recv_exact(UINT64.size, "image attribute length"))[0]
         self._check("image: attribute length", length, self.limits.max_text_bytes)
         attributes = self._recv_exact(length, "image attributes")
         pixels = self._recv_exact(size, "image data")
@@ -352,7 +345,7 @@ class MrdStream:
         return image
 
     def _read_waveform(self) -> ismrmrd.Waveform:
-        head = self._recv_exact(_WAVEFORM_HEADER_BYTES, "waveform header")
+        head = self._recv_exact(WAVEFORM_HEADER_BYTES, "waveform header")
         header = ismrmrd.WaveformHeader.from_buffer_copy(head)
         samples, channels = header.number_of_samples, header.channels
         if samples * channels > self.limits.max_waveform_samples:
@@ -360,10 +353,10 @@ class MrdStream:
                 f"waveform: number_of_samples {samples} x channels {channels} = "
                 f"{samples * channels} exceeds the limit {self.limits.max_waveform_samples}"
             )
-        data = self._recv_exact(samples * channels * _WAVEFORM_DTYPE.itemsize, "waveform data")
+        data = self._recv_exact(samples * channels * WAVEFORM_DTYPE.itemsize, "waveform data")
         self._frame_done()
         waveform = ismrmrd.Waveform(head)
-        waveform.data.ravel()[:] = np.frombuffer(data, dtype=_WAVEFORM_DTYPE)
+        waveform.data.ravel()[:] = np.frombuffer(data, dtype=WAVEFORM_DTYPE)
         return waveform
 
     # ---------------------------------------------------------------------------- sending

@@ -28,21 +28,9 @@ from typing import Any, Callable, Iterator
 from masc_gadget.config import ConfigError
 from masc_gadget.mrd.frames import Limits, frame_error
 from masc_gadget.mrd.header import encoding_geometry, parse_header, slice_limit
-from masc_gadget.mrd.protocol import (
-    ID_ACQUISITION,
-    ID_CLOSE,
-    ID_CONFIG_FILE,
-    ID_CONFIG_TEXT,
-    ID_HEADER,
-    ID_TEXT,
-    ID_WAVEFORM,
-    ConnectionClosed,
-    Feedback,
-    MrdStream,
-    ProtocolError,
-    ReadTimeout,
-    frame_close,
-)
+from masc_gadget.mrd.frames import (ID_ACQUISITION, ID_CLOSE, ID_CONFIG_FILE, ID_CONFIG_TEXT, ID_HEADER, ID_TEXT,
+                                    ID_WAVEFORM, frame_close, ConnectionClosed, Feedback, ProtocolError, ReadTimeout)
+from masc_gadget.mrd.protocol import MrdStream
 from masc_gadget.serving.stages import process
 from masc_gadget.serving.host import ClientError, Host, ServerConfig, clip
 from masc_gadget.serving.settings import GadgetSettings, parameters_json, settings_from_xml

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from masc_gadget.config import Config, ConfigError
-from masc_gadget.mrd.protocol import frame_close, frame_error, frame_text
+from masc_gadget.mrd.frames import frame_close, frame_error, frame_text
 from masc_gadget.serving.connection import Connection
 from masc_gadget.serving.host import Host, ServerConfig, is_loopback, peer_allowed
 from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache, warm_up

@@ -8,7 +8,8 @@ import pytest
 
 from masc_gadget.acquisition.decision import Decision
 from masc_gadget.mrd.feedback import FIRE_NAME, decision_from_fire, fire_feedback
-from masc_gadget.mrd.protocol import ID_FEEDBACK, Feedback, Limits, MrdStream, ProtocolError, frame_feedback
+from masc_gadget.mrd.frames import ID_FEEDBACK, frame_feedback, Feedback, Limits, ProtocolError
+from masc_gadget.mrd.protocol import MrdStream
 
 
 def test_feedback_frame_layout_and_round_trip():

@@ -12,9 +12,9 @@ import pytest
 
 from masc_gadget.config import quote
 from masc_gadget.mrd.header import MAX_XML_DEPTH, parse_header, parse_xml, slice_limit
-from masc_gadget.mrd.protocol import (
-    ID_CLOSE, ID_TEXT, ConnectionClosed, Message, MrdStream, ProtocolError, ReadTimeout, frame_close, frame_text,
-)
+from masc_gadget.mrd.frames import (ID_CLOSE, ID_TEXT, frame_close, frame_text, ConnectionClosed, Message,
+                                    ProtocolError, ReadTimeout)
+from masc_gadget.mrd.protocol import MrdStream
 
 from tests.masc_gadget.mrd.test_protocol import HEADER_XML
 

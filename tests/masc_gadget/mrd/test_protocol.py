@@ -20,34 +20,12 @@ from gadgetron.external import writers as gwriters
 from gadgetron.external.connection import Connection
 
 from masc_gadget.mrd import protocol
-from masc_gadget.mrd.protocol import (
-    ID_ACQUISITION,
-    ID_CLOSE,
-    ID_CONFIG_FILE,
-    ID_CONFIG_TEXT,
-    ID_ERROR,
-    ID_HEADER,
-    ID_IMAGE,
-    ID_TEXT,
-    ID_FEEDBACK,
-    ID_WAVEFORM,
-    MESSAGE_NAMES,
-    ConnectionClosed,
-    Limits,
-    Message,
-    MrdStream,
-    ProtocolError,
-    decode_text,
-    frame_acquisition,
-    frame_close,
-    frame_config_file,
-    frame_config_text,
-    frame_error,
-    frame_header,
-    frame_image,
-    frame_text,
-    frame_waveform,
-)
+from masc_gadget.mrd.frames import (ID_ACQUISITION, ID_CLOSE, ID_CONFIG_FILE, ID_CONFIG_TEXT, ID_ERROR, ID_FEEDBACK,
+                                    ID_HEADER, ID_IMAGE, ID_TEXT, ID_WAVEFORM, MESSAGE_NAMES, decode_text,
+                                    frame_acquisition, frame_close, frame_config_file, frame_config_text,
+                                    frame_error, frame_header, frame_image, frame_text, frame_waveform,
+                                    ConnectionClosed, Limits, Message, ProtocolError)
+from masc_gadget.mrd.protocol import MrdStream
 
 HEADER_XML = (
     '<?xml version="1.0"?><ismrmrdHeader xmlns="http://www.ismrm.org/ISMRMRD">'

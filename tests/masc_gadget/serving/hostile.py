@@ -11,7 +11,8 @@ import ismrmrd
 import numpy as np
 
 from masc_gadget.config import load_config
-from masc_gadget.mrd.protocol import ID_CLOSE, ID_ERROR, ID_IMAGE, ID_TEXT, ConnectionClosed, MrdStream
+from masc_gadget.mrd.frames import ID_CLOSE, ID_ERROR, ID_IMAGE, ID_TEXT, ConnectionClosed
+from masc_gadget.mrd.protocol import MrdStream
 from masc_gadget.serving.models import ModelCache
 from masc_gadget.serving.server import MascServer
 

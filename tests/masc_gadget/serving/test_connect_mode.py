@@ -11,7 +11,8 @@ import pytest
 
 from masc_gadget.acquisition.policies import make_policy, run_episode
 from masc_gadget.mrd.feedback import decision_from_acquisition
-from masc_gadget.mrd.protocol import ID_ACQUISITION, ID_CLOSE, ID_IMAGE, ConnectionClosed, MrdStream
+from masc_gadget.mrd.frames import ID_ACQUISITION, ID_CLOSE, ID_IMAGE, ConnectionClosed
+from masc_gadget.mrd.protocol import MrdStream
 from masc_gadget.config import load_config
 from masc_gadget.serving import gadget, server
 from masc_gadget.serving.connection import Connection

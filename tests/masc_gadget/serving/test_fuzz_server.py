@@ -15,10 +15,8 @@ import socket
 import numpy as np
 import pytest
 
-from masc_gadget.mrd.protocol import (
-    ID_CLOSE, frame_acquisition, frame_close, frame_config_file, frame_config_text, frame_header,
-    frame_text,
-)
+from masc_gadget.mrd.frames import (ID_CLOSE, frame_acquisition, frame_close, frame_config_file, frame_config_text,
+                                    frame_header, frame_text)
 from masc_gadget.serving.host import MAX_ERROR_CHARS
 
 from tests.masc_gadget.serving.hostile import LINES, assert_serves, connect, drain, header_xml, line, running_server

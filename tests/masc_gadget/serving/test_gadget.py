@@ -17,7 +17,8 @@ from masc_gadget.mrd.feedback import decision_from_acquisition, is_feedback
 from masc_gadget.serving.gadget import GadgetSettings, masc, settings_from_json, settings_from_xml
 from masc_gadget.core.kspace import zero_filled
 from masc_gadget.acquisition.policies import make_policy, run_episode
-from masc_gadget.mrd.protocol import ID_ACQUISITION, ID_CLOSE, ID_IMAGE, ID_TEXT, ConnectionClosed, MrdStream
+from masc_gadget.mrd.frames import ID_ACQUISITION, ID_CLOSE, ID_IMAGE, ID_TEXT, ConnectionClosed
+from masc_gadget.mrd.protocol import MrdStream
 from masc_gadget.serving.server import MascServer
 from sim_scanner.dataset.layout import read_manifest, subject_path
 

@@ -18,8 +18,8 @@ from masc_gadget.config import ConfigError, load_config
 from masc_gadget.device import resolve_device
 from masc_gadget.mrd.frames import Limits
 from masc_gadget.mrd.header import parse_header
-from masc_gadget.mrd.protocol import (ID_CLOSE, ID_ERROR, ID_IMAGE, ID_TEXT, ConnectionClosed, MrdStream,
-                                      frame_text)
+from masc_gadget.mrd.frames import ID_CLOSE, ID_ERROR, ID_IMAGE, ID_TEXT, frame_text, ConnectionClosed
+from masc_gadget.mrd.protocol import MrdStream
 from masc_gadget.serving.host import Host, MemoryBudget, ServerConfig
 from masc_gadget.serving.server import serve_connect_mode
 from masc_gadget.serving.settings import GadgetSettings, parameters_json, settings_from_xml

@@ -13,7 +13,7 @@ from xml.sax.saxutils import escape as xml_escape
 import numpy as np
 import pytest
 
-from masc_gadget.mrd.protocol import ID_CLOSE, ID_IMAGE, ID_TEXT
+from masc_gadget.mrd.frames import ID_CLOSE, ID_IMAGE, ID_TEXT
 from masc_gadget.serving.server import MascServer
 
 from tests.masc_gadget.serving.hostile import (

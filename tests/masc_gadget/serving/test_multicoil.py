@@ -117,7 +117,8 @@ def test_server_refuses_a_scan_whose_coils_exceed_its_kspace_budget():
     import socket
 
     from masc_gadget.config import load_config
-    from masc_gadget.mrd.protocol import ID_TEXT, ConnectionClosed, MrdStream
+    from masc_gadget.mrd.frames import ID_TEXT, ConnectionClosed
+    from masc_gadget.mrd.protocol import MrdStream
     from masc_gadget.serving.server import MascServer
     from tests.conftest import CONFIGS
 

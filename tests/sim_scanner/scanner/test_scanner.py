@@ -25,14 +25,8 @@ from masc_gadget.cli import common_options
 from masc_gadget.config import ConfigError, from_dict, load_config
 from masc_gadget.acquisition.decision import Decision
 from masc_gadget.mrd.feedback import ZmqFeedback, feedback_acquisition, is_feedback
-from masc_gadget.mrd.protocol import (
-    ID_ACQUISITION,
-    ID_CLOSE,
-    ID_CONFIG_FILE,
-    ID_HEADER,
-    ID_TEXT,
-    MrdStream,
-)
+from masc_gadget.mrd.frames import ID_ACQUISITION, ID_CLOSE, ID_CONFIG_FILE, ID_HEADER, ID_TEXT
+from masc_gadget.mrd.protocol import MrdStream
 from sim_scanner.scanner.config import (
     IMAGE_FROM_GADGET,
     IMAGE_ZERO_FILLED,
@@ -461,7 +455,8 @@ def test_scan_command(config, tiny_dataset, tmp_path, gadgets, capsys):
 def test_config_xml_is_sent_as_the_configuration_script(tmp_path):
     import socket as _socket
 
-    from masc_gadget.mrd.protocol import ID_CONFIG_TEXT, ID_HEADER, ID_TEXT, MrdStream
+    from masc_gadget.mrd.frames import ID_CONFIG_TEXT, ID_HEADER, ID_TEXT
+    from masc_gadget.mrd.protocol import MrdStream
     from sim_scanner.scanner.link import _DecisionBoard, _GadgetLink
     from sim_scanner.scanner.session import read_config_xml
 
