@@ -59,7 +59,7 @@ demo: install
 	    --set eval.population_slices=8 --out $(SCAN)/eval --log-level WARNING
 	@echo "demo done: dataset $(DEMO_DATA), preview $(DEMO_DATA)/preview.png, closed-loop scan reports $(SCAN)/{masc,center-out}/report.json (images in images.h5 beside them), comparison $(SCAN)/eval/{table.md,curves.png,examples.png}"
 
-# The benchmarks behind the README's figures (needs the demo data set; the MaskablePPO comparison
+# The benchmarks behind docs/benchmarks.md's figures (needs the demo data set; the MaskablePPO comparison
 # needs the optional `bench` extra, sb3-contrib). DEVICE=cuda on a GPU machine.
 bench: install
 	@test -d $(DATA) || $(MASC) simulate dataset --config configs/small.yaml --out $(DATA)

@@ -143,7 +143,7 @@ def run_suite(config: Config, data_dir: str | Path, runs: str | Path, out: str |
         for required in (mar, files["masc"]):
             if not required.is_file():
                 raise FileNotFoundError(f"{required} is missing: the suite needs the pre-trained MAR network and MASC "
-                                        f"of every seed (see masc eval --suite's naming in the README)")
+                                        f"of every seed (see masc eval --suite's naming in docs/evaluation.md)")
         learned = [name for name in LEARNED if files[name].is_file()]
         missing = [name for name in LEARNED if name not in learned]
         if missing:
