@@ -51,8 +51,8 @@ import torch
 
 from masc_gadget.acquisition.decision import Decision
 from masc_gadget.acquisition.batcher import DecisionBatcher, DecisionRequest, split_rows
-from masc_gadget.acquisition.episode import AcquisitionState, EpisodeBatch, check_episode, select_trains
-from masc_gadget.acquisition.policies import SamplingPolicy, slice_rng
+from masc_gadget.acquisition.episode import AcquisitionState, EpisodeBatch, check_episode
+from masc_gadget.acquisition.policies import SamplingPolicy, select_next, select_trains, slice_rng
 from masc_gadget.core.coils import COMBINES, coil_combine
 from masc_gadget.core.ood import fallback_rule
 from masc_gadget.core.served import served_images
@@ -269,7 +269,7 @@ class AcquisitionEngine:
         zf, mar = self._reconstruct(kspace, episode.masks, with_mar=self.mar is not None)
         if s.budget > 0:
             images = (mar if self.sees_mar else zf) if self.policy.needs_image else None
-            episode.select(self.policy, images=images)
+            select_next(self.policy, episode, images=images)
         return (time.perf_counter_ns() - start) // 1000
 
     # --- reconstruction ---------------------------------------------------------------------------

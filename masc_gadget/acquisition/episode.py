@@ -16,13 +16,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from masc_gadget.acquisition.policies import SamplingPolicy
 
 
 @dataclass(frozen=True)
@@ -205,54 +202,6 @@ def _as_lines(lines: Any, n: int, name: str) -> np.ndarray:
             f"actions must be ({n},) line indices, one per {name}, got shape {tuple(a.shape)}"
         )
     return a.astype(np.int64, copy=False)
-
-
-def select_lines(
-    policy: SamplingPolicy,
-    states: Sequence[AcquisitionState],
-    rngs: Sequence[np.random.Generator | None],
-) -> np.ndarray:
-    """``policy.select_batch(states, rngs)``, checked: (B,) int64, one free line per state.
-
-    RuntimeError when the policy returns the wrong number of choices or a line that is not free:
-    a broken policy, never bad input.
-    """
-    lines = np.asarray(policy.select_batch(states, rngs))
-    name = policy.name or type(policy).__name__
-    if lines.shape != (len(states),):
-        raise RuntimeError(
-            f"policy {name!r} returned {lines.shape} choices for {len(states)} states"
-        )
-    for state, line in zip(states, lines):
-        if not 0 <= line < state.n_pe or state.mask[line]:
-            raise RuntimeError(
-                f"policy {name!r} chose line {int(line)}, which is not a free line of {state.n_pe}"
-            )
-    return lines.astype(np.int64, copy=False)
-
-
-def select_trains(
-    policy: SamplingPolicy,
-    states: Sequence[AcquisitionState],
-    rngs: Sequence[np.random.Generator | None],
-    k: int,
-) -> np.ndarray:
-    """``policy.select_trains(states, rngs, k)`` (k = 1: :func:`select_lines`), checked: (B, k)
-    int64, distinct free lines per state, -1 only beyond its ``steps_left``. RuntimeError for a
-    broken policy."""
-    if k == 1:
-        return select_lines(policy, states, rngs)[:, None]
-    trains = np.asarray(policy.select_trains(states, rngs, k))
-    name = policy.name or type(policy).__name__
-    if trains.shape != (len(states), k):
-        raise RuntimeError(f"policy {name!r} returned trains of shape {trains.shape} for {len(states)} states, k={k}")
-    for state, train in zip(states, trains):
-        n = min(k, state.steps_left, int((~state.mask).sum()))
-        chosen = train[:n]
-        if (train[n:] != -1).any() or len(set(chosen.tolist())) != n or any(
-                not 0 <= line < state.n_pe or state.mask[line] for line in chosen):
-            raise RuntimeError(f"policy {name!r} chose the train {train.tolist()}, not {n} distinct free lines")
-    return trains.astype(np.int64, copy=False)
 
 
 class EpisodeBatch:
@@ -454,10 +403,3 @@ class EpisodeBatch:
                              image=image, n_initial=self.initial)
             for r, m, image in zip(rows, masks, images)
         ]
-
-    def select(self, policy: SamplingPolicy, rows: Any = None,
-               images: Sequence[np.ndarray] | np.ndarray | None = None) -> np.ndarray:
-        """The policy's next line for episodes ``rows`` (all: None), one batched
-        ``select_batch`` with their own generators: (k,) int64 (:func:`select_lines`)."""
-        rows = self._rows(rows)
-        return select_lines(policy, self.states(rows, images), [self.rngs[r] for r in rows])

@@ -20,6 +20,7 @@ import abc
 import functools
 from collections.abc import Callable, Sequence
 from importlib import metadata
+from typing import Any
 
 import numpy as np
 
@@ -385,6 +386,63 @@ def make_policy(name: str, **kwargs) -> SamplingPolicy:
     return policy
 
 
+def select_lines(
+    policy: SamplingPolicy,
+    states: Sequence[AcquisitionState],
+    rngs: Sequence[np.random.Generator | None],
+) -> np.ndarray:
+    """``policy.select_batch(states, rngs)``, checked: (B,) int64, one free line per state.
+
+    RuntimeError when the policy returns the wrong number of choices or a line that is not free:
+    a broken policy, never bad input.
+    """
+    lines = np.asarray(policy.select_batch(states, rngs))
+    name = policy.name or type(policy).__name__
+    if lines.shape != (len(states),):
+        raise RuntimeError(
+            f"policy {name!r} returned {lines.shape} choices for {len(states)} states"
+        )
+    for state, line in zip(states, lines):
+        if not 0 <= line < state.n_pe or state.mask[line]:
+            raise RuntimeError(
+                f"policy {name!r} chose line {int(line)}, which is not a free line of {state.n_pe}"
+            )
+    return lines.astype(np.int64, copy=False)
+
+
+def select_trains(
+    policy: SamplingPolicy,
+    states: Sequence[AcquisitionState],
+    rngs: Sequence[np.random.Generator | None],
+    k: int,
+) -> np.ndarray:
+    """``policy.select_trains(states, rngs, k)`` (k = 1: :func:`select_lines`), checked: (B, k)
+    int64, distinct free lines per state, -1 only beyond its ``steps_left``. RuntimeError for a
+    broken policy."""
+    if k == 1:
+        return select_lines(policy, states, rngs)[:, None]
+    trains = np.asarray(policy.select_trains(states, rngs, k))
+    name = policy.name or type(policy).__name__
+    if trains.shape != (len(states), k):
+        raise RuntimeError(f"policy {name!r} returned trains of shape {trains.shape} for {len(states)} states, k={k}")
+    for state, train in zip(states, trains):
+        n = min(k, state.steps_left, int((~state.mask).sum()))
+        chosen = train[:n]
+        if (train[n:] != -1).any() or len(set(chosen.tolist())) != n or any(
+                not 0 <= line < state.n_pe or state.mask[line] for line in chosen):
+            raise RuntimeError(f"policy {name!r} chose the train {train.tolist()}, not {n} distinct free lines")
+    return trains.astype(np.int64, copy=False)
+
+
+def select_next(policy: SamplingPolicy, episodes: EpisodeBatch, rows: Any = None,
+                images: Sequence[np.ndarray] | np.ndarray | None = None) -> np.ndarray:
+    """The policy's next line for episodes ``rows`` (all: None) of ``episodes``, one batched
+    ``select_batch`` with their own generators, ``images[i]`` the image of ``rows[i]``: (k,)
+    int64 (:func:`select_lines`)."""
+    index = np.arange(len(episodes)) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
+    return select_lines(policy, episodes.states(index, images), [episodes.rngs[r] for r in index])
+
+
 def run_episode(
     policy: SamplingPolicy,
     n_pe: int,
@@ -426,7 +484,7 @@ def run_episodes(
         images = None
         if policy.needs_image and len(episodes):
             images = image_fn(episodes.masks)
-        episodes.acquire(episodes.select(policy, images=images))
+        episodes.acquire(select_next(policy, episodes, images=images))
     return episodes.chosen()
 
 

@@ -62,7 +62,7 @@ import numpy as np
 import torch
 
 from masc_gadget.acquisition.episode import AcquisitionConfig, EpisodeBatch
-from masc_gadget.acquisition.policies import SamplingPolicy, make_policy, run_episode
+from masc_gadget.acquisition.policies import SamplingPolicy, make_policy, run_episode, select_next
 from masc_gadget.config import Config, to_dict
 from masc_gadget.core.coils import coil_combine
 from masc_gadget.core.metrics import slice_metrics
@@ -426,7 +426,7 @@ def _next_line(
     _record_step(rep, reason, latency, gadget_latency)
     if reason is None:
         return line, SOURCE_GADGET
-    return int(episodes.select(fallback, rows=[s])[0]), SOURCE_FALLBACK
+    return int(select_next(fallback, episodes, rows=[s])[0]), SOURCE_FALLBACK
 
 
 def _record_step(rep: SliceReport, reason: str | None, latency: float | None = None,

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from masc_gadget.acquisition.episode import EpisodeBatch, select_trains
+from masc_gadget.acquisition.episode import EpisodeBatch
 from masc_gadget.models.checkpoint import load_mar
 from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
@@ -24,7 +24,8 @@ from masc_gadget.core.kspace import zero_filled
 from masc_gadget.core.metrics import METRICS, slice_metrics
 from masc_gadget.core.ood import OodCalibration, fallback_rule
 from masc_gadget.core.served import served_images
-from masc_gadget.acquisition.policies import FixedOrder, SamplingPolicy, make_policy, slice_rng
+from masc_gadget.acquisition.policies import (FixedOrder, SamplingPolicy, make_policy, select_next, select_trains,
+                                              slice_rng)
 from training.data import SliceSet, load_split, spread_subset
 from training.oracle import NAME as ORACLE
 from training.oracle import GreedyOracle
@@ -148,7 +149,7 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
             if policy.needs_image and (lines_per_decision == 1 or t % lines_per_decision == 0):
                 seen = images[policy.sees_mar(mar is not None)].cpu().numpy()
             if lines_per_decision == 1:
-                episodes.acquire(episodes.select(policy, images=seen))
+                episodes.acquire(select_next(policy, episodes, images=seen))
                 continue
             if t % lines_per_decision == 0:  # a new train, chosen from the image before it
                 trains = select_trains(policy, episodes.states(images=seen), episodes.rngs, lines_per_decision)

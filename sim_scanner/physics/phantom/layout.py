@@ -10,7 +10,6 @@ import math
 import numpy as np
 
 from sim_scanner.physics.phantom.config import PhantomConfig
-from sim_scanner.physics.phantom.muscles import muscle_groups
 from sim_scanner.physics.phantom.records import Anatomy
 from sim_scanner.physics.phantom.shapes import _smoothstep, _v
 from sim_scanner.physics.phantom.skeleton import (
@@ -52,7 +51,10 @@ class _Layout:
         self._cavity_profile()
         self._organs(anatomy.seed, cfg.bowel_gas_fraction)
         self._vessels()
-        self.groups = muscle_groups(self)
+        self.groups: list = []
+        """The muscle groups, placed from this layout (:func:`~sim_scanner.physics.phantom.
+        muscles.muscle_groups`; the rasteriser sets them, so that the muscle tables depend on
+        the layout and not the other way round)."""
 
     # -- body outline --------------------------------------------------------------------------
     def _body_profile(self) -> None:

@@ -10,6 +10,7 @@ from sim_scanner.physics.phantom.bones import _paint_hip_joint, _paint_pelvis_si
 from sim_scanner.physics.phantom.chunk import _Chunk
 from sim_scanner.physics.phantom.config import PhantomConfig
 from sim_scanner.physics.phantom.layout import _Layout
+from sim_scanner.physics.phantom.muscles import muscle_groups
 from sim_scanner.physics.phantom.records import Anatomy
 from sim_scanner.physics.phantom.soft_tissue import (
     _cavity_mask,
@@ -30,6 +31,7 @@ def rasterize_anatomy(anatomy: Anatomy, grid: Grid, cfg: PhantomConfig,
     every shape is evaluated at the voxel centres turned back, so the turned anatomy is exact.
     """
     lay = _Layout(anatomy, cfg)
+    lay.groups = muscle_groups(lay)
     nz, ny, nx = grid.shape
     out = np.empty(grid.shape, dtype=np.uint8)
     step = max(1, int(cfg.chunk_voxels) // (ny * nx))

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from masc_gadget.acquisition.engine import AcquisitionEngine, EngineSettings
-from masc_gadget.acquisition.episode import AcquisitionConfig, AcquisitionState, select_trains
+from masc_gadget.acquisition.episode import AcquisitionConfig, AcquisitionState
+from masc_gadget.acquisition.policies import select_trains
 from masc_gadget.acquisition.learned import LearnedPolicy
 from masc_gadget.acquisition.policies import make_policy, run_episode
 from masc_gadget.config import load_config

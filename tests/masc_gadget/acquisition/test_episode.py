@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from masc_gadget.acquisition.episode import EpisodeBatch, check_counts, initial_lines, select_lines
+from masc_gadget.acquisition.episode import EpisodeBatch, check_counts, initial_lines
+from masc_gadget.acquisition.policies import select_lines, select_next
 from masc_gadget.acquisition.policies import SamplingPolicy, make_policy, run_episode, slice_rng
 
 N_PE, INITIAL, BUDGET = 16, 2, 4
@@ -86,7 +87,7 @@ def test_select_then_acquire_plays_the_policy_episode(name):
     rngs = [None if policy.deterministic else slice_rng(3, s) for s in range(4)]
     ep = EpisodeBatch(N_PE, INITIAL, BUDGET, 4, rngs=rngs)
     for _ in range(BUDGET):
-        ep.acquire(ep.select(policy))
+        ep.acquire(select_next(policy, ep))
     for s in range(4):
         rng = None if policy.deterministic else slice_rng(3, s)
         assert ep.chosen()[s].tolist() == run_episode(policy, N_PE, INITIAL, BUDGET, rng).tolist()
