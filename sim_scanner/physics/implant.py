@@ -272,7 +272,7 @@ class ImplantParams:
 # ---------------------------------------------------------------------------------------------
 
 
-def _unit(v: Any) -> np.ndarray:
+def unit3(v: Any) -> np.ndarray:
     v = np.asarray(v, dtype=np.float64)
     n = float(np.linalg.norm(v))
     if n == 0:
@@ -297,7 +297,7 @@ def cup_axis_from_angles(inclination_deg: float, anteversion_deg: float, side: s
 
 def cup_angles_from_axis(axis: Any, side: str) -> tuple[float, float]:
     """(radiographic inclination, radiographic anteversion) in degrees of a cup axis (z, y, x)."""
-    a = _unit(axis)
+    a = unit3(axis)
     lateral = _lateral_sign(side) * a[2]
     inclination = math.degrees(math.atan2(lateral, -a[0]))
     anteversion = math.degrees(math.asin(float(np.clip(-a[1], -1.0, 1.0))))
@@ -305,7 +305,7 @@ def cup_angles_from_axis(axis: Any, side: str) -> tuple[float, float]:
 
 
 def _angle_deg(a: np.ndarray, b: np.ndarray) -> float:
-    return math.degrees(math.acos(float(np.clip(np.dot(_unit(a), _unit(b)), -1.0, 1.0))))
+    return math.degrees(math.acos(float(np.clip(np.dot(unit3(a), unit3(b)), -1.0, 1.0))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,7 +345,7 @@ def draw_implant(cfg: ImplantConfig, anatomy: "Anatomy", rng: np.random.Generato
 
     # Stem: head centre -> prosthetic neck -> down the native shaft axis inside the canal.
     points, radii, length, nsa, resection = _draw_stem(cfg, hip, centre, head_r, rng)
-    neck_native = _unit(hip.neck_axis)
+    neck_native = unit3(hip.neck_axis)
 
     chi = cfg.materials_chi_ppm()
     materials = {comp: getattr(cfg, f"{comp}_material") for comp in COMPONENT_NAMES}
@@ -397,8 +397,8 @@ def _draw_stem(
     shaft axis pointing distally). Returns ``(points, radii, length_mm, neck_shaft_angle_deg,
     resection_mm)``, the resection measured from the native head centre along the native neck.
     """
-    shaft = _unit(hip.shaft_axis)
-    neck_native = _unit(hip.neck_axis)
+    shaft = unit3(hip.shaft_axis)
+    neck_native = unit3(hip.neck_axis)
     top = np.asarray(hip.shaft_top_mm, dtype=np.float64)
     nsa_native = _angle_deg(-neck_native, shaft)
     j = cfg.stem_neck_shaft_jitter_deg
@@ -560,7 +560,7 @@ def postop_labels(labels: np.ndarray, components: np.ndarray, params: ImplantPar
     out = labels.copy()
     hip = anatomy.hips[params.side]
     c = np.asarray(hip.head_centre_mm, dtype=np.float64)
-    n = _unit(params.resection_normal)
+    n = unit3(params.resection_normal)
     depth = float(np.dot(np.asarray(params.resection_point_mm) - c, n))
     socket_r = max(hip.acetabulum_radius_mm, hip.head_radius_mm)
     neck_r = hip.head_radius_mm  # generous bound on the neck radius; only femur labels go

@@ -28,7 +28,7 @@ _ZMQ_POLL_MS = 10
 # ------------------------------------------------------------------------------------ decisions
 
 
-class _DecisionBoard:
+class DecisionBoard:
     """Decisions received so far, keyed by (slice, step); waits wake on arrival or closure."""
 
     def __init__(self) -> None:
@@ -76,10 +76,10 @@ class _DecisionBoard:
                 self._cond.wait(remaining)
 
 
-class _ZmqPump:
-    """Reads the ZeroMQ side channel on its own thread into a :class:`_DecisionBoard`."""
+class ZmqPump:
+    """Reads the ZeroMQ side channel on its own thread into a :class:`DecisionBoard`."""
 
-    def __init__(self, address: str, board: _DecisionBoard, errors: list[str]) -> None:
+    def __init__(self, address: str, board: DecisionBoard, errors: list[str]) -> None:
         from masc_gadget.mrd.feedback import ZmqFeedbackReceiver
 
         self.receiver = ZmqFeedbackReceiver(address)
@@ -110,11 +110,11 @@ class _ZmqPump:
 # ----------------------------------------------------------------------------------- connection
 
 
-class _GadgetLink:
+class GadgetLink:
     """One MRD connection to the gadget: sends from the caller, a reader thread for replies."""
 
     def __init__(
-        self, sock: socket.socket, mode: str, board: _DecisionBoard, errors: list[str]
+        self, sock: socket.socket, mode: str, board: DecisionBoard, errors: list[str]
     ) -> None:
         from masc_gadget.mrd.protocol import MrdStream
 
@@ -137,8 +137,8 @@ class _GadgetLink:
 
     @classmethod
     def connect(
-        cls, scfg: ScannerConfig, board: _DecisionBoard, errors: list[str]
-    ) -> _GadgetLink:
+        cls, scfg: ScannerConfig, board: DecisionBoard, errors: list[str]
+    ) -> GadgetLink:
         host, port = scfg.host_port
         try:
             sock = socket.create_connection((host, port), timeout=scfg.connect_timeout_s)

@@ -196,7 +196,7 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
-def _log_subject(report: SubjectReport, scfg: ScannerConfig) -> None:
+def log_subject(report: SubjectReport, scfg: ScannerConfig) -> None:
     latencies = [v for r in report.slices for v in r.latencies_ms if v is not None]
     ssim = [r.metrics.get("ssim", float("nan")) for r in report.slices]
     from_gadget_images = sum(r.image_source == IMAGE_FROM_GADGET for r in report.slices)
@@ -218,7 +218,7 @@ def _log_subject(report: SubjectReport, scfg: ScannerConfig) -> None:
     )
 
 
-def _totals(subjects: list[SubjectReport]) -> ScanTotals:
+def scan_totals(subjects: list[SubjectReport]) -> ScanTotals:
     t = ScanTotals(subjects=len(subjects))
     latencies: list[float] = []
     gadget_latencies: list[float] = []

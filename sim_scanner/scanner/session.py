@@ -93,8 +93,8 @@ from sim_scanner.scanner.config import (
     SOURCE_INITIAL,
     ScannerConfig,
 )
-from sim_scanner.scanner.link import _DecisionBoard, _GadgetLink, _ZmqPump
-from sim_scanner.scanner.report import ScanReport, SliceReport, SubjectReport, _log_subject, _totals
+from sim_scanner.scanner.link import DecisionBoard, GadgetLink, ZmqPump
+from sim_scanner.scanner.report import ScanReport, SliceReport, SubjectReport, log_subject, scan_totals
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def _scores(preds: np.ndarray, targets: np.ndarray) -> dict[str, list[float]]:
 
 
 def gadget_parameters(
-    scfg: ScannerConfig, acq: AcquisitionConfig, pump: _ZmqPump | None = None
+    scfg: ScannerConfig, acq: AcquisitionConfig, pump: ZmqPump | None = None
 ) -> dict[str, Any]:
     """The JSON parameters (text message, id 5) sent after the header.
 
@@ -207,11 +207,11 @@ class _Subject:
     episodes: EpisodeBatch
     """Every line the scanner acquires, initial ones included, whoever chose it."""
     states: list[_SliceState]
-    board: _DecisionBoard
+    board: DecisionBoard
     fallback: SamplingPolicy
     acquired: np.ndarray
     """(n_slices, n_coils, n_pe, n_readout) the k-space the scanner acquired (zero elsewhere)."""
-    link: _GadgetLink | None = None
+    link: GadgetLink | None = None
     start_ticks: int = 0
     timestamp: int = -1
     planned: list[int] | None = None
@@ -325,7 +325,7 @@ def scan_subject(
         data, scfg, acq, report,
         EpisodeBatch(n_pe, acq.initial, acq.budget, n_slices, start=False, name="slice"),
         [_SliceState(SliceReport(s)) for s in range(n_slices)],
-        _DecisionBoard(), make_policy(scfg.fallback), np.zeros_like(data.kspace[:n_slices]),
+        DecisionBoard(), make_policy(scfg.fallback), np.zeros_like(data.kspace[:n_slices]),
     )
     if scfg.order:
         lines = [int(x) for x in run_episode(run.fallback, n_pe, acq.initial, acq.budget)]
@@ -342,10 +342,10 @@ def scan_subject(
         mrd.line_period_ms(data.seq, "interleaved" if scfg.interleave else "sequential")
         / mrd.TIMESTAMP_TICK_MS
     )
-    pump: _ZmqPump | None = None
+    pump: ZmqPump | None = None
     try:
         if scfg.feedback == "zmq":
-            pump = _ZmqPump(scfg.zmq_address, run.board, report.gadget_errors)
+            pump = ZmqPump(scfg.zmq_address, run.board, report.gadget_errors)
         run.link = _connect(scfg, run.board, report, require_gadget)
         if run.link is not None:
             run.link.handshake(scfg.config_name, header_xml, gadget_parameters(scfg, acq, pump),
@@ -385,7 +385,7 @@ def scan_subject(
 
         log.info("figure of %s's slices: %s", subject_id, plot_scan_subject(report, served, data.clean[:n_slices],
                                                                              figure))
-    _log_subject(report, scfg)
+    log_subject(report, scfg)
     return report
 
 
@@ -394,7 +394,7 @@ def _next_line(
     episodes: EpisodeBatch,
     scfg: ScannerConfig,
     fallback: SamplingPolicy,
-    board: _DecisionBoard,
+    board: DecisionBoard,
     connected: bool,
     deadline_s: float,
 ) -> tuple[int, str]:
@@ -446,12 +446,12 @@ def _record_step(rep: SliceReport, reason: str | None, latency: float | None = N
 
 
 def _connect(
-    scfg: ScannerConfig, board: _DecisionBoard, report: SubjectReport, require_gadget: bool
-) -> _GadgetLink | None:
+    scfg: ScannerConfig, board: DecisionBoard, report: SubjectReport, require_gadget: bool
+) -> GadgetLink | None:
     """The connection to the gadget; None (the subject recorded as unreachable) when it cannot
     be reached and ``require_gadget`` is false."""
     try:
-        return _GadgetLink.connect(scfg, board, report.gadget_errors)
+        return GadgetLink.connect(scfg, board, report.gadget_errors)
     except ConnectionError as err:
         if require_gadget:
             raise
@@ -462,7 +462,7 @@ def _connect(
         return None
 
 
-def _finish_link(link: _GadgetLink, report: SubjectReport, scfg: ScannerConfig, n_lines: int) -> None:
+def _finish_link(link: GadgetLink, report: SubjectReport, scfg: ScannerConfig, n_lines: int) -> None:
     """Close the scan on the connection and record how the connection ended."""
     link.finish(scfg.close_timeout_s)
     report.server_closed = link.server_closed
@@ -474,7 +474,7 @@ def _finish_link(link: _GadgetLink, report: SubjectReport, scfg: ScannerConfig, 
 
 
 def _collect_images(
-    report: SubjectReport, images: list[ismrmrd.Image], board: _DecisionBoard, n_slices: int
+    report: SubjectReport, images: list[ismrmrd.Image], board: DecisionBoard, n_slices: int
 ) -> dict[int, ismrmrd.Image]:
     """Record the returned images and late decisions; the first returned image of each slice."""
     report.images_returned = len(images)
@@ -651,7 +651,7 @@ def run_scan(
             )
     finally:
         bar.close()
-    report.totals = _totals(report.subjects)
+    report.totals = scan_totals(report.subjects)
     tmp = out / (REPORT_FILE + ".tmp")
     tmp.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     os.replace(tmp, out / REPORT_FILE)

@@ -15,7 +15,7 @@ from masc_gadget import __version__
 from masc_gadget.device import resolve_device
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
+def percentile_of(values: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile (q in [0, 100]) of a non-empty sequence."""
     ordered = sorted(values)
     pos = (len(ordered) - 1) * q / 100.0
@@ -24,12 +24,12 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def _sync(device: torch.device) -> None:
+def device_sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _steps_per_s(steps: int, seconds: float) -> float:
+def steps_per_s(steps: int, seconds: float) -> float:
     return steps / seconds if seconds > 0 else float("inf")
 
 

@@ -21,9 +21,9 @@ from masc_gadget.core.seeding import isolated_rng
 from masc_gadget.device import resolve_device
 from masc_gadget.models.policy_net import PolicyNet, PolicyNetConfig
 from masc_gadget.models.unet import MarModelConfig, MarNet, build_mar
-from training.bench.common import _steps_per_s, _sync
+from training.bench.common import device_sync, steps_per_s
 from training.bench.names import SB3_HINT, SB3_POLICIES
-from training.bench.sb3 import _time_sb3, sb3_available
+from training.bench.sb3 import time_sb3, sb3_available
 from training.data import SliceSet
 from training.rl.env import BatchedAcquisitionEnv, EnvConfig
 from training.rl.ppo import PPOConfig, make_optimizer, run_ppo
@@ -110,11 +110,11 @@ def _time_batched(env: BatchedAcquisitionEnv, steps: int, warmup: int,
     obs = env.reset()
     for _ in range(warmup):
         obs = env.step(_random_free_lines(obs.mask, generator))[0]
-    _sync(env.device)
+    device_sync(env.device)
     t0 = time.perf_counter()
     for _ in range(steps):
         obs = env.step(_random_free_lines(obs.mask, generator))[0]
-    _sync(env.device)
+    device_sync(env.device)
     return time.perf_counter() - t0
 
 
@@ -133,11 +133,11 @@ def _time_gym(env: Any, steps: int, warmup: int, generator: torch.Generator, see
     for _ in range(warmup):
         one_step()
     device = env.batched.device
-    _sync(device)
+    device_sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
         one_step()
-    _sync(device)
+    device_sync(device)
     return time.perf_counter() - t0
 
 
@@ -213,9 +213,9 @@ def _env_result(data: SliceSet, initial: int, budget: int, n_envs: int, steps: i
                 gym_s: float | None) -> dict[str, Any]:
     """:func:`bench_env`'s result (the keys :data:`ENV_KEYS`) from the three timings."""
     total = n_envs * steps
-    batched_rate = _steps_per_s(total, batched_s)
-    single_rate = _steps_per_s(total, single_s)
-    gym_rate = None if gym_s is None else _steps_per_s(total, gym_s)
+    batched_rate = steps_per_s(total, batched_s)
+    single_rate = steps_per_s(total, single_s)
+    gym_rate = None if gym_s is None else steps_per_s(total, gym_s)
     return {
         "device": str(device),
         "n_envs": n_envs,
@@ -251,10 +251,10 @@ def _time_ours(data: SliceSet, initial: int, budget: int, n_envs: int, total: in
     net = PolicyNet(data.n_pe, *[int(d) for d in data.target.shape[1:]], policy_cfg,
                     generator=torch.Generator().manual_seed(seed)).to(device)
     optimizer = make_optimizer(net, cfg)
-    _sync(device)
+    device_sync(device)
     t0 = time.perf_counter()
     run_ppo(env, net, cfg, optimizer, gen, total // cfg.rollout_steps)
-    _sync(device)
+    device_sync(device)
     return time.perf_counter() - t0, sum(p.numel() for p in net.parameters())
 
 
@@ -310,14 +310,14 @@ def bench_ppo(
     out: dict[str, Any] = dict.fromkeys(PPO_KEYS)
     out.update(device=str(device), n_envs=n_envs, total_steps=total, rollout_steps=cfg.rollout_steps,
                minibatch_size=cfg.minibatch_size, epochs=cfg.epochs, mar_width=_mar_width(mar),
-               ours_s=ours_s, ours_steps_per_s=_steps_per_s(total, ours_s),
+               ours_s=ours_s, ours_steps_per_s=steps_per_s(total, ours_s),
                ours_policy_params=ours_params, sb3_status="skipped: not asked for", sb3_policy=sb3_policy)
     if sb3:
         log.info("sb3-contrib MaskablePPO: 1 Gymnasium env, %d steps", total)
-        sb3_s, sb3_params, version = _time_sb3(data, initial, budget, total, mar, device, env_cfg,
+        sb3_s, sb3_params, version = time_sb3(data, initial, budget, total, mar, device, env_cfg,
                                                cfg, seed, sb3_policy, policy_cfg)
         out.update(sb3_status="ok", sb3_version=version, sb3_s=sb3_s,
-                   sb3_steps_per_s=_steps_per_s(total, sb3_s), sb3_policy_params=sb3_params)
+                   sb3_steps_per_s=steps_per_s(total, sb3_s), sb3_policy_params=sb3_params)
         out["speedup"] = out["ours_steps_per_s"] / out["sb3_steps_per_s"]
     return out
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from masc_gadget.acquisition.episode import AcquisitionConfig
 from masc_gadget.models.policy_net import PolicyNet, PolicyNetConfig
-from training.bench.common import _sync
+from training.bench.common import device_sync
 from training.data import SliceSet
 from training.rl.env import EnvConfig
 from training.rl.ppo import PPOConfig
@@ -61,7 +61,7 @@ def _policy_net_extractor(policy_cfg: PolicyNetConfig, budget: int) -> type:
     return PolicyNetFeatures
 
 
-def _time_sb3(data: SliceSet, initial: int, budget: int, total: int, mar: nn.Module | None,
+def time_sb3(data: SliceSet, initial: int, budget: int, total: int, mar: nn.Module | None,
               device: torch.device, env_cfg: EnvConfig, cfg: PPOConfig, seed: int,
               sb3_policy: str = "mlp", policy_cfg: PolicyNetConfig | None = None
               ) -> tuple[float, int, str]:
@@ -88,10 +88,10 @@ def _time_sb3(data: SliceSet, initial: int, budget: int, total: int, mar: nn.Mod
             target_kl=cfg.target_kl or None, seed=seed, device=device, verbose=0,
         )
         params = sum(p.numel() for p in model.policy.parameters())
-        _sync(device)
+        device_sync(device)
         t0 = time.perf_counter()
         model.learn(total_timesteps=total)
-        _sync(device)
+        device_sync(device)
         elapsed = time.perf_counter() - t0
     env.close()
     return elapsed, params, sb3_contrib.__version__

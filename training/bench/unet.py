@@ -30,7 +30,7 @@ import torch
 from masc_gadget.core.seeding import isolated_rng
 from masc_gadget.device import resolve_device
 from masc_gadget.models.unet import MarNet
-from training.bench.common import _percentile, _sync
+from training.bench.common import percentile_of, device_sync
 from training.bench.names import VARIANTS
 
 log = logging.getLogger("masc.bench")
@@ -247,21 +247,21 @@ def _time_variant(variant: str, base: MarNet, models: dict[str, torch.nn.Module]
         for i in range(warmup + repeats):
             if i == warmup and device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            _sync(device)
+            device_sync(device)
             t0 = time.perf_counter()
             out = model(x)
-            _sync(device)
+            device_sync(device)
             elapsed = time.perf_counter() - t0
             if i == 0:
                 first_call_s = elapsed
             if i >= warmup:
                 times.append(elapsed)
     diff = float((out.float() - reference).abs().max())
-    median = _percentile(times, 50)
+    median = percentile_of(times, 50)
     return {
         "first_call_s": first_call_s,
         "latency_median_ms": 1e3 * median,
-        "latency_p90_ms": 1e3 * _percentile(times, 90),
+        "latency_p90_ms": 1e3 * percentile_of(times, 90),
         "throughput_img_s": x.shape[0] / median,
         "max_abs_diff": diff,
         "max_rel_diff": diff / ref_max if ref_max > 0 else diff,

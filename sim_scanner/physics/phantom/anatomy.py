@@ -13,8 +13,8 @@ import numpy as np
 
 from sim_scanner.physics.phantom.config import PhantomConfig
 from sim_scanner.physics.phantom.records import Anatomy, HipJoint
-from sim_scanner.physics.phantom.shapes import _unit, _v
-from sim_scanner.physics.phantom.skeleton import _required_spheres
+from sim_scanner.physics.phantom.shapes import unit3, vec3
+from sim_scanner.physics.phantom.skeleton import required_spheres
 
 logger = logging.getLogger(__name__)
 
@@ -31,24 +31,24 @@ def _hip_joint(side: str, p: dict[str, Any], y_shift: float) -> HipJoint:
     """The landmarks of one hip from the drawn parameters (``p``), y moved by ``y_shift``."""
     sigma = 1.0 if side == "left" else -1.0
     g = lambda name: float(p[f"{side}_{name}"])  # noqa: E731
-    head = _v(g("head_z_mm"), g("head_dy_mm") + y_shift, sigma * g("head_lateral_mm"))
+    head = vec3(g("head_z_mm"), g("head_dy_mm") + y_shift, sigma * g("head_lateral_mm"))
     r_h = g("head_radius_mm")
     cart = float(p["cartilage_thickness_mm"])
     r_acet = r_h + 2.0 * cart + float(p["joint_fluid_mm"])
     # Acetabular axis: radiographic inclination / anteversion in the pelvic frame, then tilted.
     incl, av = math.radians(g("acetabular_inclination_deg")), math.radians(
         g("acetabular_anteversion_deg"))
-    a_pel = _v(-math.cos(av) * math.cos(incl), -math.sin(av), sigma * math.cos(av) * math.sin(incl))
-    axis = _unit(_pelvic_to_world_dir(a_pel, float(p["pelvic_tilt_deg"])))
+    a_pel = vec3(-math.cos(av) * math.cos(incl), -math.sin(av), sigma * math.cos(av) * math.sin(incl))
+    axis = unit3(_pelvic_to_world_dir(a_pel, float(p["pelvic_tilt_deg"])))
     # Femur: shaft tilted medially downwards; neck at the neck-shaft angle from the shaft,
     # rotated posteriorly (head -> shaft) by the anteversion.
     tilt = math.radians(g("shaft_tilt_deg"))
-    shaft = _v(-math.cos(tilt), 0.0, -sigma * math.sin(tilt))
-    lateral = _v(-math.sin(tilt), 0.0, sigma * math.cos(tilt))  # perpendicular to the shaft
+    shaft = vec3(-math.cos(tilt), 0.0, -sigma * math.sin(tilt))
+    lateral = vec3(-math.sin(tilt), 0.0, sigma * math.cos(tilt))  # perpendicular to the shaft
     ant = math.radians(g("anteversion_deg"))
-    m = math.cos(ant) * lateral + math.sin(ant) * _v(0.0, 1.0, 0.0)
+    m = math.cos(ant) * lateral + math.sin(ant) * vec3(0.0, 1.0, 0.0)
     beta = math.radians(180.0 - g("neck_shaft_angle_deg"))
-    neck = _unit(math.cos(beta) * shaft + math.sin(beta) * m)
+    neck = unit3(math.cos(beta) * shaft + math.sin(beta) * m)
     neck_len = g("femoral_offset_mm") / math.sin(beta)
     top = head + neck_len * neck
     r_shaft = g("shaft_radius_mm")
@@ -72,7 +72,7 @@ def _hip_joint(side: str, p: dict[str, Any], y_shift: float) -> HipJoint:
 def _pelvic_to_world_dir(v: np.ndarray, tilt_deg: float) -> np.ndarray:
     th = math.radians(-tilt_deg)
     c, s = math.cos(th), math.sin(th)
-    return _v(c * v[0] - s * v[1], s * v[0] + c * v[1], v[2])
+    return vec3(c * v[0] - s * v[1], s * v[0] + c * v[1], v[2])
 
 
 def draw_anatomy(cfg: PhantomConfig, rng: np.random.Generator) -> Anatomy:
@@ -146,7 +146,7 @@ def _draw_habitus(cfg: PhantomConfig, rng: np.random.Generator, p: dict[str, Any
     p["fat_anterior_extra"] = u(cfg.fat_anterior_extra)
     p["fat_posterior_extra"] = u(cfg.fat_posterior_extra)
     hips0 = {side: _hip_joint(side, p, 0.0) for side in ("left", "right")}
-    spheres = _required_spheres(hips0, p)
+    spheres = required_spheres(hips0, p)
     ant0 = max(-c[1] + r for c, r in spheres)
     post0 = max(c[1] + r for c, r in spheres)
     lat0 = max(abs(c[2]) + r for c, r in spheres)

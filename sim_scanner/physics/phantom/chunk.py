@@ -1,4 +1,4 @@
-"""One z slab of the volume being rasterised (:class:`_Chunk`): its axes, labels, warped
+"""One z slab of the volume being rasterised (:class:`Chunk`): its axes, labels, warped
 soft-tissue coordinates and box-to-slice lookups.
 
 A patient turned by ``rotation_deg`` about z (:func:`~sim_scanner.physics.grid.rotate_zyx`) is
@@ -14,13 +14,13 @@ import math
 import numpy as np
 
 from sim_scanner.physics.grid import Grid, unrotate_yx
-from sim_scanner.physics.phantom.layout import _Layout
+from sim_scanner.physics.phantom.layout import PhantomLayout
 from sim_scanner.physics.phantom.shapes import Box
-from sim_scanner.physics.phantom.texture import _warped_coords
+from sim_scanner.physics.phantom.texture import warped_coords
 from sim_scanner.physics.tissues import Tissue
 
 
-class _Chunk:
+class Chunk:
     """One z slab: axes, labels and warped coordinates.
 
     ``z``, ``y``, ``x`` are the grid's (scanner) axes; ``ya``, ``xa`` the anatomical in-plane
@@ -28,7 +28,7 @@ class _Chunk:
     turned, both (1, ny, nx) when it is.
     """
 
-    def __init__(self, grid: Grid, lay: _Layout, rotation_deg: float = 0.0):
+    def __init__(self, grid: Grid, lay: PhantomLayout, rotation_deg: float = 0.0):
         self.z = grid.axis_mm(0)
         self.y = grid.axis_mm(1)
         self.x = grid.axis_mm(2)
@@ -42,7 +42,7 @@ class _Chunk:
         else:
             self.ya, self.xa = unrotate_yx(self.y[None, :, None], self.x[None, None, :],
                                            self.rotation_deg)
-        self.warped = _warped_coords(lay.deform, self.z[:, None, None], self.ya, self.xa, grid.shape)
+        self.warped = warped_coords(lay.deform, self.z[:, None, None], self.ya, self.xa, grid.shape)
 
     def inplane_slices(self, ylo: float, yhi: float, xlo: float, xhi: float):
         """(y slice, x slice) of the voxels whose anatomical (y, x) may lie in the rectangle

@@ -11,17 +11,17 @@ import numpy as np
 
 from sim_scanner.physics.phantom.config import PhantomConfig
 from sim_scanner.physics.phantom.records import Anatomy
-from sim_scanner.physics.phantom.shapes import _smoothstep, _v
+from sim_scanner.physics.phantom.shapes import smooth_step, vec3
 from sim_scanner.physics.phantom.skeleton import (
-    _femur_axis_point,
-    _femur_parts,
-    _Pelvis,
-    _required_spheres,
+    femur_axis_point,
+    femur_parts,
+    PelvisFrame,
+    required_spheres,
 )
-from sim_scanner.physics.phantom.texture import _draw_deformation
+from sim_scanner.physics.phantom.texture import draw_deformation
 
 
-class _Layout:
+class PhantomLayout:
     """Every point, radius and profile the rasteriser paints, derived from one Anatomy.
 
     Pure function of the anatomy (and of ``cfg.fat_plane_mm``): texture, deformation and bowel
@@ -32,8 +32,8 @@ class _Layout:
         p = anatomy.params
         self.p = p
         self.hips = anatomy.hips
-        self.pel = _Pelvis(anatomy.hips, p)
-        self.fem = {side: _femur_parts(h) for side, h in anatomy.hips.items()}
+        self.pel = PelvisFrame(anatomy.hips, p)
+        self.fem = {side: femur_parts(h) for side, h in anatomy.hips.items()}
         self.W, self.D = float(p["body_width_mm"]), float(p["body_depth_mm"])
         self.fat, self.skin = float(p["fat_thickness_mm"]), float(p["skin_thickness_mm"])
         self.fat_ant = float(p["fat_anterior_extra"])
@@ -45,7 +45,7 @@ class _Layout:
         self.fluid = float(p["joint_fluid_mm"])
         self.cart = float(p["cartilage_thickness_mm"])
         self.amp = float(p["deform_amplitude_mm"])
-        self.deform = _draw_deformation(anatomy.seed, self.amp)
+        self.deform = draw_deformation(anatomy.seed, self.amp)
         self._body_profile()
         self._thigh_profiles()
         self._cavity_profile()
@@ -67,7 +67,7 @@ class _Layout:
         a = np.interp(zk, zc, a_frac) * W2
         ba = np.interp(zk, zc, ba_frac) * D2
         bp = np.interp(zk, zc, bp_frac) * D2
-        spheres = _required_spheres(self.hips, self.p)
+        spheres = required_spheres(self.hips, self.p)
         f, sk = self.fat, self.skin
         for i, z in enumerate(zk):
             if z < -40.0:
@@ -103,7 +103,7 @@ class _Layout:
                             [gap / 2.0 + 15.0, gap / 2.0, 2.0, -8.0, -30.0])
             ant_t, post_t = np.empty_like(zk), np.empty_like(zk)
             for i, z in enumerate(zk):
-                fpt = _femur_axis_point(h, float(z))
+                fpt = femur_axis_point(h, float(z))
                 fx, fy = sig * fpt[2], fpt[1]
                 r_f = h.shaft_radius_mm
                 lat[i] = max(lat[i], fx + r_f + 24.0 + f + sk)
@@ -114,7 +114,7 @@ class _Layout:
                 post_t[i] = max(fy + 0.55 * depth, fy + r_f + 40.0 + f * (1 + self.fat_post) + sk)
             # pelvic (buttock) proportions above -80 mm, thigh proportions below -110 mm
             _, ba, bp = self.trunk(zk)
-            wt = _smoothstep((zk + 110.0) / 30.0)  # 0 below -110, 1 above -80
+            wt = smooth_step((zk + 110.0) / 30.0)  # 0 below -110, 1 above -80
             ant = np.maximum((1 - wt) * ant_t + wt * (-0.92 * ba), -D2)
             post = np.minimum((1 - wt) * post_t + wt * np.maximum(bp, post_t), D2)
             lat = np.minimum(lat, W2)
@@ -153,14 +153,14 @@ class _Layout:
         szk, sw, sd, syc, z_s1 = pel.sacrum_profile()
         y_back = np.empty_like(zk)
         for i, z in enumerate(zk):
-            zp = pel.to_pelvic(_v(z, yh, 0.0))[0] - pel.mid(0.0, 0.0)[0]
+            zp = pel.to_pelvic(vec3(z, yh, 0.0))[0] - pel.mid(0.0, 0.0)[0]
             if zp < szk[0]:
                 y_back[i] = yh + 55.0 * s
             elif zp > z_s1:
-                y_back[i] = pel.to_world(pel.mid(0.0, 0.0) + _v(zp, 25.0 * s - 3.0, 0.0))[1]
+                y_back[i] = pel.to_world(pel.mid(0.0, 0.0) + vec3(zp, 25.0 * s - 3.0, 0.0))[1]
             else:
                 front = float(np.interp(zp, szk, syc - sd)) - 3.0
-                y_back[i] = pel.to_world(pel.mid(0.0, 0.0) + _v(zp, front, 0.0))[1]
+                y_back[i] = pel.to_world(pel.mid(0.0, 0.0) + vec3(zp, front, 0.0))[1]
         y_back = np.maximum(y_back, y_front + 20.0)
         self.cav_z, self.cav_a, self.cav_front, self.cav_back = zk, ac, y_front, y_back
         self.cav_lo = float(zk[0])
@@ -183,7 +183,7 @@ class _Layout:
         rx = min(1.15 * R, max(self.cav_a[3] - 3.0, 12.0))
         ry, rz = 0.85 * R, 0.8 * R
         z_neck = pel.to_world(pel.mid(-28.0, -36.0))[0]
-        self.bladder = (_v(z_neck + rz, sym_back + ry + 5.0, float(self.p["bladder_x_mm"])),
+        self.bladder = (vec3(z_neck + rz, sym_back + ry + 5.0, float(self.p["bladder_x_mm"])),
                         (rz, ry, rx))
         # rectum / anal canal: along the front of the sacrum
         szk, sw, sd, syc, _ = pel.sacrum_profile()
@@ -191,21 +191,21 @@ class _Layout:
         def pre_sacral(zs: float, gap: float) -> np.ndarray:
             zp = zs * s
             front = float(np.interp(zp, szk, syc - sd))
-            return pel.to_world(pel.mid(0.0, 0.0) + _v(zp, front - gap, 0.0))
+            return pel.to_world(pel.mid(0.0, 0.0) + vec3(zp, front - gap, 0.0))
 
         self.rectum = [
-            (pre_sacral(45.0, 17.0) + _v(0, 0, 6.0), 15.0, 12.0),
+            (pre_sacral(45.0, 17.0) + vec3(0, 0, 6.0), 15.0, 12.0),
             (pre_sacral(15.0, 18.0), 17.0, 14.0),
             (pre_sacral(-15.0, 18.0), 16.0, 13.0),
-            (_v(-38.0 * s, yh + 45.0 * s, 0.0), 12.0, 6.0),
-            (_v(-58.0 * s, yh + 40.0 * s, 0.0), 10.0, 3.0),
-            (_v(-85.0, yh + 38.0 * s, 0.0), 9.0, 2.0),
+            (vec3(-38.0 * s, yh + 45.0 * s, 0.0), 12.0, 6.0),
+            (vec3(-58.0 * s, yh + 40.0 * s, 0.0), 10.0, 3.0),
+            (vec3(-85.0, yh + 38.0 * s, 0.0), 9.0, 2.0),
         ]
         # sigmoid colon from the left iliac fossa to the top of the rectum
         self.sigmoid = [
-            (_v(75.0, yh - 5.0, xh - 42.0 * s), 13.0),
-            (_v(58.0, yh + 15.0, xh - 60.0 * s), 13.0),
-            (self.rectum[0][0] + _v(4.0, 0.0, 2.0), 13.0),
+            (vec3(75.0, yh - 5.0, xh - 42.0 * s), 13.0),
+            (vec3(58.0, yh + 15.0, xh - 60.0 * s), 13.0),
+            (self.rectum[0][0] + vec3(4.0, 0.0, 2.0), 13.0),
         ]
         # small bowel loops (deterministic from the seed), clipped to the cavity when painted
         rng = np.random.default_rng([seed, 3])
@@ -220,7 +220,7 @@ class _Layout:
             d /= np.linalg.norm(d)
             half = rng.uniform(8.0, 25.0)
             r = rng.uniform(9.0, 15.0)
-            c = _v(zc, yc, xc)
+            c = vec3(zc, yc, xc)
             loops.append((c - half * d, c + half * d, r))
         self.bowel = loops
         # gas pockets in some loops: a stream of their own, so the loops stay as without gas
@@ -238,20 +238,20 @@ class _Layout:
             sig = 1.0 if side == "left" else -1.0
             xh, r_h = abs(h.head_centre_mm[2]), h.head_radius_mm
             hz = h.head_centre_mm[0]
-            f50, f100, f180 = (_femur_axis_point(h, z) for z in (-50.0, -100.0, -180.0))
+            f50, f100, f180 = (femur_axis_point(h, z) for z in (-50.0, -100.0, -180.0))
             art = [
-                _v(125.0, yh + 22.0 * s, sig * 20.0),
-                _v(85.0, yh + 8.0 * s, sig * 36.0 * s),
-                _v(45.0, yh - 22.0 * s, sig * (xh - 38.0 * s)),
-                _v(hz + 12.0, yh - r_h - 24.0, sig * (xh - 16.0 * s)),
-                _v(hz - 15.0, yh - r_h - 22.0, sig * (xh - 15.0 * s)),
-                _v(-50.0, f50[1] - 42.0, sig * (xh - 20.0 * s)),
-                _v(-100.0, f100[1] - 32.0, f100[2] - sig * 36.0),
-                _v(-180.0, f180[1] - 20.0, f180[2] - sig * 34.0),
+                vec3(125.0, yh + 22.0 * s, sig * 20.0),
+                vec3(85.0, yh + 8.0 * s, sig * 36.0 * s),
+                vec3(45.0, yh - 22.0 * s, sig * (xh - 38.0 * s)),
+                vec3(hz + 12.0, yh - r_h - 24.0, sig * (xh - 16.0 * s)),
+                vec3(hz - 15.0, yh - r_h - 22.0, sig * (xh - 15.0 * s)),
+                vec3(-50.0, f50[1] - 42.0, sig * (xh - 20.0 * s)),
+                vec3(-100.0, f100[1] - 32.0, f100[2] - sig * 36.0),
+                vec3(-180.0, f180[1] - 20.0, f180[2] - sig * 34.0),
             ]
-            vein = [q + (_v(0.0, 5.0, -sig * 13.0) if q[0] > -40.0 else _v(0.0, 11.0, -sig * 7.0))
+            vein = [q + (vec3(0.0, 5.0, -sig * 13.0) if q[0] > -40.0 else vec3(0.0, 11.0, -sig * 7.0))
                     for q in art]
             self.vessels.append((art, 4.0, 1.5))
             self.vessels.append((vein, 5.5, 1.5))
-            prof = [art[5] + _v(5.0, 0.0, 0.0), _v(-110.0, f100[1] + 4.0, f100[2] - sig * 26.0)]
+            prof = [art[5] + vec3(5.0, 0.0, 0.0), vec3(-110.0, f100[1] + 4.0, f100[2] - sig * 26.0)]
             self.vessels.append((prof, 3.0, 1.0))

@@ -10,7 +10,7 @@ import numpy as np
 from sim_scanner.physics.grid import Grid
 from sim_scanner.physics.phantom.config import PhantomConfig
 from sim_scanner.physics.phantom.records import Anatomy
-from sim_scanner.physics.phantom.texture import _texture
+from sim_scanner.physics.phantom.texture import texture_field
 from sim_scanner.physics.tissues import tissue_properties
 
 
@@ -84,8 +84,8 @@ def tissue_maps(labels: np.ndarray, anatomy: Anatomy, grid: Grid, b0_t: float,
         t2 = t2_t[lab]
         if amp > 0:
             scale = cfg.texture_scale_mm
-            pd *= 1.0 + np.float32(amp) * _texture(seed_pd, grid, scale, zs, rotation_deg)
-            t2 *= 1.0 + np.float32(0.5 * amp) * _texture(seed_t2, grid, scale, zs, rotation_deg)
+            pd *= 1.0 + np.float32(amp) * texture_field(seed_pd, grid, scale, zs, rotation_deg)
+            t2 *= 1.0 + np.float32(0.5 * amp) * texture_field(seed_t2, grid, scale, zs, rotation_deg)
         np.clip(pd, 0.0, 1.0, out=pd)
         out.pd[zs] = pd
         out.t1_ms[zs] = t1_t[lab]

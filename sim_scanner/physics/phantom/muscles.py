@@ -1,7 +1,7 @@
 """Muscle groups of the phantom: per side, about 20 groups, each a chain of tapered capsules
 placed relative to the pelvis, the femur and the body outline (:func:`muscle_groups`).
 
-The painter (:func:`~sim_scanner.physics.phantom.soft_tissue._paint_muscles`) turns them into a
+The painter (:func:`~sim_scanner.physics.phantom.soft_tissue.paint_muscles`) turns them into a
 labelled Voronoi partition, so the order of the groups matters: it is left then right, and
 within a side gluteal / hip flexor, thigh, deep rotator and trunk groups, as listed here.
 """
@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sim_scanner.physics.phantom.records import HipJoint
-from sim_scanner.physics.phantom.shapes import _v
-from sim_scanner.physics.phantom.skeleton import _femur_axis_point
+from sim_scanner.physics.phantom.shapes import vec3
+from sim_scanner.physics.phantom.skeleton import femur_axis_point
 
 if TYPE_CHECKING:
-    from sim_scanner.physics.phantom.layout import _Layout
+    from sim_scanner.physics.phantom.layout import PhantomLayout
 
 
 @dataclass
@@ -33,7 +33,7 @@ class _Group:
 class _SideFrame:
     """Landmarks and point builders of one side, in the world frame, for the muscle tables."""
 
-    def __init__(self, lay: _Layout, side: str, h: HipJoint):
+    def __init__(self, lay: PhantomLayout, side: str, h: HipJoint):
         pel, s = lay.pel, lay.scale
         self.pel, self.s, self.yh, self.k = pel, s, lay.yh, lay.bulk
         self.side, self.h = side, h
@@ -52,7 +52,7 @@ class _SideFrame:
         """World y of the back of the sacrum at (unscaled) height ``zs``."""
         pel, s = self.pel, self.s
         zp = zs * s
-        return pel.to_world(self.mid0 + _v(zp, float(np.interp(zp, self.szk, self.syc + self.sd)),
+        return pel.to_world(self.mid0 + vec3(zp, float(np.interp(zp, self.szk, self.syc + self.sd)),
                                            0.0))[1]
 
     def P(self, dz, dy, dx):
@@ -65,19 +65,19 @@ class _SideFrame:
 
     def F(self, z, dy, dx):
         """Point beside the femoral shaft axis at height z."""
-        a = _femur_axis_point(self.h, z)
-        return a + _v(0.0, dy, self.sig * dx)
+        a = femur_axis_point(self.h, z)
+        return a + vec3(0.0, dy, self.sig * dx)
 
     def X(self, z, y, x):
         """Absolute z / y, lateral x."""
-        return _v(z, y, self.sig * x)
+        return vec3(z, y, self.sig * x)
 
     def b(self, r):
         """Radius ``r`` scaled by the subject's muscle bulk."""
         return r * self.k
 
 
-def muscle_groups(lay: _Layout) -> list[_Group]:
+def muscle_groups(lay: PhantomLayout) -> list[_Group]:
     """All muscle groups of the subject, left side first (the order sets Voronoi ties)."""
     groups: list[_Group] = []
     for side, h in lay.hips.items():
@@ -110,21 +110,21 @@ def _gluteal_groups(f: _SideFrame) -> list[_Group]:
             (Wg(0.92, 40.0, 14.0), b(9.0)),
             (Wg(0.6, 40.0, 20.0), b(18.0)),
             (Wg(0.3, 30.0, 22.0), b(18.0)),
-            (G + _v(18.0, 0.0, sig * 6.0), b(9.0)),
+            (G + vec3(18.0, 0.0, sig * 6.0), b(9.0)),
         ]], 40.0),
         _Group(f"{side}_gluteus_minimus", [[
             (Wg(0.6, 25.0, 7.0), b(6.0)),
             (Wg(0.25, 20.0, 8.0), b(9.0)),
-            (G + _v(14.0, -8.0, -sig * 4.0), b(6.0)),
+            (G + vec3(14.0, -8.0, -sig * 4.0), b(6.0)),
         ]], 15.0),
         _Group(f"{side}_tensor_fasciae_latae", [[
             (Wg(0.5, pel.wing_phi0(0.5), 10.0), b(6.0)),
             (X(-5.0, yh - 42.0, gt_lat + 8.0), b(10.0)),
-            (X(-60.0, _femur_axis_point(h, -60.0)[1] - 22.0, gt_lat + 10.0), b(6.0)),
+            (X(-60.0, femur_axis_point(h, -60.0)[1] - 22.0, gt_lat + 10.0), b(6.0)),
         ]], 15.0),
         _Group(f"{side}_iliopsoas", [
-            [(pel.to_world(mid0 + _v(z_s1 + 60.0, 30.0 * s, sig * 35.0 * s)), b(18.0)),
-             (pel.to_world(mid0 + _v(z_s1, 22.0 * s, sig * 45.0 * s)), b(19.0)),
+            [(pel.to_world(mid0 + vec3(z_s1 + 60.0, 30.0 * s, sig * 35.0 * s)), b(18.0)),
+             (pel.to_world(mid0 + vec3(z_s1, 22.0 * s, sig * 45.0 * s)), b(19.0)),
              (P(45.0, -5.0, -32.0), b(19.0)),
              (P(15.0, -32.0, -16.0), b(17.0))],
             [(Wg(0.85, 35.0, -16.0), b(11.0)),
@@ -208,9 +208,9 @@ def _deep_rotator_groups(f: _SideFrame) -> list[_Group]:
             (F(T[0] - 6.0, 20.0, -4.0), b(7.0)),
         ]], 12.0),
         _Group(f"{side}_piriformis", [[
-            (pel.to_world(mid0 + _v(40.0 * s, 55.0 * s, sig * 28.0 * s)), b(8.0)),
+            (pel.to_world(mid0 + vec3(40.0 * s, 55.0 * s, sig * 28.0 * s)), b(8.0)),
             (P(18.0, 52.0, -12.0), b(10.0)),
-            (G + _v(16.0, 6.0, -sig * 6.0), b(5.0)),
+            (G + vec3(16.0, 6.0, -sig * 6.0), b(5.0)),
         ]], 12.0),
     ]
 
@@ -225,7 +225,7 @@ def _trunk_groups(f: _SideFrame) -> list[_Group]:
             (X(300.0, y_wall[1], 40.0), b(8.0)),
             (X(100.0, y_wall[0], 38.0), b(8.0)),
             (X(30.0, y_wall[2], 30.0), b(7.0)),
-            (pel.to_world(pel.mid(-2.0, -58.0)) + _v(0.0, 0.0, sig * 14.0), b(5.0)),
+            (pel.to_world(pel.mid(-2.0, -58.0)) + vec3(0.0, 0.0, sig * 14.0), b(5.0)),
         ]], 15.0),
         _Group(f"{side}_abdominal_obliques", [[
             (X(300.0, yh - 10.0, x_flank[1]), b(9.0)),

@@ -6,18 +6,18 @@ from __future__ import annotations
 import numpy as np
 
 from sim_scanner.physics.grid import Grid
-from sim_scanner.physics.phantom.bones import _paint_hip_joint, _paint_pelvis_side
-from sim_scanner.physics.phantom.chunk import _Chunk
+from sim_scanner.physics.phantom.bones import paint_hip_joint, paint_pelvis_side
+from sim_scanner.physics.phantom.chunk import Chunk
 from sim_scanner.physics.phantom.config import PhantomConfig
-from sim_scanner.physics.phantom.layout import _Layout
+from sim_scanner.physics.phantom.layout import PhantomLayout
 from sim_scanner.physics.phantom.muscles import muscle_groups
 from sim_scanner.physics.phantom.records import Anatomy
 from sim_scanner.physics.phantom.soft_tissue import (
-    _cavity_mask,
-    _paint_body,
-    _paint_muscles,
-    _paint_pelvic_organs,
-    _paint_vessels,
+    cavity_mask,
+    paint_body,
+    paint_muscles,
+    paint_pelvic_organs,
+    paint_vessels,
 )
 
 
@@ -30,26 +30,26 @@ def rasterize_anatomy(anatomy: Anatomy, grid: Grid, cfg: PhantomConfig,
     angle about the z axis through the origin (:func:`~sim_scanner.physics.grid.rotate_zyx`);
     every shape is evaluated at the voxel centres turned back, so the turned anatomy is exact.
     """
-    lay = _Layout(anatomy, cfg)
+    lay = PhantomLayout(anatomy, cfg)
     lay.groups = muscle_groups(lay)
     nz, ny, nx = grid.shape
     out = np.empty(grid.shape, dtype=np.uint8)
     step = max(1, int(cfg.chunk_voxels) // (ny * nx))
     for z0 in range(0, nz, step):
         z1 = min(nz, z0 + step)
-        chunk = _Chunk(grid.zslab(z0, z1), lay, rotation_deg)
+        chunk = Chunk(grid.zslab(z0, z1), lay, rotation_deg)
         _rasterize_chunk(chunk, lay)
         out[z0:z1] = chunk.labels
     return out
 
 
-def _rasterize_chunk(ch: _Chunk, lay: _Layout) -> None:
-    env = _paint_body(ch, lay)
-    cav = _cavity_mask(ch, lay, env)
-    _paint_muscles(ch, lay, env, cav)
-    _paint_pelvic_organs(ch, lay, cav)
-    _paint_vessels(ch, lay)
+def _rasterize_chunk(ch: Chunk, lay: PhantomLayout) -> None:
+    env = paint_body(ch, lay)
+    cav = cavity_mask(ch, lay, env)
+    paint_muscles(ch, lay, env, cav)
+    paint_pelvic_organs(ch, lay, cav)
+    paint_vessels(ch, lay)
     for side in ("left", "right"):
-        _paint_pelvis_side(ch, lay, side)
+        paint_pelvis_side(ch, lay, side)
     for side in ("left", "right"):
-        _paint_hip_joint(ch, lay, side)
+        paint_hip_joint(ch, lay, side)

@@ -11,24 +11,24 @@ from collections.abc import Sequence
 
 import numpy as np
 
-_BIG = np.float32(1e6)
+FAR = np.float32(1e6)
 """Stand-in for +infinity in distance accumulators (inf * 0 would give NaN in smooth unions)."""
 
 
-def _v(z: float, y: float, x: float) -> np.ndarray:
+def vec3(z: float, y: float, x: float) -> np.ndarray:
     return np.array([z, y, x], dtype=np.float64)
 
 
-def _unit(v: np.ndarray) -> np.ndarray:
+def unit3(v: np.ndarray) -> np.ndarray:
     return v / np.linalg.norm(v)
 
 
-def _smoothstep(t: np.ndarray | float) -> np.ndarray | float:
+def smooth_step(t: np.ndarray | float) -> np.ndarray | float:
     t = np.clip(t, 0.0, 1.0)
     return t * t * (3.0 - 2.0 * t)
 
 
-def _smin(a: np.ndarray, b: np.ndarray, k: float) -> np.ndarray:
+def smooth_min(a: np.ndarray, b: np.ndarray, k: float) -> np.ndarray:
     """Polynomial smooth minimum (blend radius ``k`` mm) of two distance fields."""
     if k <= 0:
         return np.minimum(a, b)
@@ -36,7 +36,7 @@ def _smin(a: np.ndarray, b: np.ndarray, k: float) -> np.ndarray:
     return b + (a - b) * h - k * h * (1.0 - h)
 
 
-def _seg_dist(q, a: np.ndarray, b: np.ndarray):
+def segment_distance(q, a: np.ndarray, b: np.ndarray):
     """Distance from points ``q`` (tuple of z, y, x arrays) to segment a-b, and t in [0, 1]."""
     qz, qy, qx = q
     pz, py, px = qz - float(a[0]), qy - float(a[1]), qx - float(a[2])
@@ -63,22 +63,22 @@ def _seg_dist(q, a: np.ndarray, b: np.ndarray):
     return acc, t
 
 
-def _capsule(q, a, b, r0: float, r1: float) -> np.ndarray:
+def capsule_sdf(q, a, b, r0: float, r1: float) -> np.ndarray:
     """Tapered capsule (radius r0 at a, r1 at b): approximate signed distance."""
-    d, t = _seg_dist(q, a, b)
+    d, t = segment_distance(q, a, b)
     t *= r1 - r0
     t += r0
     d -= t
     return d
 
 
-def _sphere(q, c, r: float) -> np.ndarray:
+def sphere_sdf(q, c, r: float) -> np.ndarray:
     qz, qy, qx = q
     dz, dy, dx = qz - float(c[0]), qy - float(c[1]), qx - float(c[2])
     return np.sqrt(dz * dz + dy * dy + dx * dx) - r
 
 
-def _ellipsoid(q, c, radii) -> np.ndarray:
+def ellipsoid_sdf(q, c, radii) -> np.ndarray:
     """Axis-aligned ellipsoid, semi-axes (rz, ry, rx): approximate signed distance."""
     qz, qy, qx = q
     rz, ry, rx = (float(r) for r in radii)
@@ -89,7 +89,7 @@ def _ellipsoid(q, c, radii) -> np.ndarray:
     return (k0 - 1.0) * (k0 + eps) / (k1 + eps / min(rz, ry, rx))
 
 
-def _ellipse2(x, y, a, b) -> np.ndarray:
+def ellipse2_sdf(x, y, a, b) -> np.ndarray:
     """Ellipse with semi-axes a (x) and b (y) in the xy plane: approximate signed distance."""
     X, Y = x / a, y / b
     rho = np.sqrt(X * X + Y * Y)
@@ -98,7 +98,7 @@ def _ellipse2(x, y, a, b) -> np.ndarray:
     return (rho - 1.0) * (rho + eps) / (g + eps / np.minimum(a, b))
 
 
-def _dot(q, c, d) -> np.ndarray:
+def dot3(q, c, d) -> np.ndarray:
     """(q - c) . d for points q (tuple of arrays)."""
     return ((q[0] - float(c[0])) * float(d[0]) + (q[1] - float(c[1])) * float(d[1])
             + (q[2] - float(c[2])) * float(d[2]))
@@ -108,7 +108,7 @@ Box = tuple[float, float, float, float, float, float]
 """(zlo, zhi, ylo, yhi, xlo, xhi) in mm."""
 
 
-def _points_box(points: Sequence[np.ndarray], pad: float) -> Box:
+def points_box(points: Sequence[np.ndarray], pad: float) -> Box:
     arr = np.asarray(points, dtype=np.float64)
     lo, hi = arr.min(axis=0) - pad, arr.max(axis=0) + pad
     return (lo[0], hi[0], lo[1], hi[1], lo[2], hi[2])

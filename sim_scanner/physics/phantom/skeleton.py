@@ -1,5 +1,5 @@
 """Skeleton landmarks derived from the drawn hips, shared by the drawing and the rasteriser:
-the pelvic frame (:class:`_Pelvis`, with the ilium wing and sacrum profiles), femur parts,
+the pelvic frame (:class:`PelvisFrame`, with the ilium wing and sacrum profiles), femur parts,
 and the spheres of bone + muscle that the body outline must contain."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 
 from sim_scanner.physics.phantom.records import HipJoint
-from sim_scanner.physics.phantom.shapes import _unit, _v
+from sim_scanner.physics.phantom.shapes import unit3, vec3
 
 
-class _Pelvis:
+class PelvisFrame:
     """Pelvic frame: rotation by the pelvic tilt about the left-right axis through the hips."""
 
     def __init__(self, hips: dict[str, HipJoint], p: dict[str, Any]):
@@ -27,12 +27,12 @@ class _Pelvis:
 
     def to_world(self, q: np.ndarray) -> np.ndarray:
         dz, dy = q[0], q[1]
-        return _v(self.pivot[0] + self.c * dz - self.s * dy,
+        return vec3(self.pivot[0] + self.c * dz - self.s * dy,
                   self.pivot[1] + self.s * dz + self.c * dy, q[2])
 
     def to_pelvic(self, w: np.ndarray) -> np.ndarray:
         dz, dy = w[0] - self.pivot[0], w[1] - self.pivot[1]
-        return _v(self.c * dz + self.s * dy, -self.s * dz + self.c * dy, w[2])
+        return vec3(self.c * dz + self.s * dy, -self.s * dz + self.c * dy, w[2])
 
     def coords(self, z, y):
         """Pelvic-frame (zp, yp) of world coordinates (z, y) (arrays broadcast)."""
@@ -44,13 +44,13 @@ class _Pelvis:
         """Pelvic-frame point offset from the hip centre (dx > 0 lateral), scaled."""
         sig = 1.0 if side == "left" else -1.0
         h = self.hp[side]
-        return _v(h[0] + dz * self.scale, h[1] + dy * self.scale, h[2] + sig * dx * self.scale)
+        return vec3(h[0] + dz * self.scale, h[1] + dy * self.scale, h[2] + sig * dx * self.scale)
 
     def mid(self, dz: float, dy: float) -> np.ndarray:
         """Pelvic-frame midline point relative to the mean hip centre, scaled."""
         hz = 0.5 * (self.hp["left"][0] + self.hp["right"][0])
         hy = 0.5 * (self.hp["left"][1] + self.hp["right"][1])
-        return _v(hz + dz * self.scale, hy + dy * self.scale, 0.0)
+        return vec3(hz + dz * self.scale, hy + dy * self.scale, 0.0)
 
     # ilium wing: a curved slab on an elliptic arc around an anteromedial centre ---------------
     WING_Z = (0.03, 0.18, 0.32, 0.50, 0.65, 0.80, 0.92, 1.0)
@@ -81,7 +81,7 @@ class _Pelvis:
         nn = math.hypot(nx, ny)
         px = cx + sig * (ax * math.cos(ph) + offset * nx / nn)
         py = cy + ay * math.sin(ph) + offset * ny / nn
-        return _v(self.hp[side][0] + zr, py, px)
+        return vec3(self.hp[side][0] + zr, py, px)
 
     def wing_phi0(self, zfrac: float) -> float:
         return float(np.interp(zfrac, self.WING_Z, self.WING_PHI0))
@@ -98,16 +98,16 @@ class _Pelvis:
         return zk[order], w[order], d[order], yc[order], z_s1
 
 
-def _femur_parts(h: HipJoint) -> dict[str, Any]:
+def femur_parts(h: HipJoint) -> dict[str, Any]:
     """Derived femur geometry (world frame)."""
     sig = 1.0 if h.side == "left" else -1.0
     head, shaft, top = np.array(h.head_centre_mm), np.array(h.shaft_axis), np.array(h.shaft_top_mm)
     r_meta = 1.6 * h.shaft_radius_mm
     # lateral direction perpendicular to the shaft, in the coronal plane
-    lat = _unit(_v(-abs(shaft[2]), 0.0, sig * abs(shaft[0])))
-    gt = top - 17.0 * shaft + 0.45 * r_meta * lat + _v(0.0, 5.0, 0.0)
+    lat = unit3(vec3(-abs(shaft[2]), 0.0, sig * abs(shaft[0])))
+    gt = top - 17.0 * shaft + 0.45 * r_meta * lat + vec3(0.0, 5.0, 0.0)
     gt_radii = (22.0, 18.0, 13.0)
-    pm = _unit(-0.6 * lat + _v(0.0, 0.8, 0.0))
+    pm = unit3(-0.6 * lat + vec3(0.0, 0.8, 0.0))
     lt = top + 38.0 * shaft + 1.15 * h.shaft_radius_mm * pm
     return {
         "sigma": sig, "head": head, "shaft": shaft, "top": top, "lat": lat,
@@ -116,35 +116,35 @@ def _femur_parts(h: HipJoint) -> dict[str, Any]:
     }
 
 
-def _femur_axis_point(h: HipJoint, z: float) -> np.ndarray:
+def femur_axis_point(h: HipJoint, z: float) -> np.ndarray:
     """Point of the shaft axis at world height z."""
     top, shaft = np.array(h.shaft_top_mm), np.array(h.shaft_axis)
     return top + (z - top[0]) / shaft[0] * shaft
 
 
-def _required_spheres(
+def required_spheres(
     hips: dict[str, HipJoint], p: dict[str, Any]
 ) -> list[tuple[np.ndarray, float]]:
     """Spheres (bone + the least muscle around it) that must lie inside the subcutaneous fat."""
-    pel = _Pelvis(hips, p)
+    pel = PelvisFrame(hips, p)
     s = pel.scale
     out: list[tuple[np.ndarray, float]] = []
     for side, h in hips.items():
-        fp = _femur_parts(h)
+        fp = femur_parts(h)
         out.append((fp["head"], h.head_radius_mm + 40.0))
         out.append((fp["gt"], fp["gt_radii"][2] + 12.0))
         out.append((fp["top"], fp["r_meta"] + 15.0))
         for z in (-60.0, -100.0):
-            out.append((_femur_axis_point(h, z), h.shaft_radius_mm + 28.0))
+            out.append((femur_axis_point(h, z), h.shaft_radius_mm + 28.0))
         out.append((pel.to_world(pel.rel(side, -50.0, 44.0, -31.0)), 13.0 * s + 30.0))
         out.append((pel.to_world(pel.rel(side, 0.0, 25.0, -5.0)), 14.0 * s + 38.0))
         out.append((pel.to_world(pel.wing_point(side, 0.5, pel.wing_phi0(0.5), 0.0)), 16.0))
         out.append((pel.to_world(pel.wing_point(side, 0.85, pel.wing_phi0(0.85) + 10.0, 0.0)),
                     20.0))
         sig = 1.0 if side == "left" else -1.0
-        sym = pel.mid(-24.0, -46.0) + _v(0.0, 0.0, sig * 11.0 * s)
+        sym = pel.mid(-24.0, -46.0) + vec3(0.0, 0.0, sig * 11.0 * s)
         out.append((pel.to_world(sym), 10.0 * s + 10.0))
     zk, w, d, yc, _ = pel.sacrum_profile()
     z70 = float(zk[-2])
-    out.append((pel.to_world(pel.mid(0.0, 0.0) + _v(z70, float(yc[-2] + d[-2]), 0.0)), 15.0))
+    out.append((pel.to_world(pel.mid(0.0, 0.0) + vec3(z70, float(yc[-2] + d[-2]), 0.0)), 15.0))
     return out

@@ -6,22 +6,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from sim_scanner.physics.phantom.chunk import _Chunk
-from sim_scanner.physics.phantom.layout import _Layout
+from sim_scanner.physics.phantom.chunk import Chunk
+from sim_scanner.physics.phantom.layout import PhantomLayout
 from sim_scanner.physics.phantom.shapes import (
-    _BIG,
+    FAR,
     Box,
-    _capsule,
-    _ellipse2,
-    _ellipsoid,
-    _points_box,
-    _smin,
+    capsule_sdf,
+    ellipse2_sdf,
+    ellipsoid_sdf,
+    points_box,
+    smooth_min,
 )
-from sim_scanner.physics.phantom.skeleton import _femur_axis_point
+from sim_scanner.physics.phantom.skeleton import femur_axis_point
 from sim_scanner.physics.tissues import Tissue
 
 
-def _paint_body(ch: _Chunk, lay: _Layout) -> np.ndarray:
+def paint_body(ch: Chunk, lay: PhantomLayout) -> np.ndarray:
     """Skin and subcutaneous fat; returns the mask of the space inside the fat.
 
     The outline's cross-section profiles are looked up at the plane's own z; the deformation
@@ -32,7 +32,7 @@ def _paint_body(ch: _Chunk, lay: _Layout) -> np.ndarray:
     a, ba, bp = lay.trunk(z)
     a3 = a.astype(np.float32)[:, None, None]
     b3 = np.where(yw < 0, np.float32(ba)[:, None, None], np.float32(bp)[:, None, None])
-    body = _ellipse2(xw, yw, a3, b3)
+    body = ellipse2_sdf(xw, yw, a3, b3)
     cap = (lay.trunk_bottom - z).astype(np.float32)[:, None, None]
     body = np.maximum(body, cap)
     sel = np.nonzero(z < lay.thigh_top + 20.0)[0]
@@ -41,9 +41,9 @@ def _paint_body(ch: _Chunk, lay: _Layout) -> np.ndarray:
         for side in ("left", "right"):
             xc, rx, yc, ry = lay.thigh_at(side, z[zs])
             f32 = lambda v: np.asarray(v, np.float32)[:, None, None]  # noqa: E731
-            th = _ellipse2(xw[zs] - f32(xc), yw[zs] - f32(yc), f32(rx), f32(ry))
+            th = ellipse2_sdf(xw[zs] - f32(xc), yw[zs] - f32(yc), f32(rx), f32(ry))
             th = np.maximum(th, f32(z[zs] - lay.thigh_top))
-            body[zs] = _smin(body[zs], th, 18.0)
+            body[zs] = smooth_min(body[zs], th, 18.0)
     inside = body < 0
     ch.labels[inside] = Tissue.SKIN
     # subcutaneous fat, thicker over the back / buttocks and (optionally) the abdomen
@@ -61,7 +61,7 @@ def _paint_body(ch: _Chunk, lay: _Layout) -> np.ndarray:
 # -- pelvic cavity -----------------------------------------------------------------------------
 
 
-def _cavity_mask(ch: _Chunk, lay: _Layout, env: np.ndarray) -> np.ndarray:
+def cavity_mask(ch: Chunk, lay: PhantomLayout, env: np.ndarray) -> np.ndarray:
     z = ch.z.astype(np.float64)
     cav = np.zeros(ch.shape, dtype=bool)
     sel = np.nonzero(z >= lay.cav_lo)[0]
@@ -79,7 +79,7 @@ def _cavity_mask(ch: _Chunk, lay: _Layout, env: np.ndarray) -> np.ndarray:
     _, yw, xw = (c[sl] for c in ch.warped)
     dy = yw - f32(ym)
     b = np.where(dy < 0, f32(hf), f32(hb))
-    d = _ellipse2(xw, dy, f32(a), b)
+    d = ellipse2_sdf(xw, dy, f32(a), b)
     cav[sl] = (d < 0) & env[sl]
     return cav
 
@@ -90,13 +90,13 @@ def _cavity_mask(ch: _Chunk, lay: _Layout, env: np.ndarray) -> np.ndarray:
 def _chain_box(chain, pad: float) -> Box:
     pts = [q for q, _ in chain]
     rmax = max(r for _, r in chain)
-    return _points_box(pts, rmax + pad)
+    return points_box(pts, rmax + pad)
 
 
-def _paint_muscles(ch: _Chunk, lay: _Layout, env: np.ndarray, cav: np.ndarray) -> None:
+def paint_muscles(ch: Chunk, lay: PhantomLayout, env: np.ndarray, cav: np.ndarray) -> None:
     """Labelled Voronoi partition of the space inside the fat into muscle groups."""
-    m1 = np.full(ch.shape, _BIG, np.float32)
-    m2 = np.full(ch.shape, _BIG, np.float32)
+    m1 = np.full(ch.shape, FAR, np.float32)
+    m2 = np.full(ch.shape, FAR, np.float32)
     idx = np.zeros(ch.shape, np.uint8)
     tau = np.float32(lay.plane)
     for gi, grp in enumerate(lay.groups, start=1):
@@ -111,9 +111,9 @@ def _paint_muscles(ch: _Chunk, lay: _Layout, env: np.ndarray, cav: np.ndarray) -
         dist = None
         for chain in grp.chains:
             for (pa, ra), (pb, rb) in zip(chain[:-1], chain[1:]):
-                d = _capsule(q, pa, pb, ra, rb)
+                d = capsule_sdf(q, pa, pb, ra, rb)
                 dist = d if dist is None else np.minimum(dist, d, out=dist)
-        dist[dist >= grp.margin] = _BIG
+        dist[dist >= grp.margin] = FAR
         v1, v2, vi = m1[gsl], m2[gsl], idx[gsl]
         closer = dist < v1
         second = np.where(closer, v1, np.minimum(v2, dist))
@@ -133,8 +133,8 @@ def _paint_muscles(ch: _Chunk, lay: _Layout, env: np.ndarray, cav: np.ndarray) -
         s = slice(int(zs[0]), int(zs[-1]) + 1)
         for side, h in lay.hips.items():
             sig = 1.0 if side == "left" else -1.0
-            fx = np.array([_femur_axis_point(h, float(zz))[2] for zz in ch.z[s]], np.float32)
-            fy = np.array([_femur_axis_point(h, float(zz))[1] for zz in ch.z[s]], np.float32)
+            fx = np.array([femur_axis_point(h, float(zz))[2] for zz in ch.z[s]], np.float32)
+            fy = np.array([femur_axis_point(h, float(zz))[1] for zz in ch.z[s]], np.float32)
             _, yw, xw = (c[s] for c in ch.warped)
             band = ((depth[s] < 0) & (depth[s] > -2.0) & (sig * (xw - fx[:, None, None]) > 15.0)
                     & (np.abs(yw - fy[:, None, None]) < 30.0))
@@ -144,7 +144,7 @@ def _paint_muscles(ch: _Chunk, lay: _Layout, env: np.ndarray, cav: np.ndarray) -
 # -- pelvic organs -----------------------------------------------------------------------------
 
 
-def _paint_pelvic_organs(ch: _Chunk, lay: _Layout, cav: np.ndarray) -> None:
+def paint_pelvic_organs(ch: Chunk, lay: PhantomLayout, cav: np.ndarray) -> None:
     ch.labels[cav] = Tissue.FAT
     s = lay.scale
     # levator ani: a thin muscular funnel from the pelvic side walls to the anorectal junction
@@ -161,18 +161,18 @@ def _paint_pelvic_organs(ch: _Chunk, lay: _Layout, cav: np.ndarray) -> None:
         ch.labels[zs][funnel] = Tissue.MUSCLE
     # small bowel and sigmoid colon, only inside the cavity
     for pa, pb, r in lay.bowel:
-        sl = ch.slices(_points_box([pa, pb], r), warped=True)
+        sl = ch.slices(points_box([pa, pb], r), warped=True)
         if sl is None:
             continue
         q = ch.coords(sl, warped=True)
-        inside = (_capsule(q, pa, pb, r, r) < 0) & cav[sl]
+        inside = (capsule_sdf(q, pa, pb, r, r) < 0) & cav[sl]
         ch.paint(sl, inside, Tissue.BOWEL)
     for pa, pb, r in lay.bowel_gas:  # gas pockets inside their loops (a void of air's susceptibility)
-        sl = ch.slices(_points_box([pa, pb], r), warped=True)
+        sl = ch.slices(points_box([pa, pb], r), warped=True)
         if sl is None:
             continue
         q = ch.coords(sl, warped=True)
-        ch.paint(sl, (_capsule(q, pa, pb, r, r) < 0) & cav[sl], Tissue.AIR)
+        ch.paint(sl, (capsule_sdf(q, pa, pb, r, r) < 0) & cav[sl], Tissue.AIR)
     _paint_chain(ch, lay.sigmoid, Tissue.BOWEL, wall=(Tissue.MUSCLE, 2.0), within=cav)
     # rectum and anal canal: muscular wall, lumen
     outer = [(q, ro) for q, ro, _ in lay.rectum]
@@ -182,16 +182,16 @@ def _paint_pelvic_organs(ch: _Chunk, lay: _Layout, cav: np.ndarray) -> None:
     # urinary bladder: detrusor wall around urine
     c, (rz, ry, rx) = lay.bladder
     wall = 2.5
-    sl = ch.slices(_points_box([c], max(rz, ry, rx) + wall), warped=True)
+    sl = ch.slices(points_box([c], max(rz, ry, rx) + wall), warped=True)
     if sl is not None:
         q = ch.coords(sl, warped=True)
-        d = _ellipsoid(q, c, (rz + wall, ry + wall, rx + wall))
+        d = ellipsoid_sdf(q, c, (rz + wall, ry + wall, rx + wall))
         ch.paint(sl, d < 0, Tissue.MUSCLE)
-        d = _ellipsoid(q, c, (rz, ry, rx))
+        d = ellipsoid_sdf(q, c, (rz, ry, rx))
         ch.paint(sl, d < 0, Tissue.URINE)
 
 
-def _paint_chain(ch: _Chunk, chain, label: Tissue, wall=None, within=None) -> None:
+def _paint_chain(ch: Chunk, chain, label: Tissue, wall=None, within=None) -> None:
     """Paint a chain of tapered capsules [(point, radius), ...] (warped coordinates)."""
     extra = wall[1] if wall else 0.0
     sl = ch.slices(_chain_box(chain, extra), warped=True)
@@ -200,7 +200,7 @@ def _paint_chain(ch: _Chunk, chain, label: Tissue, wall=None, within=None) -> No
     q = ch.coords(sl, warped=True)
     d = None
     for (pa, ra), (pb, rb) in zip(chain[:-1], chain[1:]):
-        di = _capsule(q, pa, pb, ra, rb)
+        di = capsule_sdf(q, pa, pb, ra, rb)
         d = di if d is None else np.minimum(d, di)
     lim = within[sl] if within is not None else True
     if wall:
@@ -208,7 +208,7 @@ def _paint_chain(ch: _Chunk, chain, label: Tissue, wall=None, within=None) -> No
     ch.paint(sl, (d < 0) & lim, label)
 
 
-def _paint_vessels(ch: _Chunk, lay: _Layout) -> None:
+def paint_vessels(ch: Chunk, lay: PhantomLayout) -> None:
     for pts, r, sheath in lay.vessels:
         chain = [(q, r) for q in pts]
         _paint_chain(ch, chain, Tissue.BLOOD, wall=(Tissue.FAT, sheath))

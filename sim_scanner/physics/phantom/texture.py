@@ -77,7 +77,7 @@ def _value_noise_turned(seed: int, grid: Grid, spacing: float, z_slice: slice,
     return a[jz] * (1.0 - wz)[:, None, None] + a[jz + 1] * wz[:, None, None]
 
 
-def _texture(seed: int, grid: Grid, spacing: float, z_slice: slice,
+def texture_field(seed: int, grid: Grid, spacing: float, z_slice: slice,
              rotation_deg: float = 0.0) -> np.ndarray:
     """Two octaves of value noise, unit-ish standard deviation, on planes ``z_slice`` of
     ``grid``, of a patient turned by ``rotation_deg`` about z."""
@@ -105,7 +105,7 @@ class _Deformation:
     ``|u_c| <= amp``."""
 
 
-def _draw_deformation(seed: int, amp: float) -> _Deformation:
+def draw_deformation(seed: int, amp: float) -> _Deformation:
     """The deformation of a subject, drawn from a generator seeded with ``[seed, 0]``."""
     rng = np.random.default_rng([seed, 0])
     n = 6
@@ -120,7 +120,7 @@ def _draw_deformation(seed: int, amp: float) -> _Deformation:
                         wave_amp=amps * amp)  # (component, wave); |u_c| <= amp
 
 
-def _warped_coords(deform: _Deformation, z3: np.ndarray, y3: np.ndarray, x3: np.ndarray,
+def warped_coords(deform: _Deformation, z3: np.ndarray, y3: np.ndarray, x3: np.ndarray,
                    shape: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Warped coordinates ``p + u(p)`` (float32 [z, y, x] each) of the points with coordinates
     z3, y3, x3 (float32 arrays that broadcast to ``shape``, e.g. (nz,1,1), (1,ny,1), (1,1,nx))."""

@@ -30,7 +30,7 @@ from sim_scanner.physics.tissues import Tissue
 FEMORAL = [Tissue.RED_MARROW, Tissue.YELLOW_MARROW, Tissue.CARTILAGE, Tissue.CORTICAL_BONE]
 
 
-def _unit(v) -> np.ndarray:
+def unit3(v) -> np.ndarray:
     v = np.asarray(v, dtype=np.float64)
     return v / np.linalg.norm(v)
 
@@ -39,16 +39,16 @@ def make_hip(side: str) -> HipJoint:
     """A realistic adult hip: 48 mm head, neck-shaft angle 130 deg, 12 deg femoral anteversion."""
     sign = 1.0 if side == "left" else -1.0
     centre = np.array([0.0, 0.0, sign * 95.0])
-    shaft = _unit([-math.cos(math.radians(7)), 0.0, -sign * math.sin(math.radians(7))])
+    shaft = unit3([-math.cos(math.radians(7)), 0.0, -sign * math.sin(math.radians(7))])
     lateral = np.array([0.0, 0.0, sign])
-    perp = _unit(lateral - np.dot(lateral, shaft) * shaft)
+    perp = unit3(lateral - np.dot(lateral, shaft) * shaft)
     posterior = np.cross(shaft, perp)  # unit, orthogonal to both
     if posterior[1] < 0:
         posterior = -posterior
     av = math.radians(12)
     perp = math.cos(av) * perp + math.sin(av) * posterior
     nsa = math.radians(130)
-    neck = _unit(math.cos(math.pi - nsa) * shaft + math.sin(math.pi - nsa) * perp)
+    neck = unit3(math.cos(math.pi - nsa) * shaft + math.sin(math.pi - nsa) * perp)
     top = centre + 50.0 * neck
     acetabulum = cup_axis_from_angles(52.0, 20.0, side)
     return HipJoint(
@@ -204,8 +204,8 @@ def test_head_cup_and_liner_are_concentric_shells(left):
     assert label_at(left, c) == Component.HEAD
     assert label_at(left, c + 0.9 * r * a) == Component.HEAD  # full sphere, also out of the cup
     # The dome is opposite the opening axis, and tilted directions on the dome side too.
-    ortho = _unit(np.cross(a, [1.0, 0.0, 0.0]))
-    for direction in (-a, _unit(-a + 0.8 * ortho), _unit(-a - 0.8 * ortho)):
+    ortho = unit3(np.cross(a, [1.0, 0.0, 0.0]))
+    for direction in (-a, unit3(-a + 0.8 * ortho), unit3(-a - 0.8 * ortho)):
         assert label_at(left, c + (R - t / 2) * direction) == Component.CUP
         assert label_at(left, c + (r + left.liner_thickness_mm / 2) * direction) == Component.LINER
         assert label_at(left, c + (R + 0.5) * direction) == Component.NONE

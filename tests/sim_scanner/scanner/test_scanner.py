@@ -457,7 +457,7 @@ def test_config_xml_is_sent_as_the_configuration_script(tmp_path):
 
     from masc_gadget.mrd.frames import ID_CONFIG_TEXT, ID_HEADER, ID_TEXT
     from masc_gadget.mrd.protocol import MrdStream
-    from sim_scanner.scanner.link import _DecisionBoard, _GadgetLink
+    from sim_scanner.scanner.link import DecisionBoard, GadgetLink
     from sim_scanner.scanner.session import read_config_xml
 
     xml = '<configuration><property name="policy" value="equispaced"/></configuration>'
@@ -468,7 +468,7 @@ def test_config_xml_is_sent_as_the_configuration_script(tmp_path):
     with pytest.raises(ValueError, match="is not a file"):
         read_config_xml(ScannerConfig(config_xml=str(tmp_path / "missing.xml")))
     ours, theirs = _socket.socketpair()
-    link = _GadgetLink(ours, "inband", _DecisionBoard(), [])
+    link = GadgetLink(ours, "inband", DecisionBoard(), [])
     assert link.handshake("ignored", "<ismrmrdHeader/>", {"feedback": "inband"}, config_xml=xml)
     gadget = MrdStream(theirs)
     first, second, third = (gadget.read_message() for _ in range(3))

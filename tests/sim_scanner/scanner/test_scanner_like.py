@@ -86,7 +86,7 @@ def test_a_stream_file_in_any_order_over_the_wire(tiny_dataset, tmp_path, order)
     from masc_gadget.serving.server import MascServer
     from sim_scanner.dataset.streams import StreamStyle, read_stream, scanner_like
     from sim_scanner.scanner.config import ScannerConfig
-    from sim_scanner.scanner.link import _DecisionBoard, _GadgetLink
+    from sim_scanner.scanner.link import DecisionBoard, GadgetLink
     from tests.conftest import CONFIGS
 
     subject = sorted((tiny_dataset / "test").glob("*.h5"))[0]
@@ -97,7 +97,7 @@ def test_a_stream_file_in_any_order_over_the_wire(tiny_dataset, tmp_path, order)
     _, port = server.start()
     errors = []
     try:
-        link = _GadgetLink.connect(ScannerConfig(server=f"127.0.0.1:{port}", feedback="none"), _DecisionBoard(), errors)
+        link = GadgetLink.connect(ScannerConfig(server=f"127.0.0.1:{port}", feedback="none"), DecisionBoard(), errors)
         assert link.handshake("default", header_xml, {"feedback": "none", "zmq_address": "", "policy": "center-out"})
         for acq in acqs:
             assert link.send_acquisition(acq)
