@@ -28,6 +28,18 @@ def _fft2c(x):
     return np.fft.fftshift(np.fft.fft2(np.fft.ifftshift(x, axes=(-2, -1)), norm="ortho"), axes=(-2, -1))
 
 
+def _header(n_x, n_y, oversampling=1):
+    """A minimal ISMRMRD header: an encoded matrix of n_x x n_y over 300 mm times the readout
+    oversampling, reconstructed on n_x / oversampling x n_y over 300 mm."""
+    return (f"<?xml version='1.0'?><ismrmrdHeader xmlns='http://www.ismrm.org/ISMRMRD'>"
+            f"<experimentalConditions><H1resonanceFrequency_Hz>127000000</H1resonanceFrequency_Hz>"
+            f"</experimentalConditions><encoding><encodedSpace><matrixSize><x>{n_x}</x><y>{n_y}</y><z>1</z>"
+            f"</matrixSize><fieldOfView_mm><x>{300 * oversampling}</x><y>300</y><z>3</z></fieldOfView_mm>"
+            f"</encodedSpace><reconSpace><matrixSize><x>{n_x // oversampling}</x><y>{n_y}</y><z>1</z></matrixSize>"
+            f"<fieldOfView_mm><x>300</x><y>300</y><z>3</z></fieldOfView_mm></reconSpace><encodingLimits/>"
+            f"<trajectory>cartesian</trajectory></encoding></ismrmrdHeader>")
+
+
 def test_fastmri_file_round_trips(tmp_path):
     import h5py
 
@@ -52,12 +64,7 @@ def test_ismrmrd_file_round_trips_with_coil_combination(tmp_path):
     image = _phantom(n)
     sens = np.stack([np.full((n, n), 0.6), np.full((n, n), 0.8)])  # RSS of these is 1
     k = _fft2c(sens * image)
-    xml = (f"<?xml version='1.0'?><ismrmrdHeader xmlns='http://www.ismrm.org/ISMRMRD'>"
-           f"<experimentalConditions><H1resonanceFrequency_Hz>127000000</H1resonanceFrequency_Hz>"
-           f"</experimentalConditions><encoding><encodedSpace><matrixSize><x>{n}</x><y>{n}</y><z>1</z></matrixSize>"
-           f"<fieldOfView_mm><x>300</x><y>300</y><z>3</z></fieldOfView_mm></encodedSpace><reconSpace><matrixSize>"
-           f"<x>{n}</x><y>{n}</y><z>1</z></matrixSize><fieldOfView_mm><x>300</x><y>300</y><z>3</z></fieldOfView_mm>"
-           f"</reconSpace><encodingLimits/><trajectory>cartesian</trajectory></encoding></ismrmrdHeader>")
+    xml = _header(n, n)
     path = tmp_path / "scan.h5"
     dset = ismrmrd.Dataset(str(path), "dataset", create_if_needed=True)
     dset.write_xml_header(xml)
@@ -287,13 +294,7 @@ def test_ismrmrd_import_skips_what_is_not_an_image_line_and_crops_readout_oversa
     image = np.zeros((n, 2 * n))
     image[:, n // 2:n // 2 + n] = _phantom(n)  # the object inside the central recon field of view
     k = _fft2c(image)
-    xml = (f"<?xml version='1.0'?><ismrmrdHeader xmlns='http://www.ismrm.org/ISMRMRD'>"
-           f"<experimentalConditions><H1resonanceFrequency_Hz>127000000</H1resonanceFrequency_Hz>"
-           f"</experimentalConditions><encoding><encodedSpace><matrixSize><x>{2 * n}</x><y>{n}</y><z>1</z>"
-           f"</matrixSize><fieldOfView_mm><x>600</x><y>300</y><z>3</z></fieldOfView_mm></encodedSpace><reconSpace>"
-           f"<matrixSize><x>{n}</x><y>{n}</y><z>1</z></matrixSize><fieldOfView_mm><x>300</x><y>300</y><z>3</z>"
-           f"</fieldOfView_mm></reconSpace><encodingLimits/><trajectory>cartesian</trajectory></encoding>"
-           f"</ismrmrdHeader>")
+    xml = _header(2 * n, n, oversampling=2)
     path = tmp_path / "oversampled.h5"
     dset = ismrmrd.Dataset(str(path), "dataset", create_if_needed=True)
     dset.write_xml_header(xml)
