@@ -19,6 +19,10 @@ from masc_gadget.models.checkpoint import load_checkpoint, save_checkpoint
 log = logging.getLogger(__name__)
 
 
+SEEDED = ("masc_train", "fixed_order", "loupe", "dqn", "mar_train")
+"""The config sections whose ``seed`` is a checkpoint's training seed, in the order looked up."""
+
+
 def export_checkpoint(checkpoint: str | Path, out: str | Path, command: str = "",
                       notes: dict[str, Any] | None = None, ood: dict[str, Any] | None = None,
                       export_command: str = "") -> dict[str, Any]:
@@ -54,7 +58,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, command: str = ""
         "name": out.stem,
         "kind": ck.metadata.get("kind"),
         "command": command,
-        "seed": cfg.get("masc_train", {}).get("seed"),
+        "seed": next((cfg[k]["seed"] for k in SEEDED if "seed" in cfg.get(k, {})), None),
         "code_version": ck.metadata.get("code_version", __version__),
         "trained_rollouts": ck.metadata.get("rollout"),
         "validation": ck.metadata.get("val"),

@@ -177,25 +177,47 @@ def closing_summary(results: dict[str, Any]) -> list[str]:
         for r in others:
             test = subject_tests(np.asarray(r["per_slice"]["ssim"]), np.asarray(base["per_slice"]["ssim"]), subjects)
             p, diff = test["p_ttest"], test["diff"]
-            if n_subjects < 3 or math.isnan(p):
-                word = "too few subjects to test"
-            elif p < ALPHA:
-                word = "better" if diff > 0 else "worse"
-            else:
-                word = "no significant difference"
+            word = _verdict(diff, p, n_subjects)
             verdicts.append((r, diff, p, word))
             lines.append(f"  - {name[r['key']]} against the best baseline, {name[base['key']]}: {diff:+.4f} SSIM "
                          f"(paired t-test over {n_subjects} subjects, p {_fmt_p(p)}): {word}.")
+        by_method = {v[0]["method"]: v for v in verdicts}
         learned = [v for v in verdicts if v[0]["method"] != "oracle"]
-        if learned:
-            r, diff, p, word = learned[0]
-            meaning = {"better": f"here {name[r['key']]} beats every fixed schedule evaluated",
-                       "worse": f"here {name[r['key']]} loses to {name[base['key']]}, a fixed schedule",
-                       "no significant difference": f"here {name[r['key']]} does no better than "
-                                                    f"{name[base['key']]}, a fixed schedule",
-                       "too few subjects to test": "scan more subjects before reading anything into the gap"}[word]
-            lines.append(f"  - In one sentence: {meaning}.")
+        if not learned:
+            continue
+        r, diff, p, word = by_method.get("masc", learned[0])
+        if r["method"] == "masc" and "fixed-order" in by_method:  # the two learned answers side by side
+            fixed = by_method["fixed-order"][0]
+            test = subject_tests(np.asarray(r["per_slice"]["ssim"]), np.asarray(fixed["per_slice"]["ssim"]), subjects)
+            vs = _verdict(test["diff"], test["p_ttest"], n_subjects)
+            lines.append(f"  - MASC against the fixed order: {test['diff']:+.4f} SSIM (p {_fmt_p(test['p_ttest'])}): {vs}.")
+            if vs == "worse":
+                lines.append("  - In one sentence: here the fixed order serves better images than MASC's per-slice "
+                             "choice: deploy the fixed order for this protocol.")
+                continue
+            if vs == "better":
+                lines.append("  - In one sentence: here MASC's per-slice choice of lines beats the fixed order.")
+                continue
+            if vs == "no significant difference":
+                lines.append("  - In one sentence: here MASC and the fixed order serve images of the same quality: "
+                             "the per-slice choice of lines adds nothing a fixed order does not.")
+                continue
+        meaning = {"better": f"here {name[r['key']]} beats every fixed schedule evaluated",
+                   "worse": f"here {name[r['key']]} loses to {name[base['key']]}, a fixed schedule",
+                   "no significant difference": f"here {name[r['key']]} does no better than "
+                                                f"{name[base['key']]}, a fixed schedule",
+                   "too few subjects to test": "scan more subjects before reading anything into the gap"}[word]
+        lines.append(f"  - In one sentence: {meaning}.")
     return lines
+
+
+def _verdict(diff: float, p: float, n_subjects: int) -> str:
+    """A paired difference in words, at level :data:`ALPHA` over subjects."""
+    if n_subjects < 3 or math.isnan(p):
+        return "too few subjects to test"
+    if p < ALPHA:
+        return "better" if diff > 0 else "worse"
+    return "no significant difference"
 
 
 def render_summary(every: dict[str, dict[str, Any]]) -> str:

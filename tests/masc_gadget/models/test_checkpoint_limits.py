@@ -83,15 +83,22 @@ def test_checkpoints_within_bounds_still_load(tmp_path):
 
 
 def test_shipped_model_loads_within_bounds():
+    from masc_gadget.acquisition.learned import load_learned
+    from masc_gadget.acquisition.policies import FixedOrder
+
     for name in shipped.available():
-        policy, mar, _ = load_masc(f"shipped:{name}", "cpu")
-        assert policy.net is not None and mar is not None
+        policy, mar, meta = load_learned(f"shipped:{name}", "cpu")
+        assert mar is not None
+        if meta["kind"] == "masc":
+            assert policy.net is not None and load_masc(f"shipped:{name}", "cpu")[0].net is not None
+        else:
+            assert isinstance(policy, FixedOrder) and len(policy.order) == meta["budget"]
 
 
 @pytest.mark.parametrize("name", ["shipped:../shipped/masc_small", "shipped:./masc_small", "shipped:/etc/passwd",
                                   "shipped:masc_small/../masc_small", "shipped:"])
 def test_shipped_names_never_leave_the_shipped_folder(name):
-    with pytest.raises(FileNotFoundError, match="no shipped checkpoint .*; shipped checkpoints: shipped:masc_small"):
+    with pytest.raises(FileNotFoundError, match="no shipped checkpoint .*; shipped checkpoints: shipped:fixed_small, shipped:masc_small"):
         shipped.resolve(name)
 
 

@@ -209,3 +209,18 @@ def test_the_closing_summary_ranks_and_tests_against_the_best_baseline():
     results["accelerations"]["10x"]["rows"][2] = _row("masc", True, base + 0.001 * rng.standard_normal(12))
     text = "\n".join(closing_summary(results))
     assert "no significant difference" in text and "does no better than Center-out" in text
+
+
+def test_the_summary_puts_masc_beside_the_fixed_order():
+    from training.evaluation.tables import closing_summary
+
+    rng = np.random.default_rng(1)
+    base = 0.6 + 0.05 * rng.standard_normal(12)
+    rows = [_row("center-out", True, base), _row("masc", True, base + 0.01 + 0.002 * rng.standard_normal(12)),
+            _row("fixed-order", True, base + 0.03 + 0.002 * rng.standard_normal(12))]
+    results = {"slices": [f"sub-{i // 2}/{i % 2}" for i in range(12)], "accelerations": {"10x": {"rows": rows}}}
+    text = "\n".join(closing_summary(results))
+    assert "MASC against the fixed order: -0.019" in text and "deploy the fixed order for this protocol" in text
+    rows[2] = _row("fixed-order", True, rows[1]["per_slice"]["ssim"] + 0.0005 * rng.standard_normal(12))
+    text = "\n".join(closing_summary(results))
+    assert "adds nothing a fixed order does not" in text
