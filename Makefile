@@ -37,11 +37,12 @@ test-all: install
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
-# The demo scans subjects none of the shipped model's training data came from (a dataset seed of
-# their own) and compares MASC, the baselines and the greedy oracle on them.
+# The demo scans subjects none of the shipped models' training data came from (a dataset seed of
+# their own), every one a test subject, and compares the shipped MASC model with the shipped fixed
+# order and the conventional orders, each under its MAR network, with tests over the subjects.
 demo: install
 	$(MASC) simulate dataset --config configs/small.yaml --out $(DEMO_DATA) --subjects $(DEMO_SUBJECTS) \
-	    --set dataset.seed=$(DEMO_SEED)
+	    --set dataset.seed=$(DEMO_SEED) --set "dataset.split_fractions=[0, 0, 1]"
 	$(MASC) simulate preview $(DEMO_DATA) --out $(DEMO_DATA)/preview.png
 	@# closed loop: masc serve in the background, masc scan against it, then stop the server
 	@$(MASC) serve --config configs/small.yaml --port $(PORT) --log-level WARNING & pid=$$!; \
@@ -53,13 +54,13 @@ demo: install
 	        --set scanner.max_subjects=2 --set acquisition.policy=$$policy --log-level WARNING || rc=$$?; \
 	done; \
 	kill -TERM $$pid; wait $$pid; exit $$rc
-	@echo "== MASC against the baselines and the greedy oracle (which reads the ground truth), all under MASC's MAR network"
+	@echo "== MASC against the shipped fixed order and the conventional orders, each under its MAR network"
 	$(MASC) eval --config configs/small.yaml --data $(DEMO_DATA) --split test --mar shipped:masc_small \
-	    --checkpoint shipped:masc_small --methods random,center-out,population,masc,oracle \
-	    --set eval.population_slices=8 --out $(SCAN)/eval --log-level WARNING
-	@echo "demo done: dataset $(DEMO_DATA), preview $(DEMO_DATA)/preview.png, closed-loop scan reports $(SCAN)/{masc,center-out}/report.json (images in images.h5 beside them), comparison $(SCAN)/eval/{table.md,curves.png,examples.png}"
+	    --checkpoint shipped:masc_small,shipped:fixed_small --methods random,center-out,fixed-order,masc \
+	    --reference center-out --out $(SCAN)/eval --log-level WARNING
+	@echo "demo done: dataset $(DEMO_DATA), preview $(DEMO_DATA)/preview.png, closed-loop scans $(SCAN)/{masc,center-out}/ (report.json, images.h5, scan.png), comparison $(SCAN)/eval/ (table.md with its summary, curves.png, examples.png)"
 
-# The benchmarks behind docs/benchmarks.md's figures (needs the demo data set; the MaskablePPO comparison
+# The benchmarks behind docs/benchmarks.md's figures (on the small data set; the MaskablePPO comparison
 # needs the optional `bench` extra, sb3-contrib). DEVICE=cuda on a GPU machine.
 bench: install
 	@test -d $(DATA) || $(MASC) simulate dataset --config configs/small.yaml --out $(DATA)
