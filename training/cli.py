@@ -137,7 +137,9 @@ def register_headroom(subparsers: argparse._SubParsersAction, common: argparse.A
                                "folds) and centre-out, under each MAR network, with tests over subjects. Section "
                                "headroom: region (image | implant), margin, beam, folds, slices_per_subject, gate; "
                                "the lines are the acquisition section's initial + budget.")
-    hr.add_argument("--data", required=True, metavar="DIR", help="dataset folder")
+    hr.add_argument("--data", metavar="DIR", help="dataset folder (required unless --combine)")
+    hr.add_argument("--combine", metavar="DIR,DIR[,...]", help="instead of measuring: one table of earlier "
+                    "headroom outputs (their headroom.json), written to OUT/candidates.md")
     hr.add_argument("--mar", metavar="CKPT[,CKPT...]", help="MAR network(s), e.g. three training seeds: each is "
                     "measured apart, the report gives the mean and spread (required, except with headroom.recon=sense, "
                     "which is scored without one)")
@@ -148,8 +150,26 @@ def register_headroom(subparsers: argparse._SubParsersAction, common: argparse.A
 
 
 def cmd_headroom(args: argparse.Namespace) -> int:
-    from masc_gadget.cli import config_from_args
-    from training.evaluation.headroom import headroom, render_headroom, write_headroom
+    import json
+
+    from masc_gadget.cli import CommandError, config_from_args
+    from training.evaluation.headroom import headroom, render_candidates, render_headroom, write_headroom
+
+    if args.combine:
+        reports = {}
+        for folder in (f.strip() for f in args.combine.split(",") if f.strip()):
+            path = Path(folder) / "headroom.json"
+            if not path.is_file():
+                raise CommandError(f"{folder}: no headroom.json (run masc headroom --out {folder} first)")
+            reports[Path(folder).name] = json.loads(path.read_text())
+        text = render_candidates(reports)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "candidates.md").write_text(text)
+        print(text, end="")
+        print(f"written: {Path(args.out) / 'candidates.md'}")
+        return 0
+    if not args.data:
+        raise CommandError("masc headroom needs --data DIR (or --combine DIR,DIR,...)")
 
     mars = [m.strip() for m in (args.mar or "").split(",") if m.strip()]
     report = headroom(config_from_args(args), args.data, args.split, mars)

@@ -59,8 +59,8 @@ from training.evaluation.stats import mean_std, paired_tests, subject_means, sub
 from training.oracle import BeamOracle
 from training.population import population_order
 
-__all__ = ["HeadroomConfig", "REGIONS", "headroom", "periprosthetic_roi", "render_headroom", "subject_folds",
-           "write_headroom"]
+__all__ = ["HeadroomConfig", "REGIONS", "headroom", "periprosthetic_roi", "render_candidates", "render_headroom",
+           "subject_folds", "write_headroom"]
 
 log = logging.getLogger(__name__)
 
@@ -413,3 +413,35 @@ def write_headroom(report: dict[str, Any], out_dir: str | Path) -> dict[str, Pat
     paths["json"].write_text(json.dumps(report, indent=1))
     paths["md"].write_text(render_headroom(report))
     return paths
+
+
+def describe(report: dict[str, Any]) -> str:
+    """What a headroom report measured, in a few words (its row of :func:`render_candidates`)."""
+    h, acq = report["config"]["headroom"], report["acquisition"]
+    parts = [f"{acq['initial']} + {acq['budget']} lines"]
+    parts.append("whole image" if h["region"] == "image" else f"implant + {h['margin']} px")
+    if h.get("recon") == "sense":
+        parts.append(f"{h['coils']}-coil SENSE, no MAR")
+    if h.get("corruption", 0) > 0:
+        parts.append(f"{h['corruption']:.0%} {h['corruption_kind']}, repeats allowed")
+    if h["beam"] > 1:
+        parts.append(f"beam {h['beam']}")
+    return ", ".join(parts)
+
+
+def render_candidates(reports: dict[str, dict[str, Any]]) -> str:
+    """One Markdown table over several headroom reports (name -> report): per candidate, the
+    oracle, the cross-fitted fixed order and centre-out (mean over the MAR networks), the lead
+    with its spread over the networks and its test over subjects, and the gate."""
+    lines = ["| candidate | what differs | oracle | fixed (cross-fitted) | centre-out | lead (oracle - fixed) | "
+             "lead per network | subjects ahead | subject p | gate |",
+             "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |"]
+    for name, report in reports.items():
+        s = report["summary"]
+        m = s["means"]
+        per = " / ".join(f"{x:+.4f}" for x in s["lead_per_mar"])
+        lines.append(f"| {name} | {describe(report)} | {m['oracle']['mean']:.4f} | {m['fixed']['mean']:.4f} | "
+                     f"{m['center-out']['mean']:.4f} | {s['lead']['mean']:+.4f} ± {s['lead']['std']:.4f} {s['metric']} | "
+                     f"{per} | {s['subjects_oracle_ahead']} / {s['n_subjects']} | {s['p_subjects']:.2g} | "
+                     f"{'passes' if s['passes'] else 'below'} ({s['gate']:.2f}) |")
+    return "\n".join(lines) + "\n"

@@ -75,6 +75,10 @@ def test_headroom_command_and_eval_flag(tiny_dataset, perturbed_mar, tmp_path, c
     report = json.loads((tmp_path / "hr" / "headroom.json").read_text())
     assert report["metric"] == "roi_ssim" and report["n_slices"] == 4  # two slices per subject by default
     assert "periprosthetic region (implant + 2 px)" in (tmp_path / "hr" / "headroom.md").read_text()
+    assert main(["headroom", "--combine", str(tmp_path / "hr"), "--out", str(tmp_path / "all")]) == 0
+    table = (tmp_path / "all" / "candidates.md").read_text()
+    assert "| hr | 1 + 2 lines, implant + 2 px |" in table and f"{report['summary']['lead']['mean']:+.4f}" in table
+    assert main(["headroom", "--combine", str(tmp_path / "none"), "--out", str(tmp_path / "all")]) == 2
     assert main(["eval", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset), "--split", "train",
                  "--methods", "center-out", "--headroom", "--out", str(tmp_path / "ev")]) == 2
     assert "--headroom measures under one MAR network" in capsys.readouterr().err
