@@ -321,7 +321,7 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
             "fixed_vs_center_out": subject_tests(scores["fixed"][key], scores["center-out"][key], data.subjects),
         })
         log.info("headroom under %s: oracle %.4f, fixed %.4f, centre-out %.4f %s; lead %+.4f (subject p %.2g)",
-                 path, one["means"]["oracle"][key], one["means"]["fixed"][key], one["means"]["center-out"][key],
+                 one["mar"], one["means"]["oracle"][key], one["means"]["fixed"][key], one["means"]["center-out"][key],
                  key, one["lead"]["diff"], one["lead"]["p_ttest"])
         runs.append(one)
     report: dict[str, Any] = {
