@@ -114,7 +114,7 @@ class BeamOracle(GreedyOracle):
 
         Returns ``(lines, q)``: (B, budget) int64, the best beam's lines in the order it acquired
         them, and (B,) float64, its final Q."""
-        n, n_pe = start.shape
+        n = len(start)
         lines = np.zeros((n, budget), dtype=np.int64)
         final = np.full(n, -np.inf)
         for b in range(n):
