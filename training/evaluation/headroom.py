@@ -7,7 +7,8 @@ a data set before anyone trains for it:
 - **the fixed order, cross-fitted**: the subjects are split into ``folds`` folds; for each fold,
   the population-greedy order (:func:`training.population.population_order`) is fitted on the
   other folds' slices and played on this fold's. No slice is scored by an order fitted on it, so
-  the order pays what a refit on a new population pays, and nothing more.
+  the order pays what a refit on a new population pays, and nothing more. With ``fit_split``
+  (``train``), one order is fitted on that split instead, the order a deployment ships.
 - **the oracle**: per slice, with the clean image, the greedy one-step oracle, or with ``beam``
   > 1 a beam search that keeps the greedy path (:class:`training.oracle.BeamOracle`): a yardstick,
   not a bound on what a policy can reach.
@@ -81,6 +82,11 @@ class HeadroomConfig:
 
     folds: int = 2
     """Subject folds of the cross-fitted fixed order (>= 2)."""
+    fit_split: str = ""
+    """Empty: the fixed order is cross-fitted over ``folds`` subject folds of the measured split.
+    A split name (``train``): one fixed order is fitted on that split of the same data folder
+    (its subjects' ``slices_per_subject`` slices) and played on every measured slice: the order a
+    deployment would ship, fitted on many more slices than a fold holds."""
     slices_per_subject: int = 2
     """Slices measured per subject, those with the most implant (0 = every slice). The oracle
     scores every free line at every step, so this sets the run time."""
@@ -211,7 +217,8 @@ def score_masks(data: SliceSet, masks: np.ndarray, mar: torch.nn.Module | None, 
 
 def _measure_one(data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionConfig, hcfg: HeadroomConfig,
                  roi: torch.Tensor, device: torch.device, progress: bool,
-                 recon: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = zero_filled) -> dict[str, Any]:
+                 recon: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = zero_filled,
+                 fit_data: SliceSet | None = None, fit_roi: torch.Tensor | None = None) -> dict[str, Any]:
     """The three methods' lines and scores under one MAR network (or none)."""
     from tqdm.auto import tqdm
 
@@ -225,15 +232,22 @@ def _measure_one(data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionCo
         attempts, corrupted = draw_attempts(data.kspace_metal, data.slices, model, hcfg.attempts, hcfg.seed)
         clean = data
         data = replace(data, kspace_metal=attempts[:, 0].contiguous())
-    folds = subject_folds(data.subjects, hcfg.folds)
     fixed = np.zeros((n, budget), dtype=np.int64)
     orders = []
-    for k in range(hcfg.folds):
-        fit = np.flatnonzero(folds != k)
-        order = population_order(data.subset(fit), initial, budget, mar, device, hcfg.batch_size, oracle,
-                                 progress=progress, roi=None if objective is None else objective[fit])
-        fixed[folds == k] = order
+    if fit_data is not None:  # one order, fitted on another split
+        folds = np.zeros(n, dtype=np.int64)
+        order = population_order(fit_data, initial, budget, mar, device, hcfg.batch_size, oracle, progress=progress,
+                                 roi=fit_roi if objective is not None else None)
+        fixed[:] = order
         orders.append(order.tolist())
+    else:
+        folds = subject_folds(data.subjects, hcfg.folds)
+        for k in range(hcfg.folds):
+            fit = np.flatnonzero(folds != k)
+            order = population_order(data.subset(fit), initial, budget, mar, device, hcfg.batch_size, oracle,
+                                     progress=progress, roi=None if objective is None else objective[fit])
+            fixed[folds == k] = order
+            orders.append(order.tolist())
     start = _masks(n, n_pe, initial, np.zeros((0,), dtype=np.int64))
     chosen = np.zeros((n, budget), dtype=np.int64)
     count = np.zeros((n, n_pe), dtype=np.int64)
@@ -295,6 +309,19 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
                          f"{full.n_pe} phase-encoding lines")
     data = full.subset(measured_slices(full, hcfg.slices_per_subject))
     roi = periprosthetic_roi(data, hcfg.margin)
+    fit_data = fit_roi = None
+    if hcfg.fit_split:
+        if hcfg.fit_split == split:
+            raise ValueError(f"headroom.fit_split {split!r} is the measured split: fit the fixed order on another "
+                             "split (train), or leave fit_split empty to cross-fit it over subject folds")
+        fit_full = load_split(data_dir, hcfg.fit_split)
+        if fit_full.n_pe != full.n_pe:
+            raise ValueError(f"split {hcfg.fit_split!r} has {fit_full.n_pe} phase-encoding lines, split {split!r} "
+                             f"{full.n_pe}: the fixed order must be fitted on the measured protocol")
+        fit_data = fit_full.subset(measured_slices(fit_full, hcfg.slices_per_subject))
+        fit_roi = periprosthetic_roi(fit_data, hcfg.margin)
+        log.info("fixed order fitted on %s/%s: %d slices of %d subjects", data_dir, hcfg.fit_split, len(fit_data),
+                 len(set(fit_data.subjects)))
     log.info("headroom on %s/%s: %d slices of %d subjects, %d + %d of %d lines, region %s, beam %d, corruption "
              "%g (%s), %d MAR network(s)", data_dir, split, len(data), len(set(data.subjects)), acq.initial,
              acq.budget, data.n_pe, hcfg.region, hcfg.beam, hcfg.corruption, hcfg.corruption_kind, len(mar_paths))
@@ -308,7 +335,7 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
         mar, meta = (None, {}) if path is None else load_mar(path, device)
         if mar is not None:
             mar.eval()
-        one = _measure_one(data, mar, acq, hcfg, roi, device, progress, recon)
+        one = _measure_one(data, mar, acq, hcfg, roi, device, progress, recon, fit_data, fit_roi)
         scores = one.pop("scores")
         one.update({
             "mar": f"none ({hcfg.coils}-coil SENSE)" if path is None else str(path),
@@ -382,10 +409,9 @@ def render_headroom(report: dict[str, Any]) -> str:
         f"# Headroom of adaptive line choice: {report['data']} / {report['split']}",
         "",
         f"{report['n_slices']} slices of {report['n_subjects']} subjects, {acq['initial']} + {acq['budget']} of "
-        f"{acq['n_pe']} lines, scored in the {region} ({key}); fixed order cross-fitted over {h['folds']} subject "
-        f"folds; {oracle}" + ("." if h.get("recon") == "sense" else f"; {len(report['runs'])} MAR network(s)."),
+        f"{acq['n_pe']} lines, scored in the {region} ({key}); {_fitted(h)}; {oracle}" + ("." if h.get("recon") == "sense" else f"; {len(report['runs'])} MAR network(s)."),
         "",
-        "| MAR | oracle | fixed (cross-fitted) | centre-out | lead (oracle - fixed) | subject p | lead, dB |",
+        f"| MAR | oracle | fixed ({_fitted(h, short=True)}) | centre-out | lead (oracle - fixed) | subject p | lead, dB |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in report["runs"]:
@@ -403,6 +429,13 @@ def render_headroom(report: dict[str, Any]) -> str:
         f"Gate ({s['gate']:.2f} {key}): **{s['verdict']}**.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _fitted(h: dict[str, Any], short: bool = False) -> str:
+    """How the report's fixed order was fitted, in words."""
+    if h.get("fit_split"):
+        return f"fitted on {h['fit_split']}" if short else f"fixed order fitted on the {h['fit_split']} split"
+    return "cross-fitted" if short else f"fixed order cross-fitted over {h['folds']} subject folds"
 
 
 def write_headroom(report: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
@@ -426,14 +459,16 @@ def describe(report: dict[str, Any]) -> str:
         parts.append(f"{h['corruption']:.0%} {h['corruption_kind']}, repeats allowed")
     if h["beam"] > 1:
         parts.append(f"beam {h['beam']}")
+    if h.get("fit_split"):
+        parts.append(f"fixed order fitted on {h['fit_split']}")
     return ", ".join(parts)
 
 
 def render_candidates(reports: dict[str, dict[str, Any]]) -> str:
     """One Markdown table over several headroom reports (name -> report): per candidate, the
-    oracle, the cross-fitted fixed order and centre-out (mean over the MAR networks), the lead
+    oracle, the fixed order (cross-fitted, or fitted on another split) and centre-out (mean over the MAR networks), the lead
     with its spread over the networks and its test over subjects, and the gate."""
-    lines = ["| candidate | what differs | oracle | fixed (cross-fitted) | centre-out | lead (oracle - fixed) | "
+    lines = ["| candidate | what differs | oracle | fixed | centre-out | lead (oracle - fixed) | "
              "lead per network | subjects ahead | subject p | gate |",
              "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |"]
     for name, report in reports.items():

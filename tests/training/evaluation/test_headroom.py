@@ -86,3 +86,20 @@ def test_headroom_command_and_eval_flag(tiny_dataset, perturbed_mar, tmp_path, c
         HeadroomConfig(region="knee")
     with pytest.raises(ValueError, match="folds must be >= 2"):
         HeadroomConfig(folds=1)
+
+
+def test_headroom_can_fit_the_order_on_another_split(tiny_dataset, perturbed_mar):
+    config = load_config(CONFIGS / "tiny.yaml", ["headroom.slices_per_subject=1", "headroom.fit_split=train",
+                                                 "headroom.region=implant", "headroom.margin=2"])
+    report = headroom(config, tiny_dataset, "val", [perturbed_mar], progress=False)
+    run = report["runs"][0]
+    train = load_split(tiny_dataset, "train")
+    fit = train.subset(measured_slices(train, 1))
+    mar = load_mar(perturbed_mar, "cpu")[0].eval()
+    refit = population_order(fit, 1, 2, mar, torch.device("cpu"), roi=periprosthetic_roi(fit, 2))
+    assert run["orders"] == [refit.tolist()]  # one order, the train split's, region objective included
+    assert np.all(np.asarray(run["folds"]) == 0)
+    text = render_headroom(report)
+    assert "fixed order fitted on the train split" in text and "| fixed (fitted on train) |" in text
+    with pytest.raises(ValueError, match="is the measured split"):
+        headroom(config, tiny_dataset, "train", [perturbed_mar], progress=False)
