@@ -143,6 +143,10 @@ def register_headroom(subparsers: argparse._SubParsersAction, common: argparse.A
     hr.add_argument("--mar", metavar="CKPT[,CKPT...]", help="MAR network(s), e.g. three training seeds: each is "
                     "measured apart, the report gives the mean and spread (required, except with headroom.recon=sense, "
                     "which is scored without one)")
+    hr.add_argument("--policy", metavar="CKPT[,CKPT...]", help="learned policies to score beside the oracle and the "
+                    "fixed order, one per --mar network in the same order (the network each was trained under, "
+                    "e.g. masc train masc --set masc_train.mar_mode=frozen): the report gives the share of the "
+                    "oracle's lead each captures")
     hr.add_argument("--split", default="val", choices=["train", "val", "test"],
                     help="the split measured (default val: the gate decides what to train)")
     hr.add_argument("--out", required=True, metavar="DIR", help="where headroom.json and headroom.md go")
@@ -172,7 +176,8 @@ def cmd_headroom(args: argparse.Namespace) -> int:
         raise CommandError("masc headroom needs --data DIR (or --combine DIR,DIR,...)")
 
     mars = [m.strip() for m in (args.mar or "").split(",") if m.strip()]
-    report = headroom(config_from_args(args), args.data, args.split, mars)
+    policies = [p.strip() for p in (args.policy or "").split(",") if p.strip()]
+    report = headroom(config_from_args(args), args.data, args.split, mars, policy_paths=policies)
     paths = write_headroom(report, args.out)
     print(render_headroom(report), end="")
     print("written: " + ", ".join(str(p) for p in paths.values()))
@@ -215,6 +220,8 @@ def _report_best(what: str, out: str, best: dict, step: str, seconds: bool = Tru
     if int(os.environ.get("RANK", "0")) != 0:
         return  # under torchrun: rank 0 reports
     took = f", {best.get('seconds', 0):.0f} s" if seconds else ""
+    if "roi_ssim" in best:
+        took = f", region SSIM {best['roi_ssim']:.4f}{took}"
     print(f"best {what} checkpoint: {out} ({step} {best.get(step, '?')}, val SSIM {best.get('ssim', float('nan')):.4f}, "
           f"PSNR {best.get('psnr', float('nan')):.2f} dB{took}); log: {Path(out).with_suffix('.csv')}")
 

@@ -90,6 +90,13 @@ class MascTrainConfig:
 
 
 VAL_FIELDS = [f"val/{m}" for m in ("ssim", "psnr", "mse", "nmse", "mae", "return", "final_quality")]
+ROI_FIELDS = [f"val/roi_{m}" for m in ("ssim", "psnr", "nmse")]
+"""With ``env.region: implant``: the periprosthetic region's validation metrics, after VAL_FIELDS."""
+
+
+def val_fields(ecfg: EnvConfig) -> list[str]:
+    """The CSV's validation columns for this environment."""
+    return VAL_FIELDS + (ROI_FIELDS if ecfg.region == "implant" else [])
 
 
 class _Recorder:
@@ -253,7 +260,7 @@ class _Run:
             row.update(self._validate_and_save(rollout_number, stats))
         row["seconds"] = time.perf_counter() - self.t0
         self._append_csv(row, stats)
-        self.bar.set_postfix(ret=f"{stats['charts/episodic_return']:.3f}", best_ssim=f"{self.best['ssim']:.4f}")
+        self.bar.set_postfix(ret=f"{stats['charts/episodic_return']:.3f}", **{f"best_{self.files.metric}": f"{self.best[self.files.metric]:.4f}"})
         self.bar.update()
 
     def _validate_and_save(self, rollout_number: int, stats: dict[str, float]) -> dict[str, float]:
@@ -263,8 +270,9 @@ class _Run:
         self.dist.check_in_sync(self.net)
         nets = {"policy": self.net, **({"mar": self.mar} if self.mar is not None else {})}
         improved = self.files.improved(val_metrics, rollout=rollout_number)
-        log.info("rollout %d: return %.3f, val SSIM %.4f, PSNR %.2f%s", rollout_number,
-                 stats["charts/episodic_return"], val_metrics["ssim"], val_metrics["psnr"],
+        region = f", region SSIM {val_metrics['roi_ssim']:.4f}" if "roi_ssim" in val_metrics else ""
+        log.info("rollout %d: return %.3f, val SSIM %.4f, PSNR %.2f%s%s", rollout_number,
+                 stats["charts/episodic_return"], val_metrics["ssim"], val_metrics["psnr"], region,
                  " *best*" if improved else "")
         extra = {"optimizer": self.optimizer.state_dict(), "generator": self.gen.get_state()}
         if self.mar_opt is not None:
@@ -274,7 +282,7 @@ class _Run:
         return {f"val/{m}": v for m, v in val_metrics.items()}
 
     def _append_csv(self, row: dict[str, Any], stats: dict[str, float]) -> None:
-        fields = ["rollout", "global_step", *sorted(stats), "losses/mar", *VAL_FIELDS, "seconds"]
+        fields = ["rollout", "global_step", *sorted(stats), "losses/mar", *val_fields(self.ecfg), "seconds"]
         self.files.log_row(row, list(dict.fromkeys(fields)))
 
 
@@ -289,7 +297,7 @@ def warm_start(run: _Run, train: SliceSet, demos_path: str | Path | None, progre
                                         next(run.net.parameters()).device, progress)
     history = imitate(run.net, demos, icfg, run.gen, progress)
     history[-1].update(run._validate_and_save(0, {"charts/episodic_return": math.nan}))
-    fields = list(dict.fromkeys([*history[0], *VAL_FIELDS]))
+    fields = list(dict.fromkeys([*history[0], *val_fields(run.ecfg)]))
     for row in history:  # the main log keeps PPO's columns; rollout 0's validation ends this one
         append_row(_imitation_csv(run.files.out), row, fields)
 
@@ -321,7 +329,7 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
     if tcfg.mar_mode != "none" and not mar_path:
         raise ValueError(f"mar_mode {tcfg.mar_mode!r} needs a pre-trained MAR checkpoint (--mar); "
                          "use --set masc_train.mar_mode=none to train without MAR")
-    files = TrainingRun(out, "ssim", higher_is_better=True, main=dist.main, resume=resume, kind=KIND,
+    files = TrainingRun(out, ecfg.selection_metric, higher_is_better=True, main=dist.main, resume=resume, kind=KIND,
                         map_location=device)
     if tcfg.mar_mode == "none":
         ecfg = EnvConfig(**{**to_dict(ecfg), "observe_mar": False, "reward_mar": False})
@@ -341,8 +349,9 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
     net.prior_train = acq.lines_per_decision  # the prior marks the order's next echo train
     if net.prior_lines and resume is None:
         # the policy starts from the population-greedy order; PPO learns where to leave it
-        order = population_order(spread_subset(train, tcfg.prior_slices), acq.initial, acq.budget, mar,
-                                 device, tcfg.mar_batch_size, progress=progress)
+        spread = spread_subset(train, tcfg.prior_slices)
+        order = population_order(spread, acq.initial, acq.budget, mar, device, tcfg.mar_batch_size, progress=progress,
+                                 roi=spread.periprosthetic_roi(ecfg.margin) if ecfg.region == "implant" else None)
         net.set_prior(order)
         log.info("prior: the population order of %d training slices, bonus %.2f: %s",
                  min(len(train), tcfg.prior_slices or len(train)), pncfg.prior_weight, order.tolist())

@@ -12,10 +12,15 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from sim_scanner.dataset.layout import read_subject, split_files
 
 log = logging.getLogger(__name__)
+
+REGIONS = ("image", "implant")
+"""Where a line choice is rewarded or scored: the whole image, or the periprosthetic region
+(:meth:`SliceSet.periprosthetic_roi`)."""
 
 _ARRAYS = ("kspace_metal", "kspace_clean", "images_clean", "images_metal", "implant_mask")
 """The fast arrays a SliceSet holds (layout.SubjectFile fields)."""
@@ -56,6 +61,26 @@ class SliceSet:
 
     def label(self, i: int) -> str:
         return f"{self.subjects[i]}/{int(self.slices[i])}"
+
+    def periprosthetic_roi(self, margin: int) -> torch.Tensor:
+        """(N, H, W) bool: each slice's implant mask dilated by ``margin`` pixels, the region a
+        radiologist reads around an implant. A slice the implant does not cross takes its
+        subject's implant footprint (the union over its slices); a subject with no implant at
+        all, the whole image."""
+        if margin < 0:
+            raise ValueError(f"margin must be >= 0 pixels, got {margin}")
+        mask = self.implant_mask.bool()
+        footprint = {}
+        for s in dict.fromkeys(self.subjects):
+            rows = torch.as_tensor([i for i, x in enumerate(self.subjects) if x == s])
+            footprint[s] = mask[rows].any(dim=0)
+        roi = mask.clone()
+        for i, s in enumerate(self.subjects):
+            if not bool(roi[i].any()):
+                roi[i] = footprint[s] if bool(footprint[s].any()) else True
+        if margin > 0:
+            roi = F.max_pool2d(roi[:, None].float(), 2 * margin + 1, stride=1, padding=margin)[:, 0] > 0
+        return roi
 
 
 def spread_subset(data: SliceSet, count: int) -> SliceSet:

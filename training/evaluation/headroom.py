@@ -42,7 +42,6 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from masc_gadget.acquisition.episode import AcquisitionConfig, initial_lines
 from masc_gadget.acquisition.policies import center_out_rank
@@ -53,14 +52,14 @@ from masc_gadget.core.served import served_images
 from masc_gadget.device import resolve_device
 from masc_gadget.models.checkpoint import load_mar
 from sim_scanner.physics.coils import body_array
-from training.data import SliceSet, load_split
+from training.data import REGIONS, SliceSet, load_split
 from training.evaluation.sense import SenseRecon
 from training.evaluation.corruption import CorruptionModel, ReacquireOracle, draw_attempts, kspace_of
 from training.evaluation.stats import mean_std, paired_tests, subject_means, subject_tests
 from training.oracle import BeamOracle
 from training.population import population_order
 
-__all__ = ["HeadroomConfig", "REGIONS", "headroom", "periprosthetic_roi", "render_candidates", "render_headroom",
+__all__ = ["HeadroomConfig", "REGIONS", "headroom", "render_candidates", "render_headroom",
            "subject_folds", "write_headroom"]
 
 log = logging.getLogger(__name__)
@@ -69,8 +68,6 @@ RECONS = ("zero-filled", "sense")
 """How the acquired lines become an image: the product's zero-filled image (then MAR), or
 multi-coil CG-SENSE (no MAR)."""
 
-REGIONS = ("image", "implant")
-"""Where the line choice is scored: the whole image, or the periprosthetic region."""
 
 METHODS = ("oracle", "fixed", "center-out")
 """The rows of a headroom measurement."""
@@ -140,24 +137,6 @@ class HeadroomConfig:
             raise ValueError("corruption is measured on the zero-filled image: set recon zero-filled")
         if self.corruption > 0 and self.beam > 1:
             raise ValueError("with corruption the oracle is greedy over new lines and repeats: set beam 1")
-
-
-def periprosthetic_roi(data: SliceSet, margin: int) -> torch.Tensor:
-    """(N, H, W) bool: each slice's implant mask dilated by ``margin`` pixels. A slice the
-    implant does not cross takes its subject's implant footprint (the union over its slices); a
-    subject with no implant at all, the whole image."""
-    mask = data.implant_mask.bool()
-    footprint = {}
-    for s in dict.fromkeys(data.subjects):
-        rows = torch.as_tensor([i for i, x in enumerate(data.subjects) if x == s])
-        footprint[s] = mask[rows].any(dim=0)
-    roi = mask.clone()
-    for i, s in enumerate(data.subjects):
-        if not bool(roi[i].any()):
-            roi[i] = footprint[s] if bool(footprint[s].any()) else True
-    if margin > 0:
-        roi = F.max_pool2d(roi[:, None].float(), 2 * margin + 1, stride=1, padding=margin)[:, 0] > 0
-    return roi
 
 
 def subject_folds(subjects: list[str], folds: int) -> np.ndarray:
@@ -292,9 +271,13 @@ def _key(region: str) -> str:
 
 
 def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[str | Path],
-             progress: bool = True) -> dict[str, Any]:
-    """Measure the oracle's lead over the cross-fitted fixed order (module docstring) on
-    ``split`` of ``data_dir`` under each MAR network of ``mar_paths``; returns the report."""
+             progress: bool = True, policy_paths: list[str | Path] | None = None) -> dict[str, Any]:
+    """Measure the oracle's lead over the fixed order (module docstring) on ``split`` of
+    ``data_dir`` under each MAR network of ``mar_paths``; returns the report.
+
+    ``policy_paths``: one learned-policy checkpoint per MAR network (same order), e.g. MASC
+    trained under that frozen network: each plays the measured slices under its network, and the
+    report gives how much of the oracle's lead over the fixed order it captures."""
     hcfg: HeadroomConfig = config["headroom"]
     acq: AcquisitionConfig = config["acquisition"]
     sense = hcfg.recon == "sense"
@@ -302,13 +285,19 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
         raise ValueError("recon sense is scored without a MAR network (none is trained on SENSE images): drop --mar")
     if not sense and not mar_paths:
         raise ValueError("the headroom is measured under a MAR network: give at least one --mar")
+    policy_paths = list(policy_paths or [])
+    if policy_paths and len(policy_paths) != len(mar_paths):
+        raise ValueError(f"give one policy checkpoint per MAR network (the network it was trained under): "
+                         f"{len(policy_paths)} --policy for {len(mar_paths)} --mar")
+    if policy_paths and hcfg.corruption > 0:
+        raise ValueError("a learned policy cannot acquire a line again: measure it without headroom.corruption")
     device = resolve_device(hcfg.device)
     full = load_split(data_dir, split)
     if acq.initial + acq.budget > full.n_pe:
         raise ValueError(f"acquisition initial + budget ({acq.initial} + {acq.budget}) exceeds the data's "
                          f"{full.n_pe} phase-encoding lines")
     data = full.subset(measured_slices(full, hcfg.slices_per_subject))
-    roi = periprosthetic_roi(data, hcfg.margin)
+    roi = data.periprosthetic_roi(hcfg.margin)
     fit_data = fit_roi = None
     if hcfg.fit_split:
         if hcfg.fit_split == split:
@@ -319,7 +308,7 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
             raise ValueError(f"split {hcfg.fit_split!r} has {fit_full.n_pe} phase-encoding lines, split {split!r} "
                              f"{full.n_pe}: the fixed order must be fitted on the measured protocol")
         fit_data = fit_full.subset(measured_slices(fit_full, hcfg.slices_per_subject))
-        fit_roi = periprosthetic_roi(fit_data, hcfg.margin)
+        fit_roi = fit_data.periprosthetic_roi(hcfg.margin)
         log.info("fixed order fitted on %s/%s: %d slices of %d subjects", data_dir, hcfg.fit_split, len(fit_data),
                  len(set(fit_data.subjects)))
     log.info("headroom on %s/%s: %d slices of %d subjects, %d + %d of %d lines, region %s, beam %d, corruption "
@@ -331,17 +320,23 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
         maps = torch.from_numpy(body_array(hcfg.coils, tuple(data.target.shape[1:]), config["sequence"].fov_mm))
         recon = SenseRecon(maps.to(device), hcfg.sense_iterations)
     runs = []
-    for path in mar_paths or [None]:
+    for j, path in enumerate(mar_paths or [None]):
         mar, meta = (None, {}) if path is None else load_mar(path, device)
         if mar is not None:
             mar.eval()
         one = _measure_one(data, mar, acq, hcfg, roi, device, progress, recon, fit_data, fit_roi)
         scores = one.pop("scores")
+        if policy_paths:
+            one["policy"] = str(policy_paths[j])
+            one["policy_lines"], scores["policy"] = _play_policy(policy_paths[j], data, mar, acq, roi, device,
+                                                                 hcfg.batch_size, progress)
+            one["policy_vs_fixed"] = subject_tests(scores["policy"][key], scores["fixed"][key], data.subjects)
+            one["captured"] = _captured(scores, key)
         one.update({
             "mar": f"none ({hcfg.coils}-coil SENSE)" if path is None else str(path),
             "mar_metadata": {k: meta.get(k) for k in ("kind", "epoch", "code_version") if k in meta},
-            "slices": {m: {k: v.tolist() for k, v in scores[m].items()} for m in METHODS},
-            "means": {m: {k: float(np.mean(v)) for k, v in scores[m].items()} for m in METHODS},
+            "slices": {m: {k: v.tolist() for k, v in scores[m].items()} for m in scores},
+            "means": {m: {k: float(np.mean(v)) for k, v in scores[m].items()} for m in scores},
             "lead": subject_tests(scores["oracle"][key], scores["fixed"][key], data.subjects),
             "lead_psnr": subject_tests(scores["oracle"][key.replace("ssim", "psnr")],
                                        scores["fixed"][key.replace("ssim", "psnr")], data.subjects),
@@ -350,6 +345,10 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
         log.info("headroom under %s: oracle %.4f, fixed %.4f, centre-out %.4f %s; lead %+.4f (subject p %.2g)",
                  one["mar"], one["means"]["oracle"][key], one["means"]["fixed"][key], one["means"]["center-out"][key],
                  key, one["lead"]["diff"], one["lead"]["p_ttest"])
+        if policy_paths:
+            log.info("policy %s: %.4f %s, %+.4f over the fixed order (subject p %.2g), %.0f%% of the oracle's lead",
+                     one["policy"], one["means"]["policy"][key], key, one["policy_vs_fixed"]["diff"],
+                     one["policy_vs_fixed"]["p_ttest"], 100 * one["captured"])
         runs.append(one)
     report: dict[str, Any] = {
         "data": str(data_dir), "split": split, "n_slices": len(data), "n_subjects": len(set(data.subjects)),
@@ -359,6 +358,31 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
     }
     report["summary"] = summarise(report)
     return report
+
+
+@torch.no_grad()
+def _play_policy(path: str | Path, data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionConfig,
+                 roi: torch.Tensor, device: torch.device, batch_size: int, progress: bool
+                 ) -> tuple[list[list[int]], dict[str, np.ndarray]]:
+    """A learned policy's chosen lines on every slice, played under ``mar`` as the gadget plays
+    it, and their scores (:func:`score_masks`)."""
+    from masc_gadget.acquisition.learned import load_learned
+    from training.evaluation.evaluate import run_method
+
+    policy, _, _ = load_learned(path, device)
+    traj = run_method(policy, data, acq.initial, acq.budget, mar, 0, batch_size, device, progress=progress,
+                      lines_per_decision=acq.lines_per_decision)
+    chosen = traj.lines[:, acq.initial:]
+    return chosen.tolist(), score_masks(data, _masks(len(data), data.n_pe, acq.initial, chosen), mar, roi, device,
+                                        batch_size)
+
+
+def _captured(scores: dict[str, dict[str, np.ndarray]], key: str) -> float:
+    """The share of the oracle's lead over the fixed order that the policy captures (NaN when
+    the oracle does not lead)."""
+    lead = float(np.mean(scores["oracle"][key]) - np.mean(scores["fixed"][key]))
+    gain = float(np.mean(scores["policy"][key]) - np.mean(scores["fixed"][key]))
+    return gain / lead if lead > 0 else math.nan
 
 
 def summarise(report: dict[str, Any]) -> dict[str, Any]:
@@ -378,7 +402,24 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
     lead = mean_std(leads)
     verdict = ("adaptive line choice can pay here: train MASC for it" if lead["mean"] >= hcfg["gate"]
                else "a fixed order refit on this population is the method to deploy here")
+    out: dict[str, Any] = {}
+    if runs and all("policy" in r for r in runs):
+        gains = []
+        for r in runs:
+            a = np.asarray(r["slices"]["policy"][key]) - np.asarray(r["slices"]["fixed"][key])
+            gains.append(subject_means(a, subjects)[1])
+        pooled_gain = np.mean(gains, axis=0)
+        gain_test = paired_tests(pooled_gain, np.zeros_like(pooled_gain))
+        out["policy"] = {
+            "means": mean_std(np.array([r["means"]["policy"][key] for r in runs])),
+            "gain": mean_std(np.array([r["policy_vs_fixed"]["diff"] for r in runs])),
+            "captured": mean_std(np.array([r["captured"] for r in runs])),
+            "captured_per_mar": [r["captured"] for r in runs],
+            "p_subjects": gain_test["p_ttest"], "p_wilcoxon_subjects": gain_test["p_wilcoxon"],
+            "subjects_ahead": int((pooled_gain > 0).sum()),
+        }
     return {
+        **out,
         "metric": key,
         "lead": lead,
         "lead_per_mar": leads.tolist(),
@@ -428,7 +469,23 @@ def render_headroom(report: dict[str, Any]) -> str:
         "",
         f"Gate ({s['gate']:.2f} {key}): **{s['verdict']}**.",
     ]
+    if "policy" in s:
+        p = s["policy"]
+        lines += ["", "| MAR | learned policy | policy - fixed | subject p | share of the oracle's lead |",
+                  "| --- | --- | --- | --- | --- |"]
+        for r in report["runs"]:
+            lines.append(f"| {Path(r['mar']).name} | {_fmt(r['means']['policy'][key])} | "
+                         f"{r['policy_vs_fixed']['diff']:+.4f} | {r['policy_vs_fixed']['p_ttest']:.2g} | "
+                         f"{_percent(r['captured'])} |")
+        lines += ["", f"The learned policies ({', '.join(Path(r['policy']).name for r in report['runs'])}) gain "
+                  f"**{p['gain']['mean']:+.4f} +- {p['gain']['std']:.4f} {key}** over the fixed order, "
+                  f"{_percent(p['captured']['mean'])} of the oracle's lead; ahead for {p['subjects_ahead']} of "
+                  f"{s['n_subjects']} subjects (paired t-test over subjects p {p['p_subjects']:.2g})."]
     return "\n".join(lines) + "\n"
+
+
+def _percent(share: float) -> str:
+    return "-" if share is None or not math.isfinite(share) else f"{100 * share:.0f} %"
 
 
 def _fitted(h: dict[str, Any], short: bool = False) -> str:

@@ -30,9 +30,9 @@ from torch import nn
 from masc_gadget.acquisition.episode import EpisodeBatch, check_episode
 from masc_gadget.device import resolve_device
 from masc_gadget.core.kspace import to_hybrid, zero_filled_hybrid
-from masc_gadget.core.metrics import QualityReference, slice_metrics
+from masc_gadget.core.metrics import QualityReference, roi_metrics, slice_metrics
 from masc_gadget.core.served import served_images
-from training.data import SliceSet
+from training.data import REGIONS, SliceSet
 
 __all__ = ["BatchedAcquisitionEnv", "EnvConfig", "Observation"]
 
@@ -63,6 +63,14 @@ class EnvConfig:
     network they are computed on the zero-filled image."""
     n_envs: int = 16
     """Episodes (slices) stepped together in one batch on the device."""
+    region: str = "image"
+    """Where Q is computed: ``image`` (the whole image, the paper) or ``implant``, the
+    periprosthetic region (each slice's implant dilated by ``margin`` pixels,
+    :meth:`training.data.SliceSet.periprosthetic_roi`): the area a radiologist reads around an
+    implant. Validation then also reports the region's metrics (``roi_ssim``, ...), and the
+    checkpoint kept is the one with the best ``roi_ssim``."""
+    margin: int = 8
+    """With ``region: implant``: pixels the implant is dilated by."""
 
     def __post_init__(self) -> None:
         for name in ("alpha", "l_ssim", "l_nmse"):
@@ -82,6 +90,16 @@ class EnvConfig:
                 raise TypeError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.n_envs, bool) or not isinstance(self.n_envs, int) or self.n_envs < 1:
             raise ValueError(f"n_envs must be an integer >= 1, got {self.n_envs!r}")
+        if self.region not in REGIONS:
+            raise ValueError(f"region must be one of {', '.join(REGIONS)}, got {self.region!r}")
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
+            raise ValueError(f"margin must be an integer >= 0 (pixels), got {self.margin!r}")
+
+    @property
+    def selection_metric(self) -> str:
+        """The validation metric the kept checkpoint maximises: ``ssim``, or ``roi_ssim`` in the
+        periprosthetic region."""
+        return "ssim" if self.region == "image" else "roi_ssim"
 
 
 class Observation(NamedTuple):
@@ -157,6 +175,8 @@ class BatchedAcquisitionEnv:
         # reconstruction is then one 1D inverse FFT
         self._kspace_all = to_hybrid(kspace.to(self.device))
         self._target_all = data.target.to(self.device, torch.float32)  # (N, H, W)
+        # (N, H, W) bool where Q is computed, None for the whole image
+        self._roi_all = data.periprosthetic_roi(cfg.margin).to(self.device) if cfg.region == "implant" else None
         self._n_slices = len(data)
         self._generator = torch.Generator().manual_seed(int(seed))
         self._n_pe = int(n_pe)
@@ -256,7 +276,8 @@ class BatchedAcquisitionEnv:
 
     def _reference(self, slices: torch.Tensor) -> QualityReference:
         """The reward's target side for these slices ((n,) long), computed once per episode."""
-        return QualityReference(self._target_all[slices], self.cfg.l_ssim, self.cfg.l_nmse)
+        return QualityReference(self._target_all[slices], self.cfg.l_ssim, self.cfg.l_nmse,
+                                None if self._roi_all is None else self._roi_all[slices])
 
     def _measure(self, kspace: torch.Tensor, mask: torch.Tensor, ref: QualityReference,
                  force_mar: bool = False) -> _Measured:
@@ -471,7 +492,9 @@ class BatchedAcquisitionEnv:
               set, else ``I``;
             * ``masks`` (N, PE) bool: final masks;
             * ``lines`` (N, budget) long: the chosen lines in order;
-            * ``metrics``: :func:`masc_gadget.core.metrics.slice_metrics` of ``images`` (each (N,)).
+            * ``metrics``: :func:`masc_gadget.core.metrics.slice_metrics` of ``images`` (each (N,));
+              with ``region: implant`` also :func:`masc_gadget.core.metrics.roi_metrics` in the
+              periprosthetic region, as ``roi_ssim``, ``roi_psnr``, ...
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -510,6 +533,9 @@ class BatchedAcquisitionEnv:
             parts["lines"].append(torch.from_numpy(episodes.chosen()[:, self._initial:]))
             for key, value in slice_metrics(final, target).items():
                 metric_parts.setdefault(key, []).append(value)
+            if self._roi_all is not None:
+                for key, value in roi_metrics(final, target, self._roi_all[idx]).items():
+                    metric_parts.setdefault(f"roi_{key}", []).append(value)
         out: dict[str, Any] = {k: torch.cat(v).cpu() for k, v in parts.items()}
         out["index"] = idx_all.cpu()
         out["metrics"] = {k: torch.cat(v).cpu() for k, v in metric_parts.items()}

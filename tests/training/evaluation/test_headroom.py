@@ -12,8 +12,8 @@ from masc_gadget.config import load_config
 from masc_gadget.models.checkpoint import load_mar
 from tests.conftest import CONFIGS, write_perturbed_mar
 from training.data import load_split
-from training.evaluation.headroom import (HeadroomConfig, headroom, measured_slices, periprosthetic_roi,
-                                          render_headroom, subject_folds)
+from training.evaluation.headroom import (HeadroomConfig, headroom, measured_slices, render_headroom,
+                                          subject_folds)
 from training.population import population_order
 
 
@@ -31,15 +31,15 @@ def test_the_periprosthetic_region_grows_the_implant_and_covers_slices_it_misses
     data = load_split(tiny_dataset, "train")
     mask = data.implant_mask.bool()
     assert mask.any()
-    roi0, roi3 = periprosthetic_roi(data, 0), periprosthetic_roi(data, 3)
+    roi0, roi3 = data.periprosthetic_roi(0), data.periprosthetic_roi(3)
     assert torch.all(roi3 >= roi0) and int(roi3.sum()) > int(roi0.sum())
     hit = mask.reshape(len(data), -1).any(dim=1)
     assert torch.equal(roi0[hit], mask[hit])
     data.implant_mask[1] = 0  # a slice the implant misses: its subject's footprint
     footprint = data.implant_mask[[i for i, s in enumerate(data.subjects) if s == data.subjects[1]]].bool().any(dim=0)
-    assert torch.equal(periprosthetic_roi(data, 0)[1], footprint)
+    assert torch.equal(data.periprosthetic_roi(0)[1], footprint)
     data.implant_mask.zero_()  # no implant anywhere: the whole image
-    assert bool(periprosthetic_roi(data, 2).all())
+    assert bool(data.periprosthetic_roi(2).all())
     picked = measured_slices(load_split(tiny_dataset, "train"), 1)
     assert len(picked) == len(set(data.subjects))
 
@@ -96,10 +96,53 @@ def test_headroom_can_fit_the_order_on_another_split(tiny_dataset, perturbed_mar
     train = load_split(tiny_dataset, "train")
     fit = train.subset(measured_slices(train, 1))
     mar = load_mar(perturbed_mar, "cpu")[0].eval()
-    refit = population_order(fit, 1, 2, mar, torch.device("cpu"), roi=periprosthetic_roi(fit, 2))
+    refit = population_order(fit, 1, 2, mar, torch.device("cpu"), roi=fit.periprosthetic_roi(2))
     assert run["orders"] == [refit.tolist()]  # one order, the train split's, region objective included
     assert np.all(np.asarray(run["folds"]) == 0)
     text = render_headroom(report)
     assert "fixed order fitted on the train split" in text and "| fixed (fitted on train) |" in text
     with pytest.raises(ValueError, match="is the measured split"):
         headroom(config, tiny_dataset, "train", [perturbed_mar], progress=False)
+
+
+def test_headroom_scores_a_learned_policy_against_the_oracle_s_lead(tiny_dataset, perturbed_mar, tiny_masc, tmp_path):
+    args = ["--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset), "--split", "train",
+            "--set", "headroom.slices_per_subject=0"]
+    assert main(["headroom", *args, "--mar", str(perturbed_mar), "--policy", str(tiny_masc),
+                 "--out", str(tmp_path / "hr")]) == 0
+    report = json.loads((tmp_path / "hr" / "headroom.json").read_text())
+    run = report["runs"][0]
+    scores = {m: np.asarray(run["slices"][m]["ssim"]) for m in ("oracle", "fixed", "policy")}
+    gain, lead = scores["policy"].mean() - scores["fixed"].mean(), scores["oracle"].mean() - scores["fixed"].mean()
+    assert run["policy_vs_fixed"]["diff"] == pytest.approx(gain)
+    if lead > 0:
+        assert run["captured"] == pytest.approx(gain / lead)
+    lines = np.asarray(run["policy_lines"])
+    assert lines.shape == (report["n_slices"], 2) and all(len(set(r)) == 2 for r in lines.tolist())
+    assert "learned policy" in (tmp_path / "hr" / "headroom.md").read_text()
+    assert main(["headroom", *args, "--mar", str(perturbed_mar), "--policy", f"{tiny_masc},{tiny_masc}",
+                 "--out", str(tmp_path / "bad")]) == 2  # one policy per MAR network
+
+
+def test_region_reward_trains_and_selects_on_the_region(tiny_dataset, perturbed_mar, tmp_path):
+    from training.coadapt import train_masc
+    from training.rl.env import BatchedAcquisitionEnv, EnvConfig
+
+    data = load_split(tiny_dataset, "train")
+    roi = data.periprosthetic_roi(2)
+    env = BatchedAcquisitionEnv(data, EnvConfig(region="implant", margin=2, n_envs=2), 1, 2)
+    result = env.evaluate(lambda obs: torch.tensor([int(np.flatnonzero(~m)[0]) for m in obs.mask.numpy()]))
+    from masc_gadget.core.metrics import quality, roi_metrics
+    q = quality(result["images"], data.target, 0.5, 0.5, roi)
+    assert torch.allclose(result["final_quality"], q.float(), atol=1e-5)  # Q is computed in the region
+    assert torch.allclose(result["metrics"]["roi_ssim"], roi_metrics(result["images"], data.target, roi)["ssim"])
+    out = tmp_path / "region.pt"
+    config = load_config(CONFIGS / "tiny.yaml", ["masc_train.rollouts=2", "env.region=implant", "env.margin=2"])
+    train_masc(config, tiny_dataset, perturbed_mar, out, progress=False)
+    log = out.with_suffix(".csv").read_text().splitlines()
+    assert "val/roi_ssim" in log[0].split(",")
+    from masc_gadget.models.checkpoint import load_checkpoint
+    meta = load_checkpoint(out).metadata
+    assert "roi_ssim" in meta["best_val"] and meta["config"]["env"]["region"] == "implant"
+    with pytest.raises(ValueError, match="region must be one of image, implant"):
+        EnvConfig(region="knee")
