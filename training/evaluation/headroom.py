@@ -385,6 +385,16 @@ def _captured(scores: dict[str, dict[str, np.ndarray]], key: str) -> float:
     return gain / lead if lead > 0 else math.nan
 
 
+def _pooled_over_subjects(runs: list[dict[str, Any]], method: str, key: str, subjects: list[str]
+                          ) -> tuple[np.ndarray, dict[str, float]]:
+    """Each subject's ``method - fixed`` (its slices' mean), averaged over the MAR networks, and
+    the paired tests of those against zero."""
+    per_subject = [subject_means(np.asarray(r["slices"][method][key]) - np.asarray(r["slices"]["fixed"][key]),
+                                 subjects)[1] for r in runs]
+    pooled = np.mean(per_subject, axis=0)
+    return pooled, paired_tests(pooled, np.zeros_like(pooled))
+
+
 def summarise(report: dict[str, Any]) -> dict[str, Any]:
     """Mean and spread over the MAR networks, a test on the subjects' leads averaged over them,
     and the gate's verdict."""
@@ -393,23 +403,13 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
     labels = report["labels"]
     subjects = [lab.rsplit("/", 1)[0] for lab in labels]
     leads = np.array([r["lead"]["diff"] for r in runs])
-    per_subject = []
-    for r in runs:
-        a = np.asarray(r["slices"]["oracle"][key]) - np.asarray(r["slices"]["fixed"][key])
-        per_subject.append(subject_means(a, subjects)[1])
-    pooled = np.mean(per_subject, axis=0)
-    test = paired_tests(pooled, np.zeros_like(pooled))
+    pooled, test = _pooled_over_subjects(runs, "oracle", key, subjects)
     lead = mean_std(leads)
     verdict = ("adaptive line choice can pay here: train MASC for it" if lead["mean"] >= hcfg["gate"]
                else "a fixed order refit on this population is the method to deploy here")
     out: dict[str, Any] = {}
     if runs and all("policy" in r for r in runs):
-        gains = []
-        for r in runs:
-            a = np.asarray(r["slices"]["policy"][key]) - np.asarray(r["slices"]["fixed"][key])
-            gains.append(subject_means(a, subjects)[1])
-        pooled_gain = np.mean(gains, axis=0)
-        gain_test = paired_tests(pooled_gain, np.zeros_like(pooled_gain))
+        pooled_gain, gain_test = _pooled_over_subjects(runs, "policy", key, subjects)
         out["policy"] = {
             "means": mean_std(np.array([r["means"]["policy"][key] for r in runs])),
             "gain": mean_std(np.array([r["policy_vs_fixed"]["diff"] for r in runs])),
