@@ -146,3 +146,22 @@ def test_region_reward_trains_and_selects_on_the_region(tiny_dataset, perturbed_
     assert "roi_ssim" in meta["best_val"] and meta["config"]["env"]["region"] == "implant"
     with pytest.raises(ValueError, match="region must be one of image, implant"):
         EnvConfig(region="knee")
+
+
+def test_the_gate_reads_the_lead_over_the_better_fixed_order():
+    from training.evaluation.headroom import render_candidates, summarise
+
+    rng = np.random.default_rng(0)
+    labels = [f"sub-{i:02d}/0" for i in range(6)]
+    base = rng.uniform(0.1, 0.2, 6)
+    slices = {"oracle": base + 0.05, "fixed": base - 0.01, "center-out": base + 0.03}  # centre-out beats the fit
+    run = {"mar": "m.pt", "slices": {m: {"roi_ssim": v.tolist()} for m, v in slices.items()},
+           "means": {m: {"roi_ssim": float(v.mean())} for m, v in slices.items()},
+           "lead": {"diff": 0.06}, "lead_psnr": {"diff": 1.0}}
+    report = {"metric": "roi_ssim", "labels": labels, "runs": [run], "acquisition": {"initial": 2, "budget": 3},
+              "config": {"headroom": {"gate": 0.03, "region": "implant", "margin": 8, "beam": 4}}}
+    s = summarise(report)
+    assert s["best_fixed"] == ["center-out"] and s["lead"]["mean"] == pytest.approx(0.06)
+    assert s["lead_best"]["mean"] == pytest.approx(0.02) and not s["passes"]  # 0.06 over the fit, 0.02 over centre-out
+    assert s["subjects_oracle_ahead_best"] == 6
+    assert "+0.0200 ± 0.0000 roi_ssim | 6 / 6" in render_candidates({"x": report})
