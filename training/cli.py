@@ -147,6 +147,9 @@ def register_headroom(subparsers: argparse._SubParsersAction, common: argparse.A
                     "fixed order, one per --mar network in the same order (the network each was trained under, "
                     "e.g. masc train masc --set masc_train.mar_mode=frozen): the report gives the share of the "
                     "oracle's lead each captures")
+    hr.add_argument("--from", dest="from_dir", metavar="DIR", help="with --policy: score the policies against an "
+                    "earlier measurement (DIR/headroom.json: its data, slices and MAR networks) instead of measuring "
+                    "the oracle and the fixed order again")
     hr.add_argument("--split", default="val", choices=["train", "val", "test"],
                     help="the split measured (default val: the gate decides what to train)")
     hr.add_argument("--out", required=True, metavar="DIR", help="where headroom.json and headroom.md go")
@@ -157,8 +160,20 @@ def cmd_headroom(args: argparse.Namespace) -> int:
     import json
 
     from masc_gadget.cli import CommandError, config_from_args
-    from training.evaluation.headroom import headroom, render_candidates, render_headroom, write_headroom
+    from training.evaluation.headroom import add_policies, headroom, render_candidates, render_headroom, write_headroom
 
+    if args.from_dir:
+        path = Path(args.from_dir) / "headroom.json"
+        if not path.is_file():
+            raise CommandError(f"{args.from_dir}: no headroom.json (run masc headroom --out {args.from_dir} first)")
+        if not args.policy:
+            raise CommandError("--from scores learned policies against an earlier measurement: give --policy CKPT,...")
+        report = add_policies(config_from_args(args), json.loads(path.read_text()),
+                              [p.strip() for p in args.policy.split(",") if p.strip()])
+        paths = write_headroom(report, args.out)
+        print(render_headroom(report), end="")
+        print("written: " + ", ".join(str(p) for p in paths.values()))
+        return 0
     if args.combine:
         reports = {}
         for folder in (f.strip() for f in args.combine.split(",") if f.strip()):

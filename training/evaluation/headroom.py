@@ -59,7 +59,7 @@ from training.evaluation.stats import mean_std, paired_tests, subject_means, sub
 from training.oracle import BeamOracle
 from training.population import population_order
 
-__all__ = ["HeadroomConfig", "REGIONS", "headroom", "render_candidates", "render_headroom",
+__all__ = ["HeadroomConfig", "REGIONS", "add_policies", "headroom", "render_candidates", "render_headroom",
            "subject_folds", "write_headroom"]
 
 log = logging.getLogger(__name__)
@@ -330,12 +330,7 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
         one["best_fixed"] = best
         one["lead_best"] = subject_tests(scores["oracle"][key], scores[best][key], data.subjects)
         if policy_paths:
-            one["policy"] = str(policy_paths[j])
-            one["policy_lines"], scores["policy"] = _play_policy(policy_paths[j], data, mar, acq, roi, device,
-                                                                 hcfg.batch_size, progress)
-            one["policy_vs_fixed"] = subject_tests(scores["policy"][key], scores["fixed"][key], data.subjects)
-            one["policy_vs_best"] = subject_tests(scores["policy"][key], scores[best][key], data.subjects)
-            one["captured"] = _captured(scores, key, best)
+            _attach_policy(one, scores, policy_paths[j], data, mar, acq, roi, device, hcfg.batch_size, key, progress)
         one.update({
             "mar": f"none ({hcfg.coils}-coil SENSE)" if path is None else str(path),
             "mar_metadata": {k: meta.get(k) for k in ("kind", "epoch", "code_version") if k in meta},
@@ -349,10 +344,6 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
         log.info("headroom under %s: oracle %.4f, fixed %.4f, centre-out %.4f %s; lead %+.4f (subject p %.2g)",
                  one["mar"], one["means"]["oracle"][key], one["means"]["fixed"][key], one["means"]["center-out"][key],
                  key, one["lead"]["diff"], one["lead"]["p_ttest"])
-        if policy_paths:
-            log.info("policy %s: %.4f %s, %+.4f over the fixed order (subject p %.2g), %.0f%% of the oracle's lead",
-                     one["policy"], one["means"]["policy"][key], key, one["policy_vs_fixed"]["diff"],
-                     one["policy_vs_fixed"]["p_ttest"], 100 * one["captured"])
         runs.append(one)
     report: dict[str, Any] = {
         "data": str(data_dir), "split": split, "n_slices": len(data), "n_subjects": len(set(data.subjects)),
@@ -362,6 +353,62 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
     }
     report["summary"] = summarise(report)
     return report
+
+
+def _attach_policy(run: dict[str, Any], scores: dict[str, dict[str, np.ndarray]], path: str | Path,
+                   data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionConfig, roi: torch.Tensor,
+                   device: torch.device, batch_size: int, key: str, progress: bool) -> None:
+    """Play the learned policy ``path`` under ``mar`` and add its lines, scores, tests against
+    the fitted and the better fixed order, and captured share to ``run`` (and ``scores``)."""
+    best = _better_fixed({m: {key: float(np.mean(v[key]))} for m, v in scores.items()}, key)
+    run["policy"] = str(path)
+    run["policy_lines"], scores["policy"] = _play_policy(path, data, mar, acq, roi, device, batch_size, progress)
+    run["policy_vs_fixed"] = subject_tests(scores["policy"][key], scores["fixed"][key], data.subjects)
+    run["policy_vs_best"] = subject_tests(scores["policy"][key], scores[best][key], data.subjects)
+    run["captured"] = _captured(scores, key, best)
+    log.info("policy %s: %.4f %s, %+.4f over the better fixed order (%s, subject p %.2g), %.0f%% of the oracle's "
+             "lead", path, float(np.mean(scores["policy"][key])), key, run["policy_vs_best"]["diff"], best,
+             run["policy_vs_best"]["p_ttest"], 100 * run["captured"])
+
+
+def add_policies(config: Config, report: dict[str, Any], policy_paths: list[str | Path],
+                 progress: bool = True) -> dict[str, Any]:
+    """A headroom report with learned policies scored on its slices, one per MAR network (same
+    order), without measuring the oracle and the fixed order again: how a policy trained after
+    the gate is judged against the headroom it was trained for. Returns a new report."""
+    import copy
+
+    runs = report["runs"]
+    if len(policy_paths) != len(runs):
+        raise ValueError(f"give one policy checkpoint per MAR network of the report: {len(policy_paths)} --policy "
+                         f"for {len(runs)} network(s) ({', '.join(r['mar'] for r in runs)})")
+    h, rec = report["config"]["headroom"], report["acquisition"]
+    if h.get("recon") == "sense" or h.get("corruption", 0) > 0:
+        raise ValueError("learned policies are scored on the zero-filled image of first acquisitions: this report "
+                         "measured SENSE or corruption")
+    acq: AcquisitionConfig = config["acquisition"]
+    if (acq.initial, acq.budget) != (rec["initial"], rec["budget"]):
+        raise ValueError(f"the report measured {rec['initial']} + {rec['budget']} lines, the config gives "
+                         f"{acq.initial} + {acq.budget}: pass the same --set acquisition.* as the measurement")
+    full = load_split(report["data"], report["split"])
+    where = {full.label(i): i for i in range(len(full))}
+    missing = [lab for lab in report["labels"] if lab not in where]
+    if missing:
+        raise ValueError(f"{report['data']}/{report['split']} no longer holds the measured slices "
+                         f"({len(missing)} missing, e.g. {missing[0]})")
+    data = full.subset(np.asarray([where[lab] for lab in report["labels"]]))
+    roi = data.periprosthetic_roi(h["margin"])
+    device = resolve_device(h.get("device", "auto"))
+    key = report["metric"]
+    out = copy.deepcopy(report)
+    for run, path in zip(out["runs"], policy_paths):
+        mar = load_mar(run["mar"], device)[0].eval()
+        scores = {m: {k: np.asarray(v) for k, v in run["slices"][m].items()} for m in METHODS}
+        _attach_policy(run, scores, path, data, mar, acq, roi, device, h.get("batch_size", 32), key, progress)
+        run["slices"]["policy"] = {k: v.tolist() for k, v in scores["policy"].items()}
+        run["means"]["policy"] = {k: float(np.mean(v)) for k, v in scores["policy"].items()}
+    out["summary"] = summarise(out)
+    return out
 
 
 @torch.no_grad()

@@ -122,6 +122,16 @@ def test_headroom_scores_a_learned_policy_against_the_oracle_s_lead(tiny_dataset
     assert "learned policy" in (tmp_path / "hr" / "headroom.md").read_text()
     assert main(["headroom", *args, "--mar", str(perturbed_mar), "--policy", f"{tiny_masc},{tiny_masc}",
                  "--out", str(tmp_path / "bad")]) == 2  # one policy per MAR network
+    # the same policy scored against the earlier measurement, without measuring it again
+    assert main(["headroom", *args, "--mar", str(perturbed_mar), "--out", str(tmp_path / "bare")]) == 0
+    assert main(["headroom", "--config", str(CONFIGS / "tiny.yaml"), "--from", str(tmp_path / "bare"),
+                 "--policy", str(tiny_masc), "--out", str(tmp_path / "later")]) == 0
+    later = json.loads((tmp_path / "later" / "headroom.json").read_text())
+    assert later["runs"][0]["slices"]["policy"] == run["slices"]["policy"]
+    assert later["runs"][0]["captured"] == pytest.approx(run["captured"], nan_ok=True)
+    assert later["summary"]["policy"]["gain"]["mean"] == pytest.approx(report["summary"]["policy"]["gain"]["mean"])
+    assert main(["headroom", "--config", str(CONFIGS / "tiny.yaml"), "--from", str(tmp_path / "bare"),
+                 "--policy", str(tiny_masc), "--set", "acquisition.budget=3", "--out", str(tmp_path / "x")]) == 2
 
 
 def test_region_reward_trains_and_selects_on_the_region(tiny_dataset, perturbed_mar, tmp_path):
