@@ -260,7 +260,9 @@ class _Run:
             row.update(self._validate_and_save(rollout_number, stats))
         row["seconds"] = time.perf_counter() - self.t0
         self._append_csv(row, stats)
-        self.bar.set_postfix(ret=f"{stats['charts/episodic_return']:.3f}", **{f"best_{self.files.metric}": f"{self.best[self.files.metric]:.4f}"})
+        metric = self.files.metric
+        self.bar.set_postfix(ret=f"{stats['charts/episodic_return']:.3f}",
+                             **{f"best_{metric}": f"{self.best[metric]:.4f}"})
         self.bar.update()
 
     def _validate_and_save(self, rollout_number: int, stats: dict[str, float]) -> dict[str, float]:

@@ -27,8 +27,11 @@ networks. With ``corruption`` > 0, each acquisition of a line is corrupted with 
 play their lines' first acquisitions, and the oracle may also acquire a line again. With ``recon:
 sense`` the lines are reconstructed with ``coils`` receive coils by CG-SENSE
 (:mod:`training.evaluation.sense`) and scored without a MAR network (none is trained on such
-images), so that coil encoding can make lines redundant slice by slice. The gate: a lead below ``gate`` (0.03 SSIM) says a fixed order refit per population is
-the method to deploy there, and an adaptive policy is not worth training for it.
+images), so that coil encoding can make lines redundant slice by slice. The gate: a lead over
+the better fixed order (the fitted one, or centre-out) below ``gate`` (0.03 SSIM) says a fixed
+order refit per population is the method to deploy there, and an adaptive policy is not worth
+training for it. ``policy_paths`` adds learned policies, judged by the share of that lead they
+capture.
 """
 
 from __future__ import annotations
@@ -517,9 +520,11 @@ def render_headroom(report: dict[str, Any]) -> str:
         f"# Headroom of adaptive line choice: {report['data']} / {report['split']}",
         "",
         f"{report['n_slices']} slices of {report['n_subjects']} subjects, {acq['initial']} + {acq['budget']} of "
-        f"{acq['n_pe']} lines, scored in the {region} ({key}); {_fitted(h)}; {oracle}" + ("." if h.get("recon") == "sense" else f"; {len(report['runs'])} MAR network(s)."),
+        f"{acq['n_pe']} lines, scored in the {region} ({key}); {_fitted(h)}; {oracle}"
+        + ("." if h.get("recon") == "sense" else f"; {len(report['runs'])} MAR network(s)."),
         "",
-        f"| MAR | oracle | fixed ({_fitted(h, short=True)}) | centre-out | lead (oracle - fixed) | subject p | lead, dB |",
+        f"| MAR | oracle | fixed ({_fitted(h, short=True)}) | centre-out | lead (oracle - fixed) | subject p "
+        "| lead, dB |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in report["runs"]:
