@@ -7,6 +7,7 @@ import torch
 
 from masc_gadget.models.checkpoint import load_checkpoint
 from masc_gadget.config import load_config
+from masc_gadget.core.metrics import quality, roi_metrics
 from masc_gadget.serving.gadget import GadgetSettings, process
 from masc_gadget.acquisition.learned import load_masc
 from masc_gadget.mrd.header import parse_header
@@ -166,3 +167,23 @@ def test_mar_finetuning_with_the_pretraining_loss(tiny_dataset, tmp_path, pretra
     assert any(not torch.equal(before[k], after[k]) for k in before if before[k].is_floating_point())
     with pytest.raises(ValueError, match="mar_loss: must be one of 'mse', 'pretrain'"):
         load_config(CONFIGS / "tiny.yaml", ["masc_train.mar_loss=ssim"])
+
+
+def test_region_reward_trains_and_selects_on_the_region(tiny_dataset, perturbed_mar, tmp_path):
+    data = load_split(tiny_dataset, "train")
+    roi = data.periprosthetic_roi(2)
+    env = BatchedAcquisitionEnv(data, EnvConfig(region="implant", margin=2, n_envs=2), 1, 2)
+    result = env.evaluate(lambda obs: torch.tensor([int(np.flatnonzero(~m)[0]) for m in obs.mask.numpy()]))
+    q = quality(result["images"], data.target, 0.5, 0.5, roi)
+    assert torch.allclose(result["final_quality"], q.float(), atol=1e-5)  # Q is computed in the region
+    assert torch.allclose(result["metrics"]["roi_ssim"], roi_metrics(result["images"], data.target, roi)["ssim"])
+    out = tmp_path / "region.pt"
+    config = load_config(CONFIGS / "tiny.yaml", ["masc_train.rollouts=2", "env.region=implant", "env.margin=2"])
+    train_masc(config, tiny_dataset, perturbed_mar, out, progress=False)
+    log = out.with_suffix(".csv").read_text().splitlines()
+    assert "val/roi_ssim" in log[0].split(",")
+    meta = load_checkpoint(out).metadata
+    assert "roi_ssim" in meta["best_val"] and meta["config"]["env"]["region"] == "implant"
+    with pytest.raises(ValueError, match="region must be one of image, implant"):
+        EnvConfig(region="knee")
+

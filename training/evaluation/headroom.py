@@ -329,9 +329,7 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
             mar.eval()
         one = _measure_one(data, mar, acq, hcfg, roi, device, progress, recon, fit_data, fit_roi)
         scores = one.pop("scores")
-        best = _better_fixed({m: {key: float(np.mean(v[key]))} for m, v in scores.items()}, key)
-        one["best_fixed"] = best
-        one["lead_best"] = subject_tests(scores["oracle"][key], scores[best][key], data.subjects)
+        _judge_against_best(one, scores, key, data.subjects)
         if policy_paths:
             _attach_policy(one, scores, policy_paths[j], data, mar, acq, roi, device, hcfg.batch_size, key, progress)
         one.update({
@@ -362,8 +360,9 @@ def _attach_policy(run: dict[str, Any], scores: dict[str, dict[str, np.ndarray]]
                    data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionConfig, roi: torch.Tensor,
                    device: torch.device, batch_size: int, key: str, progress: bool) -> None:
     """Play the learned policy ``path`` under ``mar`` and add its lines, scores, tests against
-    the fitted and the better fixed order, and captured share to ``run`` (and ``scores``)."""
-    best = _better_fixed({m: {key: float(np.mean(v[key]))} for m, v in scores.items()}, key)
+    the fitted and the better fixed order (``run["best_fixed"]``, :func:`_judge_against_best`),
+    and captured share to ``run`` (and ``scores``)."""
+    best = run["best_fixed"]
     run["policy"] = str(path)
     run["policy_lines"], scores["policy"] = _play_policy(path, data, mar, acq, roi, device, batch_size, progress)
     run["policy_vs_fixed"] = subject_tests(scores["policy"][key], scores["fixed"][key], data.subjects)
@@ -372,6 +371,15 @@ def _attach_policy(run: dict[str, Any], scores: dict[str, dict[str, np.ndarray]]
     log.info("policy %s: %.4f %s, %+.4f over the better fixed order (%s, subject p %.2g), %.0f%% of the oracle's "
              "lead", path, float(np.mean(scores["policy"][key])), key, run["policy_vs_best"]["diff"], best,
              run["policy_vs_best"]["p_ttest"], 100 * run["captured"])
+
+
+def _judge_against_best(run: dict[str, Any], scores: dict[str, dict[str, np.ndarray]], key: str,
+                        subjects: list[str]) -> None:
+    """Name the run's better fixed order (:func:`_better_fixed`) and test the oracle's lead over
+    it over subjects (``best_fixed``, ``lead_best``)."""
+    best = _better_fixed({m: {key: float(np.mean(scores[m][key]))} for m in ("fixed", "center-out")}, key)
+    run["best_fixed"] = best
+    run["lead_best"] = subject_tests(scores["oracle"][key], scores[best][key], subjects)
 
 
 def add_policies(config: Config, report: dict[str, Any], policy_paths: list[str | Path],
@@ -407,6 +415,7 @@ def add_policies(config: Config, report: dict[str, Any], policy_paths: list[str 
     for run, path in zip(out["runs"], policy_paths):
         mar = load_mar(run["mar"], device)[0].eval()
         scores = {m: {k: np.asarray(v) for k, v in run["slices"][m].items()} for m in METHODS}
+        _judge_against_best(run, scores, key, data.subjects)  # a report written before the rule has none
         _attach_policy(run, scores, path, data, mar, acq, roi, device, h.get("batch_size", 32), key, progress)
         run["slices"]["policy"] = {k: v.tolist() for k, v in scores["policy"].items()}
         run["means"]["policy"] = {k: float(np.mean(v)) for k, v in scores["policy"].items()}

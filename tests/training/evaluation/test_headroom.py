@@ -134,30 +134,6 @@ def test_headroom_scores_a_learned_policy_against_the_oracle_s_lead(tiny_dataset
                  "--policy", str(tiny_masc), "--set", "acquisition.budget=3", "--out", str(tmp_path / "x")]) == 2
 
 
-def test_region_reward_trains_and_selects_on_the_region(tiny_dataset, perturbed_mar, tmp_path):
-    from training.coadapt import train_masc
-    from training.rl.env import BatchedAcquisitionEnv, EnvConfig
-
-    data = load_split(tiny_dataset, "train")
-    roi = data.periprosthetic_roi(2)
-    env = BatchedAcquisitionEnv(data, EnvConfig(region="implant", margin=2, n_envs=2), 1, 2)
-    result = env.evaluate(lambda obs: torch.tensor([int(np.flatnonzero(~m)[0]) for m in obs.mask.numpy()]))
-    from masc_gadget.core.metrics import quality, roi_metrics
-    q = quality(result["images"], data.target, 0.5, 0.5, roi)
-    assert torch.allclose(result["final_quality"], q.float(), atol=1e-5)  # Q is computed in the region
-    assert torch.allclose(result["metrics"]["roi_ssim"], roi_metrics(result["images"], data.target, roi)["ssim"])
-    out = tmp_path / "region.pt"
-    config = load_config(CONFIGS / "tiny.yaml", ["masc_train.rollouts=2", "env.region=implant", "env.margin=2"])
-    train_masc(config, tiny_dataset, perturbed_mar, out, progress=False)
-    log = out.with_suffix(".csv").read_text().splitlines()
-    assert "val/roi_ssim" in log[0].split(",")
-    from masc_gadget.models.checkpoint import load_checkpoint
-    meta = load_checkpoint(out).metadata
-    assert "roi_ssim" in meta["best_val"] and meta["config"]["env"]["region"] == "implant"
-    with pytest.raises(ValueError, match="region must be one of image, implant"):
-        EnvConfig(region="knee")
-
-
 def test_the_gate_reads_the_lead_over_the_better_fixed_order():
     from training.evaluation.headroom import render_candidates, summarise
 
