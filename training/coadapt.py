@@ -331,6 +331,11 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
     if tcfg.mar_mode != "none" and not mar_path:
         raise ValueError(f"mar_mode {tcfg.mar_mode!r} needs a pre-trained MAR checkpoint (--mar); "
                          "use --set masc_train.mar_mode=none to train without MAR")
+    if (ecfg.corruption > 0) != config["policy_net"].reacquire:
+        raise ValueError("a policy that may acquire a flagged line again needs corrupted acquisitions, and the "
+                         "reverse: set env.corruption > 0 together with policy_net.reacquire=true "
+                         f"(got env.corruption={ecfg.corruption}, policy_net.reacquire="
+                         f"{str(config['policy_net'].reacquire).lower()})")
     files = TrainingRun(out, ecfg.selection_metric, higher_is_better=True, main=dist.main, resume=resume, kind=KIND,
                         map_location=device)
     if tcfg.mar_mode == "none":

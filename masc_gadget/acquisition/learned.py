@@ -36,6 +36,8 @@ stages of <= :data:`MAX_CHANNELS`; ``hidden`` <= :data:`MAX_HIDDEN`; ``pool_size
 
 from __future__ import annotations
 
+import logging
+
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -335,6 +337,11 @@ def _masc_from(ck: Checkpoint, path: str | Path, device: str | torch.device) -> 
     if isinstance(train, bool) or not isinstance(train, int) or not 1 <= train <= meta["n_pe"]:
         raise ValueError(f"{path}: metadata prior_train must be an integer in [1, n_pe], got {train!r}")
     net.prior_train = train
+    if cfg.reacquire:
+        logging.getLogger(__name__).warning(
+            "%s was trained to acquire a line again when the scanner flags it corrupted (policy_net.reacquire); "
+            "the gadget receives no such flags and serves it as if none were (no repeats); masc headroom plays the flags",
+            path)
     return LearnedPolicy(net, observes_mar=meta["observes_mar"], device=device, metadata=meta)
 
 

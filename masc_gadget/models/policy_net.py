@@ -13,6 +13,7 @@ Layout (``channels`` = (c1, ..., cn), default (16, 32, 64))::
     actor    Linear hidden -> n_pe                                            -> logits (B, n_pe)
     critic   Linear hidden -> 1                                               -> value (B,)
     prior    (optional) + s * onehot(next line of a fixed order not yet acquired)  -> logits
+    repeat   (``reacquire``) + r * flagged lines; a third input plane holds them      -> logits
 
 With a prior (``prior_lines`` > 0, the order set by :meth:`PolicyNet.set_prior`), the actor
 starts from a fixed line order, e.g. the population-greedy one, and learns per-slice
@@ -60,6 +61,15 @@ class PolicyNetConfig:
     init, a bonus of 8 makes the untrained policy follow the order about 96 % of the time at
     128 lines; PPO then learns where to depart from it."""
 
+    reacquire: bool = False
+    """The policy may acquire a flagged line again (``env.corruption`` > 0): a third input plane
+    holds the lines the scanner flagged (``repeatable``, rows as the mask's), and the actor may
+    pick them."""
+    repeat_weight: float = 0.0
+    """With ``reacquire``: the initial logit bonus of a flagged line, a learnable scalar as the
+    prior's. Above ``prior_weight`` the untrained policy acquires every flagged line again
+    before the next line of its order (navigator gating); PPO then learns which to let go."""
+
     def __post_init__(self) -> None:
         channels = self.channels
         if not isinstance(channels, (tuple, list)) or not channels:
@@ -74,6 +84,12 @@ class PolicyNetConfig:
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < math.inf:
             raise ValueError(f"prior_weight must be a finite number >= 0, got {weight!r}")
         object.__setattr__(self, "prior_weight", float(weight))
+        if not isinstance(self.reacquire, bool):
+            raise TypeError(f"reacquire must be true or false, got {self.reacquire!r}")
+        weight = self.repeat_weight
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight < math.inf:
+            raise ValueError(f"repeat_weight must be a finite number >= 0, got {weight!r}")
+        object.__setattr__(self, "repeat_weight", float(weight))
 
 
 def masked_logits(logits: torch.Tensor, acquired: torch.Tensor) -> torch.Tensor:
@@ -85,6 +101,12 @@ def masked_logits(logits: torch.Tensor, acquired: torch.Tensor) -> torch.Tensor:
             f"acquired mask {tuple(acquired.shape)} must have the shape of the logits {tuple(logits.shape)}"
         )
     return logits.masked_fill(acquired.bool(), torch.finfo(logits.dtype).min)
+
+
+def blocked(mask: torch.Tensor, repeatable: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, n_pe) bool: the lines an action may not take, the acquired ones less the flagged
+    ones that may be acquired again (``repeatable``, None: none)."""
+    return mask.bool() if repeatable is None else mask.bool() & ~repeatable.bool()
 
 
 def masked_distribution(logits: torch.Tensor, acquired: torch.Tensor) -> Categorical:
@@ -179,7 +201,7 @@ class PolicyNet(nn.Module):
         # that throw-away init from advancing the global RNG.
         with isolated_rng():
             convs: list[nn.Module] = []
-            in_channels = 2
+            in_channels = 3 if cfg.reacquire else 2
             for out_channels in cfg.channels:
                 convs += [nn.Conv2d(in_channels, out_channels, 3, stride=2, padding=1), nn.ReLU()]
                 in_channels = out_channels
@@ -194,6 +216,7 @@ class PolicyNet(nn.Module):
         # buffer and parameter exist only with a prior, so checkpoints without one keep their keys
         self.register_buffer("prior_order", torch.arange(prior_lines, dtype=torch.int64) if prior_lines else None)
         self.prior_scale = nn.Parameter(torch.tensor(cfg.prior_weight)) if prior_lines else None
+        self.repeat_scale = nn.Parameter(torch.tensor(cfg.repeat_weight)) if cfg.reacquire else None
         self.prior_train = 1
         """Lines of the order the prior marks at once: the echo-train length the policy chooses
         (``acquisition.lines_per_decision``); kept in the checkpoint's metadata."""
@@ -212,6 +235,9 @@ class PolicyNet(nn.Module):
         if self.prior_scale is not None:
             with torch.no_grad():
                 self.prior_scale.fill_(self.config.prior_weight)
+        if self.repeat_scale is not None:
+            with torch.no_grad():
+                self.repeat_scale.fill_(self.config.repeat_weight)
 
     def set_prior(self, order: torch.Tensor | list[int]) -> None:
         """The fixed order the prior follows: ``prior_lines`` distinct lines in [0, n_pe)."""
@@ -243,33 +269,57 @@ class PolicyNet(nn.Module):
         take = free & (free.long().cumsum(dim=1) <= self.prior_train)
         return bonus.scatter(1, self.prior_order.expand(mask.shape[0], -1), take.float())
 
+    def _repeatable(self, mask: torch.Tensor, repeatable: torch.Tensor | None) -> torch.Tensor | None:
+        """The flagged lines as (B, n_pe) bool (none flagged when None), only for a network
+        that re-acquires."""
+        if not self.config.reacquire:
+            return None
+        if repeatable is None:
+            return torch.zeros(mask.shape, dtype=torch.bool, device=mask.device)
+        if tuple(repeatable.shape) != tuple(mask.shape):
+            raise ValueError(f"repeatable must be (B, n_pe) = {tuple(mask.shape)}, got {tuple(repeatable.shape)}")
+        return repeatable.bool() & mask.bool()
+
     def features(
-        self, image: torch.Tensor, mask: torch.Tensor, steps_left_frac: torch.Tensor
+        self, image: torch.Tensor, mask: torch.Tensor, steps_left_frac: torch.Tensor,
+        repeatable: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The shared trunk's output: (B, hidden). Arguments as in :meth:`forward`."""
-        x = torch.cat(input_planes(self, image, mask, steps_left_frac), dim=1)
+        planes = input_planes(self, image, mask, steps_left_frac)
+        flagged = self._repeatable(mask, repeatable)
+        if flagged is not None:
+            planes.append(flagged.to(planes[0].dtype)[:, None, :, None].expand_as(planes[0]))
+        x = torch.cat(planes, dim=1)
         h = self.encoder(x.contiguous(memory_format=torch.channels_last))
         h = torch.cat([h, steps_left_frac.to(h.dtype).unsqueeze(1)], dim=1)
         return self.trunk(h)
 
     def forward(
-        self, image: torch.Tensor, mask: torch.Tensor, steps_left_frac: torch.Tensor
+        self, image: torch.Tensor, mask: torch.Tensor, steps_left_frac: torch.Tensor,
+        repeatable: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """image: (B, H, W) magnitude images (any units); mask: (B, n_pe) bool, True = acquired;
-        steps_left_frac: (B,) steps left / budget in [0, 1].
+        steps_left_frac: (B,) steps left / budget in [0, 1]; repeatable: (B, n_pe) bool, the
+        acquired lines the scanner flagged, which may be acquired again (``reacquire`` networks
+        only; None: none flagged).
 
         Returns (logits (B, n_pe), value (B,)). The logits are *not* masked: use
-        :func:`masked_logits` / :func:`masked_distribution` with the same mask.
+        :func:`masked_logits` / :func:`masked_distribution` with :func:`blocked` of the same
+        mask and flags.
         """
-        h = self.features(image, mask, steps_left_frac)
+        h = self.features(image, mask, steps_left_frac, repeatable)
         logits = self.actor(h)
         if self.prior_scale is not None:
             logits = logits + self.prior_scale * self.prior_bonus(mask).to(logits.dtype)
+        flagged = self._repeatable(mask, repeatable)
+        if flagged is not None:
+            logits = logits + self.repeat_scale * flagged.to(logits.dtype)
         return logits, self.critic(h).squeeze(1)
 
-    def scores(self, image: torch.Tensor, mask: torch.Tensor, steps_left_frac: torch.Tensor) -> torch.Tensor:
+    def scores(self, image: torch.Tensor, mask: torch.Tensor, steps_left_frac: torch.Tensor,
+               repeatable: torch.Tensor | None = None) -> torch.Tensor:
         """(B, n_pe) masked logits: what a greedy policy takes the argmax of."""
-        return masked_logits(self(image, mask, steps_left_frac)[0], mask)
+        return masked_logits(self(image, mask, steps_left_frac, repeatable)[0], blocked(mask, repeatable))
 
     def extra_repr(self) -> str:
         prior = f", prior_lines={self.prior_lines}" if self.prior_lines else ""

@@ -23,7 +23,7 @@ fixed`` is tested over subjects (:func:`training.evaluation.stats.subject_tests`
 MAR networks (``--mar A,B,C``, e.g. three training seeds) each is measured apart, and the
 report gives the mean and spread of the lead and a test on the subjects' leads averaged over the
 networks. With ``corruption`` > 0, each acquisition of a line is corrupted with that probability
-(:mod:`training.evaluation.corruption`, ``motion`` or ``spike``): the fixed order and centre-out
+(:mod:`training.rl.corruption`, ``motion`` or ``spike``): the fixed order and centre-out
 play their lines' first acquisitions, and the oracle may also acquire a line again. With ``recon:
 sense`` the lines are reconstructed with ``coils`` receive coils by CG-SENSE
 (:mod:`training.evaluation.sense`) and scored without a MAR network (none is trained on such
@@ -36,6 +36,7 @@ capture.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -57,7 +58,8 @@ from masc_gadget.models.checkpoint import load_mar
 from sim_scanner.physics.coils import body_array
 from training.data import REGIONS, SliceSet, load_split
 from training.evaluation.sense import SenseRecon
-from training.evaluation.corruption import CorruptionModel, ReacquireOracle, draw_attempts, kspace_of
+from training.rl.corruption import CorruptionModel, ReacquireOracle, draw_attempts, kspace_of
+from training.rl.env import BatchedAcquisitionEnv, EnvConfig
 from training.evaluation.stats import mean_std, paired_tests, subject_means, subject_tests
 from training.oracle import BeamOracle
 from training.population import population_order
@@ -105,6 +107,11 @@ class HeadroomConfig:
     """``motion`` (a rigid shift along the readout during that line) or ``spike``."""
     attempts: int = 3
     """With corruption: acquisitions of one line at most (the first and its repeats)."""
+    detection: float = 0.9
+    """With corruption: the probability that the scanner flags a corrupted acquisition (what the
+    gated order and a learned policy see; the oracle knows every draw)."""
+    false_alarm: float = 0.02
+    """With corruption: the probability that it flags a clean acquisition."""
     seed: int = 0
     """The corruption draws' seed."""
     recon: str = "zero-filled"
@@ -129,7 +136,7 @@ class HeadroomConfig:
             raise ValueError(f"beam and batch_size must be >= 1, got {self.beam} and {self.batch_size}")
         if not self.gate > 0:
             raise ValueError(f"gate must be > 0, got {self.gate}")
-        CorruptionModel(self.corruption, self.corruption_kind)  # refuses a bad probability or kind
+        self.corruption_model()  # refuses a bad probability or kind
         if self.attempts < 1 or self.seed < 0:
             raise ValueError(f"attempts must be >= 1 and seed >= 0, got {self.attempts} and {self.seed}")
         if self.recon not in RECONS:
@@ -141,6 +148,18 @@ class HeadroomConfig:
         if self.corruption > 0 and self.beam > 1:
             raise ValueError("with corruption the oracle is greedy over new lines and repeats: set beam 1")
 
+
+    def corruption_model(self) -> CorruptionModel:
+        """The corruption and the scanner's flags."""
+        return CorruptionModel(self.corruption, self.corruption_kind, detection=self.detection,
+                               false_alarm=self.false_alarm)
+
+    def env_config(self, observe_mar: bool = True) -> EnvConfig:
+        """The acquisition environment that replays this measurement's draws (the same attempts
+        and flags of every line of every slice) for the gated order and learned policies."""
+        return EnvConfig(n_envs=1, region=self.region, margin=self.margin, corruption=self.corruption,
+                         corruption_kind=self.corruption_kind, attempts=self.attempts, detection=self.detection,
+                         false_alarm=self.false_alarm, corruption_seed=self.seed, observe_mar=observe_mar)
 
 def subject_folds(subjects: list[str], folds: int) -> np.ndarray:
     """(N,) int: the fold of each slice, its subject's position in sorted order modulo ``folds``
@@ -197,6 +216,23 @@ def score_masks(data: SliceSet, masks: np.ndarray, mar: torch.nn.Module | None, 
     return {k: np.concatenate(v) for k, v in out.items()}
 
 
+def gated_policy(order: np.ndarray, n_pe: int) -> Callable[[Any], torch.Tensor]:
+    """The fixed order with navigator gating, for :meth:`BatchedAcquisitionEnv.evaluate`: while
+    an acquired line is flagged (and has attempts left) it is acquired again, the most central
+    first; otherwise the next line of ``order`` not yet acquired."""
+    order_t = torch.as_tensor(np.asarray(order), dtype=torch.int64)
+    distance = (torch.arange(n_pe) - n_pe // 2).abs().float()
+
+    def choose(obs: Any) -> torch.Tensor:
+        mask, flagged = obs.mask.cpu(), obs.repeatable.cpu()
+        free = ~mask[:, order_t]
+        following = order_t[free.to(torch.uint8).argmax(dim=1)]
+        central = torch.where(flagged, -distance, torch.tensor(-math.inf)).argmax(dim=1)
+        return torch.where(flagged.any(dim=1), central, following)
+
+    return choose
+
+
 def _measure_one(data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionConfig, hcfg: HeadroomConfig,
                  roi: torch.Tensor, device: torch.device, progress: bool,
                  recon: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = zero_filled,
@@ -210,7 +246,7 @@ def _measure_one(data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionCo
     oracle = BeamOracle(hcfg.beam, recon=recon)
     attempts = None
     if hcfg.corruption > 0:  # every method's first acquisitions; the oracle may repeat a line
-        model = CorruptionModel(hcfg.corruption, hcfg.corruption_kind)
+        model = hcfg.corruption_model()
         attempts, corrupted = draw_attempts(data.kspace_metal, data.slices, model, hcfg.attempts, hcfg.seed)
         clean = data
         data = replace(data, kspace_metal=attempts[:, 0].contiguous())
@@ -258,9 +294,20 @@ def _measure_one(data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionCo
     if attempts is not None:  # the oracle's own acquisitions, repeats included
         served = replace(clean, kspace_metal=kspace_of(attempts, count))
         scores["oracle"] = score_masks(served, count > 0, mar, roi, device, hcfg.batch_size)
+        # the fitted order, acquiring each flagged line again first (navigator gating)
+        env = BatchedAcquisitionEnv(clean, hcfg.env_config(), initial, budget, mar, device)
+        gated_count = np.zeros_like(count)
+        for k in np.unique(folds):
+            rows = np.flatnonzero(folds == k)
+            played = env.evaluate(gated_policy(fixed[rows[0]], n_pe), indices=rows, batch_size=hcfg.batch_size)
+            gated_count[rows] = played["counts"].numpy()
+        scores["gated"] = score_masks(replace(clean, kspace_metal=kspace_of(attempts, gated_count)), gated_count > 0,
+                                      mar, roi, device, hcfg.batch_size)
+        record["gated_counts"] = gated_count.tolist()
         first = corrupted[:, 0]
         record["corruption"] = {
             "repeats_per_slice": float((count.sum(axis=1) - count.astype(bool).sum(axis=1)).mean()),
+            "repeats_per_slice_gated": float((gated_count.sum(axis=1) - (gated_count > 0).sum(axis=1)).mean()),
             "corrupted_lines_fixed": float(np.mean([first[i, _masks(1, n_pe, initial, fixed[i])[0]].sum()
                                                     for i in range(n)])),
             "corrupted_lines_oracle": float(np.mean([corrupted[i, np.clip(count[i] - 1, 0, None), np.arange(n_pe)]
@@ -292,8 +339,6 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
     if policy_paths and len(policy_paths) != len(mar_paths):
         raise ValueError(f"give one policy checkpoint per MAR network (the network it was trained under): "
                          f"{len(policy_paths)} --policy for {len(mar_paths)} --mar")
-    if policy_paths and hcfg.corruption > 0:
-        raise ValueError("a learned policy cannot acquire a line again: measure it without headroom.corruption")
     device = resolve_device(hcfg.device)
     full = load_split(data_dir, split)
     if acq.initial + acq.budget > full.n_pe:
@@ -330,8 +375,11 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
         one = _measure_one(data, mar, acq, hcfg, roi, device, progress, recon, fit_data, fit_roi)
         scores = one.pop("scores")
         _judge_against_best(one, scores, key, data.subjects)
+        if "gated" in scores:
+            one["gated_vs_fixed"] = subject_tests(scores["gated"][key], scores["fixed"][key], data.subjects)
+            one["lead_gated"] = subject_tests(scores["oracle"][key], scores["gated"][key], data.subjects)
         if policy_paths:
-            _attach_policy(one, scores, policy_paths[j], data, mar, acq, roi, device, hcfg.batch_size, key, progress)
+            _attach_policy(one, scores, policy_paths[j], data, mar, acq, roi, device, hcfg, key, progress)
         one.update({
             "mar": f"none ({hcfg.coils}-coil SENSE)" if path is None else str(path),
             "mar_metadata": {k: meta.get(k) for k in ("kind", "epoch", "code_version") if k in meta},
@@ -358,13 +406,20 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
 
 def _attach_policy(run: dict[str, Any], scores: dict[str, dict[str, np.ndarray]], path: str | Path,
                    data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionConfig, roi: torch.Tensor,
-                   device: torch.device, batch_size: int, key: str, progress: bool) -> None:
+                   device: torch.device, hcfg: HeadroomConfig, key: str, progress: bool) -> None:
     """Play the learned policy ``path`` under ``mar`` and add its lines, scores, tests against
     the fitted and the better fixed order (``run["best_fixed"]``, :func:`_judge_against_best`),
-    and captured share to ``run`` (and ``scores``)."""
+    and captured share to ``run`` (and ``scores``). With corruption the policy plays the
+    measurement's draws, sees the scanner's flags and may acquire a flagged line again; it is
+    also tested against the gated order."""
     best = run["best_fixed"]
     run["policy"] = str(path)
-    run["policy_lines"], scores["policy"] = _play_policy(path, data, mar, acq, roi, device, batch_size, progress)
+    if hcfg.corruption > 0:
+        run["policy_lines"], scores["policy"] = _play_reacquiring(path, data, mar, acq, roi, device, hcfg)
+        run["policy_vs_gated"] = subject_tests(scores["policy"][key], scores["gated"][key], data.subjects)
+    else:
+        run["policy_lines"], scores["policy"] = _play_policy(path, data, mar, acq, roi, device, hcfg.batch_size,
+                                                             progress)
     run["policy_vs_fixed"] = subject_tests(scores["policy"][key], scores["fixed"][key], data.subjects)
     run["policy_vs_best"] = subject_tests(scores["policy"][key], scores[best][key], data.subjects)
     run["captured"] = _captured(scores, key, best)
@@ -394,9 +449,11 @@ def add_policies(config: Config, report: dict[str, Any], policy_paths: list[str 
         raise ValueError(f"give one policy checkpoint per MAR network of the report: {len(policy_paths)} --policy "
                          f"for {len(runs)} network(s) ({', '.join(r['mar'] for r in runs)})")
     h, rec = report["config"]["headroom"], report["acquisition"]
-    if h.get("recon") == "sense" or h.get("corruption", 0) > 0:
-        raise ValueError("learned policies are scored on the zero-filled image of first acquisitions: this report "
-                         "measured SENSE or corruption")
+    if h.get("recon") == "sense":
+        raise ValueError("learned policies are scored on the zero-filled image: this report measured SENSE")
+    if h.get("corruption", 0) > 0 and "gated" not in runs[0]["slices"]:
+        raise ValueError("this corruption report has no gated order (it was measured before the scanner's flags "
+                         "were modelled): measure it again, with --policy")
     acq: AcquisitionConfig = config["acquisition"]
     if (acq.initial, acq.budget) != (rec["initial"], rec["budget"]):
         raise ValueError(f"the report measured {rec['initial']} + {rec['budget']} lines, the config gives "
@@ -409,14 +466,17 @@ def add_policies(config: Config, report: dict[str, Any], policy_paths: list[str 
                          f"({len(missing)} missing, e.g. {missing[0]})")
     data = full.subset(np.asarray([where[lab] for lab in report["labels"]]))
     roi = data.periprosthetic_roi(h["margin"])
+    known = {f.name for f in dataclasses.fields(HeadroomConfig)}
+    hcfg = HeadroomConfig(**{k: v for k, v in h.items() if k in known})  # the measurement's settings
     device = resolve_device(h.get("device", "auto"))
     key = report["metric"]
     out = copy.deepcopy(report)
     for run, path in zip(out["runs"], policy_paths):
         mar = load_mar(run["mar"], device)[0].eval()
-        scores = {m: {k: np.asarray(v) for k, v in run["slices"][m].items()} for m in METHODS}
+        scores = {m: {k: np.asarray(v) for k, v in run["slices"][m].items()} for m in (*METHODS, "gated")
+                  if m in run["slices"]}
         _judge_against_best(run, scores, key, data.subjects)  # a report written before the rule has none
-        _attach_policy(run, scores, path, data, mar, acq, roi, device, h.get("batch_size", 32), key, progress)
+        _attach_policy(run, scores, path, data, mar, acq, roi, device, hcfg, key, progress)
         run["slices"]["policy"] = {k: v.tolist() for k, v in scores["policy"].items()}
         run["means"]["policy"] = {k: float(np.mean(v)) for k, v in scores["policy"].items()}
     out["summary"] = summarise(out)
@@ -438,6 +498,29 @@ def _play_policy(path: str | Path, data: SliceSet, mar: torch.nn.Module | None, 
     chosen = traj.lines[:, acq.initial:]
     return chosen.tolist(), score_masks(data, _masks(len(data), data.n_pe, acq.initial, chosen), mar, roi, device,
                                         batch_size)
+
+
+@torch.no_grad()
+def _play_reacquiring(path: str | Path, data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionConfig,
+                      roi: torch.Tensor, device: torch.device, hcfg: HeadroomConfig
+                      ) -> tuple[list[list[int]], dict[str, np.ndarray]]:
+    """A learned policy played greedily on the measurement's corrupted acquisitions (the same
+    draws and flags as the oracle and the gated order), and the scores of what it served."""
+    from masc_gadget.acquisition.learned import load_learned
+    from training.rl.ppo import greedy_actions
+
+    policy, _, _ = load_learned(path, device)
+    net = getattr(policy, "net", None)
+    if net is None or not getattr(net.config, "reacquire", False):
+        raise ValueError(f"{path} is not a policy that acquires flagged lines again (policy_net.reacquire): "
+                         "score it on a measurement without headroom.corruption")
+    env = BatchedAcquisitionEnv(data, hcfg.env_config(observe_mar=policy.observes_mar), acq.initial, acq.budget,
+                                mar, device)
+    played = env.evaluate(lambda obs: greedy_actions(net, obs, acq.budget), batch_size=hcfg.batch_size)
+    count = played["counts"].numpy()
+    attempts, _ = draw_attempts(data.kspace_metal, data.slices, hcfg.corruption_model(), hcfg.attempts, hcfg.seed)
+    served = replace(data, kspace_metal=kspace_of(attempts, count))
+    return played["lines"].tolist(), score_masks(served, count > 0, mar, roi, device, hcfg.batch_size)
 
 
 def _captured(scores: dict[str, dict[str, np.ndarray]], key: str, best: str) -> float:
@@ -484,6 +567,13 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
     verdict = ("adaptive line choice can pay here: train MASC for it" if passes
                else "a fixed order refit on this population is the method to deploy here")
     out: dict[str, Any] = {}
+    if runs and all("gated" in r["means"] for r in runs):  # corruption: the fitted order with navigator gating
+        gated_gain = np.array([r["means"]["gated"][key] - r["means"][b][key] for r, b in zip(runs, best_fixed)])
+        out["gated"] = {
+            "means": mean_std(np.array([r["means"]["gated"][key] for r in runs])),
+            "gain": mean_std(gated_gain),
+            "captured": mean_std(gated_gain / np.maximum(best_leads, 1e-12)),
+        }
     if runs and all("policy" in r for r in runs):
         pooled_gain, gain_test = _pooled_over_subjects(runs, "policy", key, subjects, best=True)
         out["policy"] = {
@@ -495,6 +585,15 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
             "p_subjects": gain_test["p_ttest"], "p_wilcoxon_subjects": gain_test["p_wilcoxon"],
             "subjects_ahead": int((pooled_gain > 0).sum()),
         }
+        if all("policy_vs_gated" in r for r in runs):
+            per_subject = [subject_means(np.asarray(r["slices"]["policy"][key]) - np.asarray(r["slices"]["gated"][key]),
+                                         subjects)[1] for r in runs]
+            pooled_vs_gated = np.mean(per_subject, axis=0)
+            vs_gated = paired_tests(pooled_vs_gated, np.zeros_like(pooled_vs_gated))
+            out["policy"]["vs_gated"] = {
+                "diff": mean_std(np.array([r["policy_vs_gated"]["diff"] for r in runs])),
+                "p_subjects": vs_gated["p_ttest"], "subjects_ahead": int((pooled_vs_gated > 0).sum()),
+            }
     return {
         **out,
         "metric": key,
@@ -558,6 +657,13 @@ def render_headroom(report: dict[str, Any]) -> str:
         "",
         f"Gate ({s['gate']:.2f} {key}): **{s['verdict']}**.",
     ]
+    if "gated" in s:
+        g = s["gated"]
+        lines += ["", f"The fitted order with navigator gating (each flagged line acquired again before the next line, "
+                  f"the scanner flagging {h.get('detection', 0.9):.0%} of corrupted and {h.get('false_alarm', 0.02):.0%} "
+                  f"of clean acquisitions) serves **{g['means']['mean']:.4f} +- {g['means']['std']:.4f} {key}**, "
+                  f"{g['gain']['mean']:+.4f} over the better fixed order ({_percent(g['captured']['mean'])} of the "
+                  "oracle's lead): a rule, not a learned policy, and the bar a learned one has to clear here."]
     if "policy" in s:
         p = s["policy"]
         lines += ["", "| MAR | learned policy | policy - fitted order | policy - better fixed order | subject p "
@@ -570,6 +676,10 @@ def render_headroom(report: dict[str, Any]) -> str:
                   f"**{p['gain']['mean']:+.4f} +- {p['gain']['std']:.4f} {key}** over the better fixed order, "
                   f"{_percent(p['captured']['mean'])} of the oracle's lead; ahead for {p['subjects_ahead']} of "
                   f"{s['n_subjects']} subjects (paired t-test over subjects p {p['p_subjects']:.2g})."]
+        if "vs_gated" in p:
+            v = p["vs_gated"]
+            lines += ["", f"Against the gated order: **{v['diff']['mean']:+.4f} +- {v['diff']['std']:.4f} {key}**, "
+                      f"ahead for {v['subjects_ahead']} of {s['n_subjects']} subjects (p {v['p_subjects']:.2g})."]
     return "\n".join(lines) + "\n"
 
 

@@ -27,14 +27,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from masc_gadget.acquisition.episode import EpisodeBatch, check_episode
+from masc_gadget.acquisition.episode import EpisodeBatch, _as_lines, check_episode
 from masc_gadget.device import resolve_device
+from masc_gadget.models.policy_net import blocked
 from masc_gadget.core.kspace import to_hybrid, zero_filled_hybrid
 from masc_gadget.core.metrics import QualityReference, roi_metrics, slice_metrics
 from masc_gadget.core.served import served_images
 from training.data import REGIONS, SliceSet
+from training.rl.corruption import CorruptionModel, corrupt_slice, draw_flagged, kspace_of
 
-__all__ = ["BatchedAcquisitionEnv", "EnvConfig", "Observation"]
+__all__ = ["BatchedAcquisitionEnv", "EnvConfig", "Observation", "RepeatEpisodes", "blocked_lines"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,24 @@ class EnvConfig:
     checkpoint kept is the one with the best ``roi_ssim``."""
     margin: int = 8
     """With ``region: implant``: pixels the implant is dilated by."""
+    corruption: float = 0.0
+    """Probability that an acquisition of a line is corrupted (0: none,
+    :class:`training.rl.corruption.CorruptionModel`). With corruption, the scanner flags
+    each acquisition it finds corrupted (``detection``, ``false_alarm``), and an acquired line
+    whose latest acquisition is flagged may be acquired again, up to ``attempts`` times: that
+    spends a line of the budget, and the new acquisition replaces the flagged one."""
+    corruption_kind: str = "motion"
+    """``motion`` (a rigid shift along the readout during that line) or ``spike``."""
+    attempts: int = 3
+    """With corruption: acquisitions of one line at most (the first and its repeats)."""
+    detection: float = 0.9
+    """With corruption: the probability that the scanner flags a corrupted acquisition."""
+    false_alarm: float = 0.02
+    """With corruption: the probability that it flags a clean one."""
+    corruption_seed: int = 0
+    """With corruption: the seed of :meth:`BatchedAcquisitionEnv.evaluate`'s draws, which are
+    those of ``masc headroom`` with ``headroom.seed`` (training episodes draw from the env's
+    own stream)."""
 
     def __post_init__(self) -> None:
         for name in ("alpha", "l_ssim", "l_nmse"):
@@ -94,6 +114,16 @@ class EnvConfig:
             raise ValueError(f"region must be one of {', '.join(REGIONS)}, got {self.region!r}")
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
             raise ValueError(f"margin must be an integer >= 0 (pixels), got {self.margin!r}")
+        self.corruption_model()  # refuses a bad probability or kind
+        for name in ("attempts", "corruption_seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "attempts" else 0):
+                raise ValueError(f"{name} must be an integer >= {1 if name == 'attempts' else 0}, got {value!r}")
+
+    def corruption_model(self) -> CorruptionModel:
+        """The corruption and the scanner's flags (``corruption``, ``detection``, ...)."""
+        return CorruptionModel(self.corruption, self.corruption_kind, detection=self.detection,
+                               false_alarm=self.false_alarm)
 
     @property
     def selection_metric(self) -> str:
@@ -111,6 +141,77 @@ class Observation(NamedTuple):
     """(B, PE) bool, True for acquired lines."""
     steps_left: torch.Tensor
     """(B,) long, lines still to choose in the episode."""
+    repeatable: torch.Tensor | None = None
+    """(B, PE) bool with corruption (``EnvConfig.corruption``), else None: acquired lines whose
+    latest acquisition the scanner flagged, with attempts left; the policy may acquire them
+    again."""
+
+
+def blocked_lines(obs: Any) -> torch.Tensor:
+    """(B, PE) bool: the lines an action may not take, the acquired ones less those the
+    observation allows again (``repeatable``, with corruption)."""
+    repeatable = getattr(obs, "repeatable", None)
+    return blocked(obs.mask, None if repeatable is None else repeatable.to(obs.mask.device))
+
+
+class RepeatEpisodes(EpisodeBatch):
+    """Episodes in which a line may be acquired again (``EnvConfig.corruption``): every
+    acquisition, first or repeat, spends a step of the budget. ``counts`` (B, PE) int64 holds
+    each line's acquisitions (the mask is ``counts > 0``) and ``order`` lists the acquisitions in
+    their order, repeats included."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.counts = np.zeros((0, 0), dtype=np.int64)
+        super().__init__(*args, **kwargs)
+
+    def reset(self, rows: Any = None, rngs: Any = None) -> None:
+        if self.counts.shape != self.masks.shape:
+            self.counts = np.zeros(self.masks.shape, dtype=np.int64)
+        super().reset(rows, rngs)
+        rows = self._rows(rows)
+        self.counts[rows] = self._first
+
+    def _set(self, rows: np.ndarray, a: np.ndarray) -> None:
+        super()._set(rows, a)
+        self.counts[rows, a] += 1
+
+    def acquire(self, lines: Any, rows: Any = None, allow_finished: bool = False,
+                repeatable: np.ndarray | None = None) -> None:
+        """As :meth:`EpisodeBatch.acquire`, and a line already acquired is acquired again where
+        ``repeatable`` (B, PE) bool allows it (ValueError naming the episode and the line
+        elsewhere; nothing is changed then)."""
+        rows = self._rows(rows)
+        a = _as_lines(lines, rows.size, self.name)
+        inside = (a >= 0) & (a < self.n_pe)
+        again = np.zeros(rows.size, dtype=bool)
+        again[inside] = self.masks[rows[inside], a[inside]]
+        if again.any():
+            allowed = (np.zeros(again.sum(), dtype=bool) if repeatable is None
+                       else np.asarray(repeatable)[rows[again], a[again]])
+            if not allowed.all():
+                i = int(np.flatnonzero(again)[np.flatnonzero(~allowed)[0]])
+                raise ValueError(f"{self.name} {i}: line {a[i]} is already acquired and its last acquisition "
+                                 "was not flagged (or it has no attempts left); only a flagged line may be "
+                                 "acquired again")
+            if not allow_finished and self.done[rows[again]].any():
+                i = int(np.flatnonzero(again & self.done[rows])[0])
+                raise ValueError(f"{self.name} {i} has finished its episode ({self.budget} lines chosen); "
+                                 "call reset() before stepping it again")
+        if (~again).any():
+            super().acquire(a[~again], rows[~again], allow_finished=allow_finished)
+        r, line = rows[again], a[again]
+        self.order[r, self.n_acquired[r]] = line
+        self.n_acquired[r] += 1
+        self.counts[r, line] += 1
+
+
+def repeatable_lines(flags: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
+    """(B, PE) bool: acquired lines whose latest acquisition is flagged (``flags`` (B, A, PE)
+    bool, every attempt's flag) and that have attempts left (``counts`` (B, PE) acquisitions)."""
+    attempts = flags.shape[1]
+    c = torch.from_numpy(counts).to(flags.device)
+    latest = flags.gather(1, (c - 1).clamp(0, attempts - 1)[:, None])[:, 0]
+    return latest & (c > 0) & (c < attempts)
 
 
 class _Measured(NamedTuple):
@@ -174,6 +275,14 @@ class BatchedAcquisitionEnv:
         # (N, PE, RO) complex, the readout transform done once (to_hybrid): each step's
         # reconstruction is then one 1D inverse FFT
         self._kspace_all = to_hybrid(kspace.to(self.device))
+        self._corruption = cfg.corruption_model() if cfg.corruption > 0 else None
+        if self._corruption is not None:
+            if lines_per_decision != 1:
+                raise ValueError("with corruption the policy chooses one line per decision (a repeat is one "
+                                 "acquisition): set lines_per_decision 1")
+            self._raw_all = kspace.to(self.device)  # each episode's attempts are drawn from it
+            self._slices_all = np.asarray(data.slices, dtype=np.int64)
+            self._draws = np.random.default_rng(int(seed))  # training episodes' corruption draws
         self._target_all = data.target.to(self.device, torch.float32)  # (N, H, W)
         # (N, H, W) bool where Q is computed, None for the whole image
         self._roi_all = data.periprosthetic_roi(cfg.margin).to(self.device) if cfg.region == "implant" else None
@@ -233,7 +342,7 @@ class BatchedAcquisitionEnv:
     def observation(self) -> Observation:
         """The current observation of every env."""
         self._require_started()
-        return Observation(self._image, self._mask, self._steps_left)
+        return Observation(self._image, self._mask, self._steps_left, self._repeatable())
 
     # ------------------------------------------------------------------ internals
     def _require_started(self) -> None:
@@ -272,7 +381,36 @@ class BatchedAcquisitionEnv:
 
     def _new_episodes(self, b: int) -> EpisodeBatch:
         """``b`` episodes with their initial centre lines acquired."""
-        return EpisodeBatch(self.n_pe, self._initial, self._budget, b, self.device, name="env")
+        kind = EpisodeBatch if self._corruption is None else RepeatEpisodes
+        return kind(self.n_pe, self._initial, self._budget, b, self.device, name="env")
+
+    def _draw_attempts(self, slices: torch.Tensor, positions: np.ndarray | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every attempt of every line of ``slices`` ((n,) long): ((n, A, PE, RO) raw k-space,
+        (n, A, PE) bool flags). ``positions``: draw each slice's stream from its position in the
+        data (:func:`~training.rl.corruption.draw_flagged`, ``corruption_seed``), as ``masc
+        headroom`` does; None: from the env's own stream (training)."""
+        index = slices.cpu().numpy()
+        raw = self._raw_all[slices]
+        if positions is not None:
+            attempts, _, flags = draw_flagged(raw, self._slices_all[index], self._corruption, self.cfg.attempts,
+                                              self.cfg.corruption_seed, positions=positions)
+        else:
+            drawn = [corrupt_slice(raw[j], self._corruption, self.cfg.attempts, self._draws)
+                     for j in range(len(index))]
+            attempts = torch.stack([d[0] for d in drawn])
+            flags = np.stack([d[2] for d in drawn])
+        return attempts, torch.from_numpy(flags).to(self.device)
+
+    def _current(self, episodes: EpisodeBatch, attempts: torch.Tensor | None, rows: Any = None) -> torch.Tensor:
+        """(B, PE, RO) hybrid k-space of each line's latest acquisition."""
+        counts = episodes.counts if rows is None else episodes.counts[rows]
+        return to_hybrid(kspace_of(attempts, counts))
+
+    def _repeatable(self) -> torch.Tensor | None:
+        if self._corruption is None:
+            return None
+        return repeatable_lines(self._flags, self._episodes.counts)
 
     def _reference(self, slices: torch.Tensor) -> QualityReference:
         """The reward's target side for these slices ((n,) long), computed once per episode."""
@@ -352,13 +490,16 @@ class BatchedAcquisitionEnv:
         self._kspace = self._kspace_all[slices]  # (B, PE, RO)
         self._ref = self._reference(slices)  # Q's target side, (B, H, W) clean images
         self._episodes = self._new_episodes(b)
+        if self._corruption is not None:
+            self._attempts, self._flags = self._draw_attempts(slices)
+            self._kspace = self._current(self._episodes, self._attempts)
         self._mask = self._episodes.mask
         self._steps_left = self._episodes.steps_left_tensor()
         self._return = torch.zeros(b, dtype=torch.float32, device=self.device)
         m = self._measure(self._kspace, self._mask, self._ref)
         self._image, self._quality = m.observed, m.quality
         self._started = True
-        return Observation(self._image, self._mask, self._steps_left)
+        return self.observation
 
     @torch.no_grad()
     def step(self, actions: torch.Tensor | Sequence[int] | np.ndarray
@@ -366,7 +507,8 @@ class BatchedAcquisitionEnv:
         """Acquire one line in every env.
 
         Args:
-            actions: (B,) long, the PE line each env acquires; must not be acquired yet.
+            actions: (B,) long, the PE line each env acquires; must not be acquired yet (with
+                corruption: or be one of the observation's ``repeatable`` lines, acquired again).
 
         Returns:
             ``(observation, rewards (B,) float32, terminated (B,) bool, info)``. A terminated env
@@ -386,7 +528,12 @@ class BatchedAcquisitionEnv:
         """
         self._require_started()
         episodes = self._episodes
-        self._acquire(episodes, actions, allow_finished=self.autoreset)
+        if self._corruption is None:
+            self._acquire(episodes, actions, allow_finished=self.autoreset)
+        else:  # a flagged line may be acquired again; its latest acquisition is the one used
+            episodes.acquire(actions, allow_finished=self.autoreset,
+                             repeatable=self._repeatable().cpu().numpy())
+            self._kspace = self._current(episodes, self._attempts)
         b = self.n_envs
         mask = episodes.mask
         steps_left = episodes.steps_left_tensor()
@@ -399,6 +546,9 @@ class BatchedAcquisitionEnv:
         if n_new:
             new_slices = self._draw(n_new)
             kspace_new = self._kspace_all[new_slices]
+            if self._corruption is not None:  # the new episodes' draws; their initial lines are attempt 0
+                attempts_new, flags_new = self._draw_attempts(new_slices)
+                kspace_new = to_hybrid(attempts_new[:, 0])
             ref_new = self._reference(new_slices)
             episodes.reset(reset_envs)  # ``mask`` keeps the stepped masks
             mask_new = torch.from_numpy(episodes.masks[reset_envs]).to(self.device)
@@ -428,6 +578,11 @@ class BatchedAcquisitionEnv:
             kspace = self._kspace.clone()
             kspace[envs] = kspace_new
             ref = self._ref.replace(envs, ref_new)
+            if self._corruption is not None:
+                self._attempts = self._attempts.clone()
+                self._attempts[envs] = attempts_new
+                self._flags = self._flags.clone()
+                self._flags[envs] = flags_new
             next_mask = episodes.mask
             next_image = image.clone()
             next_image[envs] = m.observed[b:]
@@ -440,7 +595,7 @@ class BatchedAcquisitionEnv:
 
         self._mask, self._image, self._quality = mask, image, q
         self._steps_left, self._return = steps_left, returns
-        return Observation(image, mask, steps_left), rewards, done, info
+        return self.observation, rewards, done, info
 
     @torch.no_grad()
     def observe(self, slices: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
@@ -491,7 +646,9 @@ class BatchedAcquisitionEnv:
               (:func:`masc_gadget.core.served.served_images`), ``g(I)`` when a MAR network is
               set, else ``I``;
             * ``masks`` (N, PE) bool: final masks;
-            * ``lines`` (N, budget) long: the chosen lines in order;
+            * ``lines`` (N, budget) long: the chosen lines in order (with corruption a line
+              that appears twice was acquired again);
+            * ``counts`` (N, PE) long, with corruption only: each line's acquisitions;
             * ``metrics``: :func:`masc_gadget.core.metrics.slice_metrics` of ``images`` (each (N,));
               with ``region: implant`` also :func:`masc_gadget.core.metrics.roi_metrics` in the
               periprosthetic region, as ``roi_ssim``, ``roi_psnr``, ...
@@ -512,13 +669,22 @@ class BatchedAcquisitionEnv:
             b = idx.numel()
             kspace, target, ref = self._kspace_all[idx], self._target_all[idx], self._reference(idx)
             episodes = self._new_episodes(b)
+            attempts = flags = None
+            if self._corruption is not None:  # the slices' own draws, as masc headroom draws them
+                attempts, flags = self._draw_attempts(idx, positions=idx.cpu().numpy())
+                kspace = self._current(episodes, attempts)
             m = self._measure(kspace, episodes.mask, ref)
             q0 = m.quality
             q, ret = q0, torch.zeros_like(q0)
             n_steps = math.ceil(self._budget / self.lines_per_decision)
             for t in range(n_steps):
-                self._acquire(episodes, policy_fn(Observation(m.observed, episodes.mask,
-                                                              episodes.steps_left_tensor())))
+                repeatable = None if flags is None else repeatable_lines(flags, episodes.counts)
+                actions = policy_fn(Observation(m.observed, episodes.mask, episodes.steps_left_tensor(), repeatable))
+                if attempts is None:
+                    self._acquire(episodes, actions)
+                else:
+                    episodes.acquire(actions, repeatable=repeatable.cpu().numpy())
+                    kspace = self._current(episodes, attempts)
                 last = t == n_steps - 1
                 m = self._measure(kspace, episodes.mask, ref, force_mar=last)
                 ret = ret + self.cfg.alpha * (m.quality - q)
@@ -531,6 +697,8 @@ class BatchedAcquisitionEnv:
             parts["images"].append(final)
             parts["masks"].append(episodes.mask)
             parts["lines"].append(torch.from_numpy(episodes.chosen()[:, self._initial:]))
+            if attempts is not None:
+                parts.setdefault("counts", []).append(torch.from_numpy(episodes.counts.copy()))
             for key, value in slice_metrics(final, target).items():
                 metric_parts.setdefault(key, []).append(value)
             if self._roi_all is not None:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from masc_gadget.models.policy_net import PolicyNet, masked_distribution, masked_logits
+from masc_gadget.models.policy_net import PolicyNet, blocked, masked_distribution, masked_logits
 from training.distributed import Dist
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ class ObservationLike(Protocol):
     image: torch.Tensor  # (B, H, W) float32 current image
     mask: torch.Tensor  # (B, n_pe) bool, True = acquired
     steps_left: torch.Tensor  # (B,) long, lines the agent may still choose
+    # with corruption also ``repeatable`` (B, n_pe) bool: flagged lines that may be acquired again
 
 
 class BatchedEnv(Protocol):
@@ -141,6 +142,9 @@ class Rollout:
     episode_lengths: torch.Tensor  # (n_finished,) their lengths
     cursor: Cursor
     """Pass to the next :func:`collect_rollout` to continue where this one stopped."""
+    repeatable: torch.Tensor | None = None
+    """(T, B, n_pe) bool flagged lines that could be acquired again (environments with
+    corruption), else None."""
 
     @property
     def num_steps(self) -> int:
@@ -239,6 +243,14 @@ def start(env: BatchedEnv, device: torch.device | str = "cpu") -> Cursor:
     return Cursor(obs, torch.zeros(b, device=device), torch.zeros(b, dtype=torch.long, device=device))
 
 
+def _forward(net: nn.Module, image: torch.Tensor, mask: torch.Tensor, frac: torch.Tensor,
+             repeatable: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The network's (logits, value), with the flagged lines when the environment has them."""
+    if repeatable is None:
+        return net(image, mask, frac)
+    return net(image, mask, frac, repeatable)
+
+
 def _device(net: nn.Module) -> torch.device:
     return next(net.parameters()).device
 
@@ -316,14 +328,20 @@ def collect_rollout(
     values = torch.zeros((T, b), device=device)
     rewards = torch.zeros((T, b), device=device)
     terminated = torch.zeros((T, b), dtype=torch.bool, device=device)
+    repeats = (torch.zeros((T, b, n_pe), dtype=torch.bool, device=device)
+               if getattr(obs, "repeatable", None) is not None else None)
     finished_returns, finished_lengths = [], []
 
     for t in range(T):
         images[t] = obs.image.to(device)
         masks[t] = obs.mask.to(device)
         steps_left[t] = obs.steps_left.to(device)
-        logits, value = net(images[t], masks[t], steps_left[t].float() / budget)
-        policy = masked_distribution(logits, masks[t])
+        rep = None
+        if repeats is not None:
+            repeats[t] = obs.repeatable.to(device)
+            rep = repeats[t]
+        logits, value = _forward(net, images[t], masks[t], steps_left[t].float() / budget, rep)
+        policy = masked_distribution(logits, blocked(masks[t], rep))
         if k == 1:
             action = _sample(policy.probs, generator)
             logprob = policy.log_prob(action)
@@ -343,14 +361,16 @@ def collect_rollout(
             ep_return = ep_return.masked_fill(terminated[t], 0.0)
             ep_length = ep_length.masked_fill(terminated[t], 0)
 
-    _, last_value = net(obs.image.to(device), obs.mask.to(device), obs.steps_left.to(device).float() / budget)
+    rep = getattr(obs, "repeatable", None)
+    _, last_value = _forward(net, obs.image.to(device), obs.mask.to(device),
+                             obs.steps_left.to(device).float() / budget, None if rep is None else rep.to(device))
     empty = torch.zeros(0, device=device)
     return Rollout(
         images=images, masks=masks, steps_left=steps_left, actions=actions, logprobs=logprobs,
         values=values, rewards=rewards, terminated=terminated, last_value=last_value, budget=budget,
         episode_returns=torch.cat(finished_returns) if finished_returns else empty,
         episode_lengths=torch.cat(finished_lengths) if finished_lengths else empty.long(),
-        cursor=Cursor(obs, ep_return, ep_length),
+        cursor=Cursor(obs, ep_return, ep_length), repeatable=repeats,
     )
 
 
@@ -392,6 +412,7 @@ def ppo_update(
     # flatten the (T, B) batch
     b_images = rollout.images.flatten(0, 1)
     b_masks = rollout.masks.flatten(0, 1)
+    b_repeats = None if rollout.repeatable is None else rollout.repeatable.flatten(0, 1)
     b_frac = rollout.steps_left.flatten(0, 1).float() / rollout.budget
     b_actions = rollout.actions.flatten(0, 1)  # (N,) lines, or (N, k) trains
     b_logprobs = rollout.logprobs.flatten(0, 1)
@@ -410,8 +431,9 @@ def ppo_update(
         epoch_kl = []
         for start in range(0, batch_size, minibatch_size):
             idx = order[start : start + minibatch_size]
-            logits, new_value = net(b_images[idx], b_masks[idx], b_frac[idx])
-            policy = masked_distribution(logits, b_masks[idx])
+            rep = None if b_repeats is None else b_repeats[idx]
+            logits, new_value = _forward(net, b_images[idx], b_masks[idx], b_frac[idx], rep)
+            policy = masked_distribution(logits, blocked(b_masks[idx], rep))
             mb_adv = b_advantages[idx]
             if cfg.norm_adv and mb_adv.numel() > 1:
                 mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
@@ -448,8 +470,10 @@ def greedy_actions(net: PolicyNet, obs: ObservationLike, budget: int, k: int = 1
     ``min(k, lines left)`` free lines, -1 beyond."""
     device = _device(net)
     mask = obs.mask.to(device)
-    logits, _ = net(obs.image.to(device), mask, obs.steps_left.to(device).float() / budget)
-    masked = masked_logits(logits, mask)
+    rep = getattr(obs, "repeatable", None)
+    rep = None if rep is None else rep.to(device)
+    logits, _ = _forward(net, obs.image.to(device), mask, obs.steps_left.to(device).float() / budget, rep)
+    masked = masked_logits(logits, blocked(mask, rep))
     if k == 1:
         return masked.argmax(dim=1)
     order = masked.topk(k, dim=1).indices

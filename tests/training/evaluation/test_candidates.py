@@ -9,7 +9,7 @@ from masc_gadget.acquisition.episode import initial_lines
 from masc_gadget.config import load_config
 from tests.conftest import CONFIGS
 from training.data import load_split
-from training.evaluation.corruption import CorruptionModel, ReacquireOracle, draw_attempts, kspace_of
+from training.rl.corruption import CorruptionModel, ReacquireOracle, draw_attempts, kspace_of
 from training.evaluation.headroom import headroom
 
 
@@ -58,7 +58,8 @@ def test_headroom_with_corruption(tiny_dataset, perturbed_mar):
                                                   "headroom.slices_per_subject=0"])
     report = headroom(config, tiny_dataset, "train", [perturbed_mar], progress=False)
     run = report["runs"][0]
-    assert set(run["corruption"]) == {"repeats_per_slice", "corrupted_lines_fixed", "corrupted_lines_oracle"}
+    assert set(run["corruption"]) == {"repeats_per_slice", "repeats_per_slice_gated", "corrupted_lines_fixed",
+                                      "corrupted_lines_oracle"}
     assert run["corruption"]["corrupted_lines_fixed"] > 0
     assert len(run["slices"]["oracle"]["ssim"]) == len(load_split(tiny_dataset, "train"))
     with pytest.raises(ValueError, match="set beam 1"):

@@ -498,3 +498,62 @@ def test_mar_on_another_device_is_refused(data):
         model = build_mar(MarModelConfig(width=4)).to("meta")
     with pytest.raises(ValueError, match="mar has parameters on meta but the env runs on cpu"):
         _env(data, model)
+
+
+# ---------------------------------------------------------------------------- corruption
+
+
+def test_a_flagged_line_may_be_acquired_again_and_its_new_acquisition_is_served(data, mar, global_rng_guard):
+    from training.rl.corruption import draw_flagged, kspace_of
+
+    cfg = dict(n_envs=3, corruption=0.5, corruption_kind="spike", detection=1.0, false_alarm=0.0, attempts=2)
+    env = _env(data, mar, seed=1, **cfg)
+    obs = env.reset()
+    assert obs.repeatable is not None and not (obs.repeatable & ~obs.mask).any()
+    repeats = checked = 0
+    for _ in range(2 * BUDGET):
+        episodes = env._episodes
+        before = episodes.counts.copy()
+        rep = obs.repeatable
+        acquired_unflagged = obs.mask & ~rep
+        if acquired_unflagged.any():  # an acquired line whose acquisition was not flagged is refused
+            row = int(acquired_unflagged.any(dim=1).float().argmax())
+            bad = torch.full((3,), -1, dtype=torch.long)
+            for b in range(3):
+                bad[b] = int(np.flatnonzero(~obs.mask[b].numpy())[0])
+            bad[row] = int(np.flatnonzero(acquired_unflagged[row].numpy())[0])
+            with pytest.raises(ValueError, match="only a flagged line"):
+                env.step(bad)
+            assert np.array_equal(episodes.counts, before)
+        # repeat a flagged line where there is one, else the lowest free line
+        actions = torch.where(rep.any(dim=1), rep.float().argmax(dim=1), _lowest_free(obs))
+        steps_left = obs.steps_left.clone()
+        obs, rewards, terminated, info = env.step(actions)
+        for b in range(3):
+            line = int(actions[b])
+            if rep[b, line]:
+                repeats += 1
+                assert int(info["final_mask"][b].sum()) == int((before[b] > 0).sum())  # no new line
+            if not terminated[b]:
+                assert int(obs.steps_left[b]) == int(steps_left[b]) - 1
+                checked += 1
+    assert repeats > 0 and checked > 0
+    # evaluate replays the draws masc headroom makes: the same attempts and flags per slice
+    played = env.evaluate(lambda o: torch.where(o.repeatable.any(dim=1), o.repeatable.float().argmax(dim=1),
+                                                _lowest_free(o)))
+    counts = played["counts"].numpy()
+    assert (counts.sum(axis=1) == INITIAL + BUDGET).all() and (counts <= 2).all() and (counts == 2).any()
+    attempts, corrupted, flagged = draw_flagged(data.kspace_metal, data.slices, env.cfg.corruption_model(), 2,
+                                                env.cfg.corruption_seed)
+    assert np.array_equal(flagged, corrupted)  # detection 1, no false alarm
+    served = zero_filled(kspace_of(attempts, counts), torch.from_numpy(counts > 0))
+    with torch.no_grad():
+        expected = mar(served.float()).clamp(min=0)
+    torch.testing.assert_close(played["images"], expected, rtol=0, atol=1e-4)
+    again = env.evaluate(lambda o: torch.where(o.repeatable.any(dim=1), o.repeatable.float().argmax(dim=1),
+                                               _lowest_free(o)), batch_size=2)
+    assert torch.equal(again["counts"], played["counts"]) and torch.equal(again["images"], played["images"])
+    with pytest.raises(ValueError, match="one line per decision"):
+        BatchedAcquisitionEnv(data, EnvConfig(corruption=0.1), INITIAL, BUDGET, lines_per_decision=2)
+    with pytest.raises(ValueError, match="detection"):
+        EnvConfig(corruption=0.1, detection=1.5)

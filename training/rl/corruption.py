@@ -30,7 +30,8 @@ from masc_gadget.acquisition.policies import slice_rng
 from masc_gadget.core.kspace import zero_filled
 from masc_gadget.core.metrics import quality
 
-__all__ = ["KINDS", "CorruptionModel", "ReacquireOracle", "draw_attempts", "kspace_of"]
+__all__ = ["KINDS", "CorruptionModel", "ReacquireOracle", "corrupt_slice", "draw_attempts", "draw_flagged",
+           "kspace_of"]
 
 KINDS = ("motion", "spike")
 
@@ -45,6 +46,11 @@ class CorruptionModel:
     """Largest rigid shift along the readout, in pixels (``motion``)."""
     spike: float = 0.5
     """Spike height, times the slice's largest k-space magnitude (``spike``)."""
+    detection: float = 0.9
+    """The scanner's flag: the probability that a corrupted acquisition is flagged (a
+    navigator's or a spike detector's sensitivity)."""
+    false_alarm: float = 0.02
+    """The probability that a clean acquisition is flagged all the same."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.probability <= 1.0:
@@ -53,6 +59,9 @@ class CorruptionModel:
             raise ValueError(f"the corruption kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.shift < 0 or self.spike < 0:
             raise ValueError(f"shift and spike must be >= 0, got {self.shift} and {self.spike}")
+        for name in ("detection", "false_alarm"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be a probability in [0, 1], got {getattr(self, name)}")
 
 
 def draw_attempts(kspace: torch.Tensor, slices: np.ndarray, model: CorruptionModel, attempts: int,
@@ -61,38 +70,61 @@ def draw_attempts(kspace: torch.Tensor, slices: np.ndarray, model: CorruptionMod
 
     Args:
         kspace: (N, PE, RO) complex, the uncorrupted k-space.
-        slices: (N,) the index of each slice in its subject (with ``seed``, its random stream).
+        slices: (N,) the index of each slice in its subject (with ``seed`` and its position in
+            the set, its random stream).
         attempts: acquisitions drawn per line (>= 1).
 
     Returns:
         ``(attempt_kspace, corrupted)``: (N, attempts, PE, RO) complex, and (N, attempts, PE) bool,
         which acquisitions are corrupted."""
+    out, corrupted, _ = draw_flagged(kspace, slices, model, attempts, seed)
+    return out, corrupted
+
+
+def draw_flagged(kspace: torch.Tensor, slices: np.ndarray, model: CorruptionModel, attempts: int,
+                 seed: int = 0, positions: np.ndarray | None = None) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """:func:`draw_attempts` and the scanner's flags: ``(attempt_kspace, corrupted, flagged)``,
+    ``flagged`` (N, attempts, PE) bool drawn after the corruption from each slice's stream
+    (:attr:`CorruptionModel.detection`, :attr:`CorruptionModel.false_alarm`). ``positions``:
+    each slice's position in its set (default 0, 1, ...: ``kspace`` is the whole set)."""
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
-    n, n_pe, n_ro = kspace.shape
+    n = kspace.shape[0]
     out = kspace[:, None].repeat(1, attempts, 1, 1)
-    corrupted = np.zeros((n, attempts, n_pe), dtype=bool)
-    ro = torch.arange(n_ro, dtype=torch.float64) - n_ro // 2
+    corrupted = np.zeros((n, attempts, kspace.shape[1]), dtype=bool)
+    flagged = np.zeros_like(corrupted)
+    positions = np.arange(n) if positions is None else np.asarray(positions)
     for i in range(n):
-        rng = slice_rng(seed, i, int(slices[i]))
-        hit = rng.random((attempts, n_pe)) < model.probability
-        corrupted[i] = hit
-        a, k = np.nonzero(hit)
-        if a.size == 0:
-            continue
-        if model.kind == "motion":
-            shift = torch.from_numpy(rng.uniform(-model.shift, model.shift, a.size))
-            offset = torch.from_numpy(rng.uniform(-math.pi, math.pi, a.size))
-            phase = torch.polar(torch.ones(a.size, n_ro, dtype=torch.float64),
-                                -2 * math.pi * shift[:, None] * ro[None] / n_ro + offset[:, None])
-            out[i, a, k] = out[i, a, k] * phase.to(out.dtype)
-        else:
-            where = torch.from_numpy(rng.integers(0, n_ro, a.size))
-            height = model.spike * float(kspace[i].abs().max())
-            spikes = torch.polar(torch.full((a.size,), height, dtype=torch.float64),
-                                 torch.from_numpy(rng.uniform(-math.pi, math.pi, a.size))).to(out.dtype)
-            out[i, torch.from_numpy(a), torch.from_numpy(k), where] += spikes
-    return out, corrupted
+        out[i], corrupted[i], flagged[i] = corrupt_slice(kspace[i], model, attempts,
+                                                         slice_rng(seed, int(positions[i]), int(slices[i])))
+    return out, corrupted, flagged
+
+
+def corrupt_slice(kspace: torch.Tensor, model: CorruptionModel, attempts: int, rng: np.random.Generator
+                  ) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """One slice's (PE, RO) k-space acquired ``attempts`` times per line, drawn from ``rng``:
+    ``(attempt_kspace (attempts, PE, RO), corrupted (attempts, PE) bool, flagged (attempts, PE)
+    bool)``."""
+    n_pe, n_ro = kspace.shape
+    out = kspace[None].repeat(attempts, 1, 1)
+    hit = rng.random((attempts, n_pe)) < model.probability
+    a, k = np.nonzero(hit)
+    if a.size and model.kind == "motion":
+        ro = torch.arange(n_ro, dtype=torch.float64) - n_ro // 2
+        shift = torch.from_numpy(rng.uniform(-model.shift, model.shift, a.size))
+        offset = torch.from_numpy(rng.uniform(-math.pi, math.pi, a.size))
+        phase = torch.polar(torch.ones(a.size, n_ro, dtype=torch.float64),
+                            -2 * math.pi * shift[:, None] * ro[None] / n_ro + offset[:, None])
+        out[a, k] = out[a, k] * phase.to(out.dtype).to(out.device)
+    elif a.size:
+        where = torch.from_numpy(rng.integers(0, n_ro, a.size))
+        height = model.spike * float(kspace.abs().max())
+        spikes = torch.polar(torch.full((a.size,), height, dtype=torch.float64),
+                             torch.from_numpy(rng.uniform(-math.pi, math.pi, a.size))).to(out.dtype)
+        out[torch.from_numpy(a), torch.from_numpy(k), where] += spikes.to(out.device)
+    u = rng.random((attempts, n_pe))
+    flagged = np.where(hit, u < model.detection, u < model.false_alarm)
+    return out, hit, flagged
 
 
 def kspace_of(attempt_kspace: torch.Tensor, count: np.ndarray) -> torch.Tensor:
