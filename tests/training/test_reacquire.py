@@ -113,3 +113,15 @@ def test_headroom_judges_a_reacquiring_policy_against_the_gated_order(reacquirin
     later = json.loads((tmp_path / "later" / "headroom.json").read_text())
     assert later["runs"][0]["slices"]["policy"] == run["slices"]["policy"]
     assert later["runs"][0]["slices"]["gated"] == run["slices"]["gated"]
+
+
+def test_the_trainers_that_acquire_each_line_once_refuse_corruption(tiny_dataset, tmp_path):
+    from training.data import load_split
+    from training.rl.dqn import train_dqn
+    from training.rl.gym_env import ActiveAcquisitionEnv
+
+    with pytest.raises(ValueError, match="env.corruption"):
+        train_dqn(load_config(CONFIGS / "tiny.yaml", ["env.corruption=0.1"]), tiny_dataset, None, tmp_path / "d.pt",
+                  progress=False)
+    with pytest.raises(ValueError, match="env.corruption"):
+        ActiveAcquisitionEnv(data=load_split(tiny_dataset, "train"), config={"env": {"corruption": 0.1}})

@@ -296,6 +296,9 @@ def train_dqn(config: Config, data_dir: str | Path, mar_path: str | Path | None,
     dist = setup()
     cfg: DQNConfig = config["dqn"]
     ecfg: EnvConfig = config["env"]
+    if ecfg.corruption > 0:
+        raise ValueError("env.corruption (re-acquiring flagged lines) is trained with MASC (masc train masc, "
+                         "policy_net.reacquire=true); the DQN baselines acquire each line once: set env.corruption=0")
     acq = config["acquisition"]
     device = resolve_device(dist.device(cfg.device))
     run = TrainingRun(out, "ssim", higher_is_better=True, main=dist.main, resume=resume, kind=variant,

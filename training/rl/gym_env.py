@@ -164,6 +164,9 @@ class ActiveAcquisitionEnv(gymnasium.Env):
         if data is None:
             data = load_split(data_dir, split)
         acq, env_cfg = episode_config(config)
+        if env_cfg.corruption > 0:
+            raise ValueError("the Gymnasium view acquires each line once (its action space is the free lines): "
+                             "env.corruption needs the batched environment (training.rl.env)")
         self.acquisition = acq
         self.env_config = dataclasses.replace(env_cfg, n_envs=1)
         self.render_mode = render_mode
