@@ -14,6 +14,11 @@ sampled image, so an episode's rewards sum to ``alpha * (Q_final - Q_initial)``.
 IFFT and ONE batched MAR forward per step, for all of them (the per-env current quality is kept,
 so a step never recomputes the previous state). Everything runs under ``torch.no_grad``.
 :mod:`training.rl.gym_env` wraps it as a single-episode Gymnasium environment.
+
+With ``corruption`` > 0 each acquisition of a line may be corrupted and flagged by the scanner
+(:mod:`training.rl.corruption`); the observation then also holds the flagged lines
+(``repeatable``), an action may name one of them to acquire it again (:class:`RepeatEpisodes`:
+every acquisition spends a step), and the image is made of each line's latest acquisition.
 """
 
 from __future__ import annotations
