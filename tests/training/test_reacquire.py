@@ -55,14 +55,24 @@ def test_a_reacquiring_network_sees_the_flags_and_may_pick_a_flagged_line():
         PolicyNetConfig(reacquire="yes")
 
 
-def test_the_checkpoint_keeps_the_repeat_bonus(tmp_path):
+def test_the_checkpoint_keeps_the_repeat_bonus_and_the_gadget_says_it_serves_no_repeats(tmp_path, caplog):
     net = _net(repeat=3.0)
     with torch.no_grad():
         net.repeat_scale.fill_(5.5)
     path = tmp_path / "r.pt"
     save_checkpoint(path, {"policy": net}, policy_metadata(net, observes_mar=False))
-    policy, _, _ = load_masc(path, "cpu")
+    with caplog.at_level("WARNING", logger="masc_gadget.acquisition.learned"):
+        policy, _, _ = load_masc(path, "cpu")
     assert policy.net.config.reacquire and float(policy.net.repeat_scale.detach()) == 5.5
+    assert "no repeats" in caplog.text
+    # the gadget's choice: never an acquired line, flagged or not (it receives no flags)
+    mask = np.zeros(N, dtype=bool)
+    mask[[7, 8]] = True
+    from masc_gadget.acquisition.episode import AcquisitionState
+
+    state = AcquisitionState(mask=mask, steps_left=2, step=0, image=np.random.default_rng(0).random((N, 8)),
+                             n_initial=2)
+    assert policy.select(state) not in (7, 8)
 
 
 @pytest.fixture(scope="module")
