@@ -34,14 +34,13 @@ from torch import nn
 
 from masc_gadget.acquisition.episode import EpisodeBatch, _as_lines, check_episode
 from masc_gadget.device import resolve_device
-from masc_gadget.models.policy_net import blocked
 from masc_gadget.core.kspace import to_hybrid, zero_filled_hybrid
 from masc_gadget.core.metrics import QualityReference, roi_metrics, slice_metrics
 from masc_gadget.core.served import served_images
 from training.data import REGIONS, SliceSet
 from training.rl.corruption import CorruptionModel, corrupt_slice, draw_flagged, kspace_of
 
-__all__ = ["BatchedAcquisitionEnv", "EnvConfig", "Observation", "RepeatEpisodes", "blocked_lines"]
+__all__ = ["BatchedAcquisitionEnv", "EnvConfig", "Observation", "RepeatEpisodes", "repeatable_lines"]
 
 
 @dataclass(frozen=True)
@@ -150,13 +149,6 @@ class Observation(NamedTuple):
     """(B, PE) bool with corruption (``EnvConfig.corruption``), else None: acquired lines whose
     latest acquisition the scanner flagged, with attempts left; the policy may acquire them
     again."""
-
-
-def blocked_lines(obs: Any) -> torch.Tensor:
-    """(B, PE) bool: the lines an action may not take, the acquired ones less those the
-    observation allows again (``repeatable``, with corruption)."""
-    repeatable = getattr(obs, "repeatable", None)
-    return blocked(obs.mask, None if repeatable is None else repeatable.to(obs.mask.device))
 
 
 class RepeatEpisodes(EpisodeBatch):
