@@ -25,17 +25,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from masc_gadget.acquisition.episode import AcquisitionConfig, initial_lines
+from masc_gadget.acquisition.episode import AcquisitionConfig
 from masc_gadget.config import Config, to_dict
-from masc_gadget.core.kspace import zero_filled
-from masc_gadget.core.metrics import slice_metrics
-from masc_gadget.core.served import served_images
 from masc_gadget.device import resolve_device
 from masc_gadget.models.checkpoint import load_checkpoint, load_mar
 from training.coadapt import finetune_mar
-from training.data import load_split, spread_subset
+from training.data import SliceSet, load_split, spread_subset
 from training.population import population_order
 from training.run import TrainingRun
+from training.scoring import line_masks, score_masks
 
 __all__ = ["FixedOrderConfig", "KIND", "order_masks", "refit_fixed_order", "train_fixed_order"]
 
@@ -73,26 +71,13 @@ class FixedOrderConfig:
 
 def order_masks(n: int, n_pe: int, initial: int, order: np.ndarray) -> torch.Tensor:
     """(n, n_pe) bool: the protocol's initial centre lines and ``order``, on every slice."""
-    mask = torch.zeros(n_pe, dtype=torch.bool)
-    mask[torch.as_tensor(initial_lines(n_pe, initial))] = True
-    mask[torch.as_tensor(order)] = True
-    return mask.expand(n, n_pe).clone()
+    return torch.from_numpy(line_masks(n, n_pe, initial, order))
 
 
-@torch.no_grad()
-def served_metrics(mar: torch.nn.Module, data, masks: torch.Tensor, batch_size: int = 32) -> dict[str, float]:
-    """Mean SSIM and PSNR of the served image (:func:`masc_gadget.core.served.served_images`) of
-    ``data`` under ``masks``."""
-    mar.eval()
-    device = next(mar.parameters()).device
-    values: dict[str, list[np.ndarray]] = {"ssim": [], "psnr": []}
-    for start in range(0, len(data), batch_size):
-        index = list(range(start, min(start + batch_size, len(data))))
-        zf = zero_filled(data.kspace_metal[index].to(device), masks[index].to(device))
-        metrics = slice_metrics(served_images(zf, mar(zf)).image, data.target[index].to(device))
-        for key in values:
-            values[key].append(metrics[key].cpu().numpy())
-    return {key: float(np.concatenate(v).mean()) for key, v in values.items()}
+def served_metrics(mar: torch.nn.Module, data: SliceSet, masks: torch.Tensor, batch_size: int = 32) -> dict[str, float]:
+    """Mean SSIM and PSNR of the served image of ``data`` under ``masks``
+    (:func:`training.scoring.score_masks`)."""
+    return score_masks(data, masks, mar, metrics=("ssim", "psnr"), batch_size=batch_size).mean()
 
 
 def _fit(config: Config, data_dir: str | Path, mar: torch.nn.Module, out: str | Path, device: torch.device,

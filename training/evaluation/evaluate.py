@@ -21,9 +21,8 @@ from masc_gadget.models.checkpoint import load_mar
 from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
 from masc_gadget.core.kspace import zero_filled
-from masc_gadget.core.metrics import METRICS, slice_metrics
+from masc_gadget.core.metrics import METRICS
 from masc_gadget.core.ood import OodCalibration, fallback_rule
-from masc_gadget.core.served import served_images
 from masc_gadget.acquisition.policies import (FixedOrder, SamplingPolicy, make_policy, select_next, select_trains,
                                               slice_rng)
 from training.data import SliceSet, load_split, spread_subset
@@ -31,6 +30,7 @@ from training.oracle import NAME as ORACLE
 from training.oracle import GreedyOracle
 from training.population import NAME as POPULATION
 from training.population import population_order
+from training.scoring import score_batch
 from training.evaluation.figures import plot_curves, plot_examples
 from training.evaluation.stats import mean_std
 from training.evaluation.tables import add_tests, render_table
@@ -130,11 +130,11 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
             images = {False: zero_filled(kspace, episodes.mask)}  # what a policy observes
             if mar is not None:
                 images[True] = mar(images[False])
-            served = served_images(images[False], images.get(True), ood=ood, mask=episodes.mask,
-                                   mar=mar)  # what the gadget returns
-            scored = {False: served.zero_filled, True: served.image}
+            # what the gadget returns
+            scores = score_batch(images[False], images.get(True), target, ood=ood, mask=episodes.mask, mar=mar)
+            scored = {False: scores.served.zero_filled, True: scores.served.image}
             for m in settings:
-                for key, value in slice_metrics(scored[m], target).items():
+                for key, value in (scores.image if m else scores.zero_filled).items():
                     curves[m][key][index, t] = value.double().cpu().numpy()
             if t == budget:
                 for b, i in enumerate(index):

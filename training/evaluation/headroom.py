@@ -51,8 +51,6 @@ from masc_gadget.acquisition.episode import AcquisitionConfig, initial_lines
 from masc_gadget.acquisition.policies import center_out_rank
 from masc_gadget.config import Config, to_dict
 from masc_gadget.core.kspace import zero_filled
-from masc_gadget.core.metrics import roi_metrics, slice_metrics
-from masc_gadget.core.served import served_images
 from masc_gadget.device import resolve_device
 from masc_gadget.models.checkpoint import load_mar
 from sim_scanner.physics.coils import body_array
@@ -63,6 +61,7 @@ from training.rl.env import BatchedAcquisitionEnv, EnvConfig
 from training.evaluation.stats import mean_std, paired_tests, subject_means, subject_tests
 from training.oracle import BeamOracle
 from training.population import population_order
+from training.scoring import Recon, line_masks, score_masks
 
 __all__ = ["HeadroomConfig", "REGIONS", "add_policies", "headroom", "render_candidates", "render_headroom",
            "subject_folds", "write_headroom"]
@@ -184,36 +183,12 @@ def measured_slices(data: SliceSet, per_subject: int) -> np.ndarray:
     return np.sort(np.asarray(keep, dtype=np.int64))
 
 
-def _masks(n: int, n_pe: int, initial: int, lines: np.ndarray) -> np.ndarray:
-    """(n, n_pe) bool: the initial centre lines and ``lines`` ((n, k) or (k,)) on every slice."""
-    out = np.zeros((n, n_pe), dtype=bool)
-    out[:, initial_lines(n_pe, initial)] = True
-    lines = np.broadcast_to(np.asarray(lines, dtype=np.int64), (n, np.shape(lines)[-1]))
-    out[np.arange(n)[:, None], lines] = True
-    return out
-
-
-@torch.no_grad()
-def score_masks(data: SliceSet, masks: np.ndarray, mar: torch.nn.Module | None, roi: torch.Tensor,
-                device: torch.device, batch_size: int,
-                recon: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = zero_filled) -> dict[str, np.ndarray]:
-    """Per slice: SSIM and PSNR of the served image (``recon``, then ``mar`` when given) of the
-    line sets ``masks`` (N, n_pe) of ``data.kspace_metal``, over the whole image and in ``roi``
-    (``roi_ssim``, ``roi_psnr``)."""
-    out: dict[str, list[np.ndarray]] = {k: [] for k in ("ssim", "psnr", "roi_ssim", "roi_psnr")}
-    for start in range(0, len(data), batch_size):
-        index = list(range(start, min(start + batch_size, len(data))))
-        mask = torch.from_numpy(masks[index]).to(device)
-        zf = recon(data.kspace_metal[index].to(device), mask)
-        image = served_images(zf, None if mar is None else mar(zf)).image
-        target = data.target[index].to(device)
-        whole = slice_metrics(image, target)
-        local = roi_metrics(image, target, roi[index].to(device))
-        out["ssim"].append(whole["ssim"].double().cpu().numpy())
-        out["psnr"].append(whole["psnr"].double().cpu().numpy())
-        out["roi_ssim"].append(local["ssim"].double().cpu().numpy())
-        out["roi_psnr"].append(local["psnr"].double().cpu().numpy())
-    return {k: np.concatenate(v) for k, v in out.items()}
+def _scores(data: SliceSet, masks: np.ndarray, mar: torch.nn.Module | None, roi: torch.Tensor,
+            device: torch.device, batch_size: int, recon: Recon = zero_filled) -> dict[str, np.ndarray]:
+    """Per slice: SSIM and PSNR of the served image of ``masks`` over the whole image and in
+    ``roi`` (``roi_ssim``, ``roi_psnr``): :func:`training.scoring.score_masks`."""
+    return score_masks(data, masks, mar, roi=roi, recon=recon, metrics=("ssim", "psnr"), batch_size=batch_size,
+                       device=device).flat()
 
 
 def gated_policy(order: np.ndarray, n_pe: int) -> Callable[[Any], torch.Tensor]:
@@ -235,7 +210,7 @@ def gated_policy(order: np.ndarray, n_pe: int) -> Callable[[Any], torch.Tensor]:
 
 def _measure_one(data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionConfig, hcfg: HeadroomConfig,
                  roi: torch.Tensor, device: torch.device, progress: bool,
-                 recon: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = zero_filled,
+                 recon: Recon = zero_filled,
                  fit_data: SliceSet | None = None, fit_roi: torch.Tensor | None = None) -> dict[str, Any]:
     """The three methods' lines and scores under one MAR network (or none)."""
     from tqdm.auto import tqdm
@@ -266,7 +241,7 @@ def _measure_one(data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionCo
                                      progress=progress, roi=None if objective is None else objective[fit])
             fixed[folds == k] = order
             orders.append(order.tolist())
-    start = _masks(n, n_pe, initial, np.zeros((0,), dtype=np.int64))
+    start = line_masks(n, n_pe, initial, np.zeros((0,), dtype=np.int64))
     chosen = np.zeros((n, budget), dtype=np.int64)
     count = np.zeros((n, n_pe), dtype=np.int64)
     bar = tqdm(total=n, desc=oracle.name if attempts is None else ReacquireOracle.name, unit="slice",
@@ -288,12 +263,12 @@ def _measure_one(data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionCo
     free[initial_lines(n_pe, initial)] = False
     centre = np.flatnonzero(free)[np.argsort(center_out_rank(n_pe)[free], kind="stable")][:budget]
     lines = {"oracle": chosen, "fixed": fixed, "center-out": np.broadcast_to(centre, (n, budget))}
-    scores = {m: score_masks(data, _masks(n, n_pe, initial, lines[m]), mar, roi, device, hcfg.batch_size, recon)
+    scores = {m: _scores(data, line_masks(n, n_pe, initial, lines[m]), mar, roi, device, hcfg.batch_size, recon)
               for m in METHODS}
     record: dict[str, Any] = {"orders": orders, "folds": folds.tolist(), "oracle_lines": chosen.tolist()}
     if attempts is not None:  # the oracle's own acquisitions, repeats included
         served = replace(clean, kspace_metal=kspace_of(attempts, count))
-        scores["oracle"] = score_masks(served, count > 0, mar, roi, device, hcfg.batch_size)
+        scores["oracle"] = _scores(served, count > 0, mar, roi, device, hcfg.batch_size)
         # the fitted order, acquiring each flagged line again first (navigator gating)
         env = BatchedAcquisitionEnv(clean, hcfg.env_config(), initial, budget, mar, device)
         gated_count = np.zeros_like(count)
@@ -301,14 +276,14 @@ def _measure_one(data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionCo
             rows = np.flatnonzero(folds == k)
             played = env.evaluate(gated_policy(fixed[rows[0]], n_pe), indices=rows, batch_size=hcfg.batch_size)
             gated_count[rows] = played["counts"].numpy()
-        scores["gated"] = score_masks(replace(clean, kspace_metal=kspace_of(attempts, gated_count)), gated_count > 0,
+        scores["gated"] = _scores(replace(clean, kspace_metal=kspace_of(attempts, gated_count)), gated_count > 0,
                                       mar, roi, device, hcfg.batch_size)
         record["gated_counts"] = gated_count.tolist()
         first = corrupted[:, 0]
         record["corruption"] = {
             "repeats_per_slice": float((count.sum(axis=1) - count.astype(bool).sum(axis=1)).mean()),
             "repeats_per_slice_gated": float((gated_count.sum(axis=1) - (gated_count > 0).sum(axis=1)).mean()),
-            "corrupted_lines_fixed": float(np.mean([first[i, _masks(1, n_pe, initial, fixed[i])[0]].sum()
+            "corrupted_lines_fixed": float(np.mean([first[i, line_masks(1, n_pe, initial, fixed[i])[0]].sum()
                                                     for i in range(n)])),
             "corrupted_lines_oracle": float(np.mean([corrupted[i, np.clip(count[i] - 1, 0, None), np.arange(n_pe)]
                                                      [count[i] > 0].sum() for i in range(n)])),
@@ -488,7 +463,7 @@ def _play_policy(path: str | Path, data: SliceSet, mar: torch.nn.Module | None, 
                  roi: torch.Tensor, device: torch.device, batch_size: int, progress: bool
                  ) -> tuple[list[list[int]], dict[str, np.ndarray]]:
     """A learned policy's chosen lines on every slice, played under ``mar`` as the gadget plays
-    it, and their scores (:func:`score_masks`)."""
+    it, and their scores (:func:`training.scoring.score_masks`)."""
     from masc_gadget.acquisition.learned import load_learned
     from training.evaluation.evaluate import run_method
 
@@ -496,7 +471,7 @@ def _play_policy(path: str | Path, data: SliceSet, mar: torch.nn.Module | None, 
     traj = run_method(policy, data, acq.initial, acq.budget, mar, 0, batch_size, device, progress=progress,
                       lines_per_decision=acq.lines_per_decision)
     chosen = traj.lines[:, acq.initial:]
-    return chosen.tolist(), score_masks(data, _masks(len(data), data.n_pe, acq.initial, chosen), mar, roi, device,
+    return chosen.tolist(), _scores(data, line_masks(len(data), data.n_pe, acq.initial, chosen), mar, roi, device,
                                         batch_size)
 
 
@@ -520,7 +495,7 @@ def _play_reacquiring(path: str | Path, data: SliceSet, mar: torch.nn.Module | N
     count = played["counts"].numpy()
     attempts, _ = draw_attempts(data.kspace_metal, data.slices, hcfg.corruption_model(), hcfg.attempts, hcfg.seed)
     served = replace(data, kspace_metal=kspace_of(attempts, count))
-    return played["lines"].tolist(), score_masks(served, count > 0, mar, roi, device, hcfg.batch_size)
+    return played["lines"].tolist(), _scores(served, count > 0, mar, roi, device, hcfg.batch_size)
 
 
 def _captured(scores: dict[str, dict[str, np.ndarray]], key: str, best: str) -> float:

@@ -34,12 +34,11 @@ import numpy as np
 import torch
 
 from masc_gadget.acquisition.policies import make_policy, run_episode
-from masc_gadget.core.kspace import zero_filled
 from masc_gadget.core.metrics import slice_metrics
 from masc_gadget.core.ood import SCORES, ood_score
-from masc_gadget.core.served import served_images
 from training.data import SliceSet, data_dirs, load_split
 from training.evaluation.stats import mean_std, subject_tests
+from training.scoring import score_masks
 
 log = logging.getLogger(__name__)
 
@@ -72,16 +71,12 @@ def slice_rows(mar: torch.nn.Module, data: SliceSet, masks: torch.Tensor, batch_
         every = torch.ones(len(index), data.n_pe, dtype=torch.bool)
         for kind in SCORES:  # what the fallback rule makes of an image that needs no change
             add(f"identity_score_{kind}", ood_score(kind, target, identity, every, mar))
-        zf = zero_filled(data.kspace_metal[index], masks[index])
-        corrected = mar(zf)
-        served = served_images(zf, corrected)
-        for name, image in (("zf", served.zero_filled), ("mar", served.image)):
-            for key, value in slice_metrics(image, target).items():
-                if key in ("ssim", "psnr", "nmse"):
-                    add(f"{name}_{key}", value)
-        for kind in SCORES:
-            add(f"score_{kind}", ood_score(kind, zf, corrected, masks[index], mar))
-    return {key: np.concatenate(values) for key, values in out.items()}
+    scored = score_masks(data, masks, mar, metrics=("ssim", "psnr", "nmse"), kinds=SCORES, batch_size=batch_size,
+                         device=torch.device("cpu"))
+    return {**{key: np.concatenate(values) for key, values in out.items()},
+            **{f"zf_{key}": value for key, value in scored.zero_filled.items()},
+            **{f"mar_{key}": value for key, value in scored.image.items()},
+            **{f"score_{kind}": value for kind, value in scored.ood.items()}}
 
 
 def roc(scores: np.ndarray, harmed: np.ndarray) -> dict[str, Any]:

@@ -35,10 +35,10 @@ from torch import nn
 from masc_gadget.acquisition.episode import EpisodeBatch, _as_lines, check_episode
 from masc_gadget.device import resolve_device
 from masc_gadget.core.kspace import to_hybrid, zero_filled_hybrid
-from masc_gadget.core.metrics import QualityReference, roi_metrics, slice_metrics
-from masc_gadget.core.served import served_images
+from masc_gadget.core.metrics import QualityReference
 from training.data import REGIONS, SliceSet
 from training.rl.corruption import CorruptionModel, corrupt_slice, draw_flagged, kspace_of
+from training.scoring import score_batch
 
 __all__ = ["BatchedAcquisitionEnv", "EnvConfig", "Observation", "RepeatEpisodes", "repeatable_lines"]
 
@@ -640,7 +640,7 @@ class BatchedAcquisitionEnv:
               choice (of ``g(I)`` or ``I`` per ``reward_mar``, as the rewards);
             * ``returns`` (N,): sum of the episode's rewards;
             * ``images`` (N, H, W): final reconstruction as the gadget serves it
-              (:func:`masc_gadget.core.served.served_images`), ``g(I)`` when a MAR network is
+              (:func:`training.scoring.score_batch`), ``g(I)`` when a MAR network is
               set, else ``I``;
             * ``masks`` (N, PE) bool: final masks;
             * ``lines`` (N, budget) long: the chosen lines in order (with corruption a line
@@ -686,8 +686,10 @@ class BatchedAcquisitionEnv:
                 m = self._measure(kspace, episodes.mask, ref, force_mar=last)
                 ret = ret + self.cfg.alpha * (m.quality - q)
                 q = m.quality
-            # the final image as the gadget serves it (clamped, float32)
-            final = served_images(m.zero_filled, m.corrected if self.mar is not None else None).image
+            # the final image as the gadget serves it (clamped, float32), scored
+            scores = score_batch(m.zero_filled, m.corrected if self.mar is not None else None, target,
+                                 roi=None if self._roi_all is None else self._roi_all[idx])
+            final = scores.served.image
             parts["initial_quality"].append(q0)
             parts["final_quality"].append(q)
             parts["returns"].append(ret)
@@ -696,11 +698,8 @@ class BatchedAcquisitionEnv:
             parts["lines"].append(torch.from_numpy(episodes.chosen()[:, self._initial:]))
             if attempts is not None:
                 parts.setdefault("counts", []).append(torch.from_numpy(episodes.counts.copy()))
-            for key, value in slice_metrics(final, target).items():
+            for key, value in {**scores.image, **{f"roi_{k}": v for k, v in scores.roi.items()}}.items():
                 metric_parts.setdefault(key, []).append(value)
-            if self._roi_all is not None:
-                for key, value in roi_metrics(final, target, self._roi_all[idx]).items():
-                    metric_parts.setdefault(f"roi_{key}", []).append(value)
         out: dict[str, Any] = {k: torch.cat(v).cpu() for k, v in parts.items()}
         out["index"] = idx_all.cpu()
         out["metrics"] = {k: torch.cat(v).cpu() for k, v in metric_parts.items()}
