@@ -39,7 +39,7 @@ from training.distributed import Dist, setup
 from training.imitation import ImitationConfig, imitate, load_or_make_demonstrations
 from training.population import population_order
 from training.rl.env import BatchedAcquisitionEnv, EnvConfig
-from training.mar import mar_loss
+from training.finetune import finetune_mar
 from training.rl.ppo import Rollout, greedy_actions, make_optimizer, run_ppo
 
 log = logging.getLogger(__name__)
@@ -130,45 +130,6 @@ class _Recorder:
         return slices, masks
 
 
-def finetune_mar(mar: torch.nn.Module, optimizer: torch.optim.Optimizer, kspace: torch.Tensor,
-                 target: torch.Tensor, slices: torch.Tensor, masks: torch.Tensor, epochs: int,
-                 batch_size: int, generator: torch.Generator,
-                 lambda_ssim: float | None = None, dist: Dist = Dist(),
-                 clean_kspace: torch.Tensor | None = None, clean_fraction: float = 0.0) -> float:
-    """Fine-tuning of ``mar`` on the zero-filled images of (slice, mask) pairs, both images
-    scaled by the target's maximum: MSE (paper), or with ``lambda_ssim`` the pre-training loss
-    ``L1 + lambda_ssim (1 - SSIM)``. BatchNorm statistics stay frozen (eval mode): the network
-    is well initialised and only needs mild correction. With ``clean_kspace`` and a
-    ``clean_fraction`` > 0, that fraction of the pairs is built from the clean k-space instead
-    (the do-no-harm recipe of ``mar_train.clean_fraction``, kept while co-adapting). Returns the
-    mean loss."""
-    mar.eval()
-    total, count = 0.0, 0
-    device = next(mar.parameters()).device
-    for _ in range(epochs):
-        order = torch.randperm(len(slices), generator=generator)
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
-            s = slices[idx].to(kspace.device)
-            k = kspace[s]
-            if clean_kspace is not None and clean_fraction > 0:
-                pick = (torch.rand(len(idx), generator=generator) < clean_fraction).to(k.device)
-                k = torch.where(pick[:, None, None], clean_kspace[s], k)
-            inputs = zero_filled(k, masks[idx].to(kspace.device)).to(device)
-            if lambda_ssim is None:
-                pred, tgt = scale_by_target(mar(inputs), target[s].to(device))
-                loss = torch.mean((pred - tgt) ** 2)
-            else:
-                loss = mar_loss(mar(inputs), target[s].to(device), lambda_ssim)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            dist.average_gradients(mar)  # under torchrun: every rank fine-tunes on its own rollout
-            optimizer.step()
-            total += float(loss.detach()) * len(idx)
-            count += len(idx)
-    return total / max(count, 1)
-
-
 def _resume(ck: Checkpoint, net: PolicyNet, optimizer: torch.optim.Optimizer, gen: torch.Generator,
             mar: torch.nn.Module | None, mar_opt: torch.optim.Optimizer | None) -> int:
     """Load a ``.last.pt`` checkpoint into the networks, optimizers and generator; returns the
@@ -225,11 +186,7 @@ class _Run:
         budget = self.config["acquisition"].budget
         self.val_env.set_mar(self.mar)
         k = self.val_env.lines_per_decision
-        result = self.val_env.evaluate(lambda obs: greedy_actions(self.net, obs, budget, k))
-        metrics = {k: float(v.mean()) for k, v in result["metrics"].items()}
-        metrics["return"] = float(result["returns"].mean())
-        metrics["final_quality"] = float(result["final_quality"].mean())
-        return metrics
+        return self.val_env.validate(lambda obs: greedy_actions(self.net, obs, budget, k))
 
     def metadata(self, rollout: int, val_metrics: dict[str, float]) -> dict[str, Any]:
         config, mar = self.config, self.mar
@@ -269,18 +226,17 @@ class _Run:
         """Validate; save the best checkpoint when SSIM improved and the latest always.
         Returns the ``val/...`` columns."""
         val_metrics = self.validate()
-        self.dist.check_in_sync(self.net)
         nets = {"policy": self.net, **({"mar": self.mar} if self.mar is not None else {})}
-        improved = self.files.improved(val_metrics, rollout=rollout_number)
+        extra = {"optimizer": self.optimizer.state_dict(), "generator": self.gen.get_state()}
+        if self.mar_opt is not None:
+            extra["mar_optimizer"] = self.mar_opt.state_dict()
+        improved = self.files.record(val_metrics, {"rollout": rollout_number}, nets, nets,
+                                     self.metadata(rollout_number, val_metrics), extra, dist=self.dist,
+                                     sync=self.net)
         region = f", region SSIM {val_metrics['roi_ssim']:.4f}" if "roi_ssim" in val_metrics else ""
         log.info("rollout %d: return %.3f, val SSIM %.4f, PSNR %.2f%s%s", rollout_number,
                  stats["charts/episodic_return"], val_metrics["ssim"], val_metrics["psnr"], region,
                  " *best*" if improved else "")
-        extra = {"optimizer": self.optimizer.state_dict(), "generator": self.gen.get_state()}
-        if self.mar_opt is not None:
-            extra["mar_optimizer"] = self.mar_opt.state_dict()
-        self.files.save(improved, nets, nets, self.metadata(rollout_number, val_metrics), extra)
-        self.dist.barrier()  # the checkpoint is on disk before any rank goes on
         return {f"val/{m}": v for m, v in val_metrics.items()}
 
     def _append_csv(self, row: dict[str, Any], stats: dict[str, float]) -> None:

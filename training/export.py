@@ -19,7 +19,7 @@ from masc_gadget.models.checkpoint import load_checkpoint, save_checkpoint
 log = logging.getLogger(__name__)
 
 
-SEEDED = ("masc_train", "fixed_order", "loupe", "dqn", "mar_train")
+SEEDED = ("masc_train", "finetune", "loupe", "dqn", "mar_train")
 """The config sections whose ``seed`` is a checkpoint's training seed, in the order looked up."""
 
 

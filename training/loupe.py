@@ -232,21 +232,19 @@ def train_loupe(config: Config, data_dir: str | Path, mar_path: str | Path | Non
             optimizer.step()
             losses.append(dist.mean(float(loss.detach())))
         val_metrics = _validate(mar, mask, val, lambda_ssim, cfg.batch_size, device)
-        improved = run.improved(val_metrics, epoch=epoch + 1)
-        dist.check_in_sync(mask)
-        run.save(improved, {"mar": mar}, {"mar": mar, "mask": mask}, metadata(epoch + 1, val_metrics),
-                 {"optimizer": optimizer.state_dict(), "generator": gen.get_state()})
         p = mask.probabilities().detach()[~mask.fixed]
         row = {"epoch": epoch + 1, "train_loss": float(np.mean(losses)),
                "mask/entropy": float(-(p * p.clamp_min(1e-9).log() + (1 - p) * (1 - p).clamp_min(1e-9).log()).mean()),
                **{f"val_{k}": v for k, v in val_metrics.items() if not k.startswith("input_")},
                "seconds": time.perf_counter() - t_epoch}
-        run.log_row(row)
+        improved = run.record(val_metrics, {"epoch": epoch + 1}, {"mar": mar}, {"mar": mar, "mask": mask},
+                              metadata(epoch + 1, val_metrics),
+                              {"optimizer": optimizer.state_dict(), "generator": gen.get_state()}, row, dist=dist,
+                              sync=mask)
         if dist.main:
             log.info("epoch %d: train loss %.4f, val SSIM %.4f, PSNR %.2f, lines %s%s", epoch + 1,
                      row["train_loss"], val_metrics["ssim"], val_metrics["psnr"], mask.order(),
                      " *best*" if improved else "")
-        dist.barrier()
         bar.set_postfix(loss=f"{row['train_loss']:.4f}", val_ssim=f"{val_metrics['ssim']:.4f}")
     bar.close()
     run.best["seconds"] = time.perf_counter() - t0

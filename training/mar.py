@@ -262,11 +262,9 @@ def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str
                                val_clean)
         row = {"epoch": epoch + 1, "train_loss": train_loss, **{f"val_{k}": v for k, v in val_metrics.items()},
                "seconds": time.perf_counter() - t0}
-        improved = run.improved(val_metrics, epoch=epoch + 1)
-        run.save(improved, {"mar": model}, {"mar": model}, metadata(epoch + 1, val_metrics),
-                 {"optimizer": optimizer.state_dict(), "shuffle_state": shuffle.get_state()})
-        run.log_row(row)
-        dist.barrier()  # the checkpoint is on disk before any rank goes on
+        improved = run.record(val_metrics, {"epoch": epoch + 1}, {"mar": model}, {"mar": model},
+                              metadata(epoch + 1, val_metrics),
+                              {"optimizer": optimizer.state_dict(), "shuffle_state": shuffle.get_state()}, row, dist=dist)
         bar.set_postfix(loss=f"{row['train_loss']:.4f}", val_ssim=f"{val_metrics['ssim']:.4f}")
         if dist.main:
             log.info("epoch %d: train loss %.4f, val loss %.4f, val SSIM %.4f (input %.4f), PSNR %.2f%s%s",

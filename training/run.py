@@ -1,6 +1,11 @@
 """One training run's skeleton, shared by every trainer (MAR pre-training, co-adaptive MASC,
-DQN / SS-DDQN, the learned mask): its files, its resume, its best and last checkpoints, its
-CSV log and its seeded initialisation.
+DQN / SS-DDQN, the learned mask, the fixed order and the MAR fine-tuning recipe): its files, its
+resume, its best and last checkpoints, its CSV log and its seeded initialisation.
+
+Every trainer ends each of its periods (an epoch, a validated rollout, a number of transitions)
+with one call, :meth:`TrainingRun.record`: keep the validation metrics if they are the best,
+save the best and the last checkpoints, wait for every rank, append the CSV row. Trainers keep
+only what makes them different: what they train and how they validate.
 
 Files of a run whose best checkpoint is ``OUT.pt``:
 
@@ -25,6 +30,7 @@ import torch
 from masc_gadget.core.seeding import isolated_rng
 from masc_gadget.models.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from training.csvlog import append_row
+from training.distributed import Dist
 
 __all__ = ["TrainingRun", "seeded"]
 
@@ -101,6 +107,26 @@ class TrainingRun:
         """Append one row to the run's CSV log (rank 0 only)."""
         if self.main:
             append_row(self.csv, row, fields)
+
+    def record(self, metrics: dict[str, float], where: dict[str, Any], best: dict[str, torch.nn.Module],
+               last: dict[str, torch.nn.Module], metadata: dict[str, Any], extra_state: dict[str, Any],
+               row: dict[str, Any] | None = None, fields: Sequence[str] | None = None, dist: Dist = Dist(),
+               sync: torch.nn.Module | None = None) -> bool:
+        """The end of one period of training: ``metrics`` (validation) become the best when they
+        improve on it (:meth:`improved`, with ``where``, e.g. ``{"epoch": 3}``); under torchrun
+        the ranks' ``sync`` module is checked to be the same; the best checkpoint (``best``
+        modules, when improved) and the last one (``last`` modules and ``extra_state``) are saved
+        with ``metadata`` and the best metrics so far (``best_val``); every rank waits until they
+        are on disk; ``row`` is appended to the CSV log (``fields``: its columns). Returns
+        whether the metrics improved."""
+        improved = self.improved(metrics, **where)
+        if sync is not None:
+            dist.check_in_sync(sync)
+        self.save(improved, best, last, {**metadata, "best_val": self.best}, extra_state)
+        dist.barrier()  # the checkpoint is on disk before any rank goes on
+        if row is not None:
+            self.log_row(row, fields)
+        return improved
 
     def finish(self, best: dict[str, torch.nn.Module], metadata: dict[str, Any]) -> None:
         """A run that saved no best checkpoint (resumed after its last epoch into a new path)

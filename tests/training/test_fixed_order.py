@@ -16,8 +16,8 @@ from masc_gadget.serving.settings import GadgetSettings
 
 from tests.conftest import CONFIGS
 
-FAST = ["--set", "fixed_order.population_slices=2", "--set", "fixed_order.epochs=1", "--set", "fixed_order.device=cpu",
-        "--set", "fixed_order.batch_size=4"]
+FAST = ["--set", "fixed_order.population_slices=2", "--set", "finetune.epochs=1", "--set", "fixed_order.device=cpu",
+        "--set", "finetune.batch_size=4"]
 
 
 def test_train_refit_serve_and_score(tiny_dataset, perturbed_mar, tmp_path):
@@ -69,7 +69,7 @@ def test_calibrated_on_its_own_order_exported_and_served_with_the_fallback(tiny_
 
     out = tmp_path / "fixed.pt"
     assert main(["train", "fixed-order", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset),
-                 "--mar", str(perturbed_mar), "--out", str(out), *FAST, "--set", "fixed_order.epochs=0"]) == 0
+                 "--mar", str(perturbed_mar), "--out", str(out), *FAST, "--set", "finetune.epochs=0"]) == 0
     check = tmp_path / "check"
     assert main(["mar-check", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset), "--split", "val",
                  "--calibrate", "--mar", f"fixed={out}", "--out", str(check)]) == 0
@@ -79,7 +79,7 @@ def test_calibrated_on_its_own_order_exported_and_served_with_the_fallback(tiny_
     assert main(["export", str(out), "--out", str(shipped), "--ood", f"{check / 'ood.json'}:fixed"]) == 0
     meta = load_checkpoint(shipped).metadata
     assert meta["kind"] == FIXED and meta["ood"]["score"] == calibration["score"]
-    assert json.loads(shipped.with_suffix(".json").read_text())["seed"] == 0  # fixed_order.seed
+    assert json.loads(shipped.with_suffix(".json").read_text())["seed"] == 0  # finetune.seed
     assert json.loads(shipped.with_suffix(".json").read_text())["ood"]["threshold"] == calibration["threshold"]
     _, mar, _ = load_learned(shipped, "cpu")
     assert mar.ood is not None and mar.ood.threshold == calibration["threshold"]
@@ -88,7 +88,7 @@ def test_calibrated_on_its_own_order_exported_and_served_with_the_fallback(tiny_
 def test_order_from_an_earlier_checkpoint_skips_learning_it(tiny_dataset, perturbed_mar, tmp_path):
     first = tmp_path / "first.pt"
     assert main(["train", "fixed-order", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset),
-                 "--mar", str(perturbed_mar), "--out", str(first), *FAST, "--set", "fixed_order.epochs=0"]) == 0
+                 "--mar", str(perturbed_mar), "--out", str(first), *FAST, "--set", "finetune.epochs=0"]) == 0
     again = tmp_path / "again.pt"
     assert main(["train", "fixed-order", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset),
                  "--mar", str(perturbed_mar), "--out", str(again), *FAST, "--order-from", str(first)]) == 0

@@ -48,8 +48,8 @@ def tiny_outputs(data: Path, mar: Path, tmp: Path) -> dict[str, float]:
     out: dict[str, float] = {}
     fixed = tmp / "fixed.pt"
     assert main(["train", "fixed-order", *COMMON, "--data", str(data), "--mar", str(mar), "--out", str(fixed),
-                 "--set", "fixed_order.population_slices=2", "--set", "fixed_order.epochs=2",
-                 "--set", "fixed_order.device=cpu", "--set", "fixed_order.batch_size=4"]) == 0
+                 "--set", "fixed_order.population_slices=2", "--set", "finetune.epochs=2",
+                 "--set", "fixed_order.device=cpu", "--set", "finetune.batch_size=4"]) == 0
     for key, values in _csv(tmp / "fixed.csv", ["val_ssim", "val_psnr", "loss"]).items():
         for i, v in enumerate(values):
             out[f"fixed/{key}/{i}"] = v

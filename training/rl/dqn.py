@@ -346,16 +346,11 @@ def train_dqn(config: Config, data_dir: str | Path, mar_path: str | Path | None,
                           config={k: to_dict(config[k]) for k in ("acquisition", "env", "q_net", "dqn")})
 
     def validate_and_save(row: dict[str, Any]) -> None:
-        result = val_env.evaluate(lambda obs: greedy_q(net, obs.image, obs.mask, obs.steps_left.float() / budget))
-        val_metrics = {k: float(v.mean()) for k, v in result["metrics"].items()}
-        val_metrics["return"] = float(result["returns"].mean())
-        val_metrics["final_quality"] = float(result["final_quality"].mean())
-        improved = run.improved(val_metrics, transitions=done_steps)
-        dist.check_in_sync(net)
-        run.save(improved, {"q": net}, {"q": net, "target": target}, metadata(val_metrics),
-                 {"optimizer": optimizer.state_dict(), "generator": gen.get_state(), "replay": replay.state_dict()})
-        dist.barrier()
+        val_metrics = val_env.validate(lambda obs: greedy_q(net, obs.image, obs.mask, obs.steps_left.float() / budget))
         row.update({f"val/{k}": v for k, v in val_metrics.items()})
+        improved = run.record(val_metrics, {"transitions": done_steps}, {"q": net}, {"q": net, "target": target},
+                              metadata(val_metrics), {"optimizer": optimizer.state_dict(), "generator": gen.get_state(),
+                                                      "replay": replay.state_dict()}, dist=dist, sync=net)
         if dist.main:
             log.info("%s: %d transitions, epsilon %.3f, val SSIM %.4f, PSNR %.2f%s", variant, done_steps,
                      row["charts/epsilon"], val_metrics["ssim"], val_metrics["psnr"], " *best*" if improved else "")

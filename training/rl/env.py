@@ -622,6 +622,15 @@ class BatchedAcquisitionEnv:
             m = self._measure(self._kspace, self._mask, self._ref)
             self._image, self._quality = m.observed, m.quality
 
+    def validate(self, policy_fn: Callable[[Observation], torch.Tensor]) -> dict[str, float]:
+        """The means over every slice of :meth:`evaluate`'s metrics, ``return`` and
+        ``final_quality``: what a trainer validates a policy by."""
+        result = self.evaluate(policy_fn)
+        metrics = {k: float(v.mean()) for k, v in result["metrics"].items()}
+        metrics["return"] = float(result["returns"].mean())
+        metrics["final_quality"] = float(result["final_quality"].mean())
+        return metrics
+
     @torch.no_grad()
     def evaluate(self, policy_fn: Callable[[Observation], torch.Tensor],
                  indices: Sequence[int] | np.ndarray | torch.Tensor | None = None,

@@ -1,0 +1,226 @@
+"""One MAR fine-tuning recipe for every method: a network fine-tuned to the line sets a policy plays.
+
+A recipe (config section ``finetune``; ``finetune_joint`` holds the co-adaptive loop's settings)
+says which masks of each training slice's episode the network learns from (``served``: the final
+mask, the one the gadget serves; ``pre-action``: the masks before each action, initial to
+initial + budget - 1 lines, what the co-adaptive loop fine-tunes on), and the optimiser, learning
+rate, loss, batch, budget (passes or steps) and clean anchors. Selection is on the validation
+split: the SSIM of the served image under the masks the policy plays there
+(:func:`training.scoring.score_masks`), measured before any step (the network as given may be
+kept) and every ``val_every`` steps.
+
+``masc train fixed-order`` fine-tunes its network with it; ``masc train finetune --policy CKPT``
+fine-tunes a pre-trained network to the lines of any trained policy (MASC, the fixed order, DQN,
+SS-DDQN, the learned mask) and writes a checkpoint of that policy with the new network, served
+and scored like the original. :func:`finetune_mar` is the recipe's optimisation step loop, which
+the co-adaptive loop calls after every rollout.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from masc_gadget.config import to_dict
+from masc_gadget.core.kspace import zero_filled
+from masc_gadget.core.metrics import scale_by_target
+from training.data import SliceSet
+from training.distributed import Dist
+from training.mar import mar_loss
+from training.run import TrainingRun
+from training.scoring import score_masks
+
+__all__ = ["FinetuneConfig", "JointFinetuneConfig", "episode_pairs", "finetune_mar", "finetune_to_masks"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """A MAR fine-tuning recipe (config sections ``finetune`` and ``finetune_joint``)."""
+
+    masks: Literal["served", "pre-action"] = "served"
+    """Which masks of each training slice's episode the network learns from: ``served`` (the
+    final one) or ``pre-action`` (before each action: initial to initial + budget - 1 lines)."""
+    epochs: int = 3
+    """Passes over the (slice, mask) pairs, when ``steps`` is 0."""
+    steps: int = 0
+    """Optimisation steps (0: ``epochs`` passes)."""
+    val_every: int = 0
+    """Steps between two validations (0: after every pass)."""
+    lr: float = 1e-4
+    """Adam learning rate."""
+    loss: Literal["pretrain", "mse"] = "pretrain"
+    """``pretrain``: the pre-training loss ``L1 + lambda_ssim (1 - SSIM)``; ``mse`` (the paper's
+    co-adaptive loss)."""
+    lambda_ssim: float = 1.0
+    """The weight of (1 - SSIM) in the ``pretrain`` loss."""
+    batch_size: int = 16
+    """Pairs per step."""
+    clean_fraction: float = 0.0
+    """Share of the pairs built from the clean k-space (the do-no-harm anchors)."""
+    max_val_slices: int = 0
+    """Validation slices scored (0 = all)."""
+    seed: int = 0
+    """Seed of the shuffles and the clean anchors' draws."""
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "steps", "val_every", "max_val_slices", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.batch_size < 1 or not self.lr > 0:
+            raise ValueError(f"batch_size must be >= 1 and lr > 0, got {self.batch_size}, {self.lr}")
+        if not 0.0 <= self.clean_fraction <= 1.0:
+            raise ValueError(f"clean_fraction must be in [0, 1], got {self.clean_fraction}")
+        if self.lambda_ssim < 0:
+            raise ValueError(f"lambda_ssim must be >= 0, got {self.lambda_ssim}")
+
+    def total_steps(self, pairs: int) -> int:
+        """The recipe's budget in steps for ``pairs`` (slice, mask) pairs."""
+        return self.steps or self.epochs * math.ceil(pairs / self.batch_size)
+
+
+@dataclass(frozen=True)
+class JointFinetuneConfig(FinetuneConfig):
+    """Recipe B, the co-adaptive loop's MAR fine-tuning run offline (config section
+    ``finetune_joint``): the pre-action masks of the policy's episodes, Adam 1e-5, 32 pairs a
+    step, the paper's MSE, about as many steps as 100 rollouts take (``masc_train``'s
+    ``mar_lr``, ``mar_batch_size`` and ``mar_loss``)."""
+
+    masks: Literal["served", "pre-action"] = "pre-action"
+    steps: int = 1100
+    val_every: int = 110
+    lr: float = 1e-5
+    loss: Literal["pretrain", "mse"] = "mse"
+    batch_size: int = 32
+
+
+def episode_pairs(lines: np.ndarray, n_pe: int, initial: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (slice, mask) pairs of episodes: ``lines`` (N, initial + budget) is each slice's
+    acquisition in order. ``served``: one pair per slice, every line; ``pre-action``: ``budget``
+    pairs per slice, the first ``initial + t`` lines for t = 0 .. budget - 1. Returns slice
+    indices (P,) int64 and masks (P, n_pe) bool."""
+    lines = np.asarray(lines, dtype=np.int64)
+    n, total = lines.shape
+    if kind == "served":
+        counts = [total]
+    elif kind == "pre-action":
+        counts = list(range(initial, total))
+    else:
+        raise ValueError(f"masks must be 'served' or 'pre-action', got {kind!r}")
+    masks = np.zeros((len(counts), n, n_pe), dtype=bool)
+    for j, count in enumerate(counts):
+        masks[j, np.arange(n)[:, None], lines[:, :count]] = True
+    slices = np.tile(np.arange(n), len(counts))
+    return torch.from_numpy(slices), torch.from_numpy(masks.reshape(-1, n_pe))
+
+
+def _batches(count: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """Minibatches of indices into ``count`` pairs, pass after pass, each pass shuffled when it
+    starts."""
+    while True:
+        order = torch.randperm(count, generator=generator)
+        for start in range(0, count, batch_size):
+            yield order[start:start + batch_size]
+
+
+def finetune_mar(mar: torch.nn.Module, optimizer: torch.optim.Optimizer, kspace: torch.Tensor,
+                 target: torch.Tensor, slices: torch.Tensor, masks: torch.Tensor, epochs: int,
+                 batch_size: int, generator: torch.Generator,
+                 lambda_ssim: float | None = None, dist: Dist = Dist(),
+                 clean_kspace: torch.Tensor | None = None, clean_fraction: float = 0.0,
+                 steps: int = 0, batches: Iterator[torch.Tensor] | None = None) -> float:
+    """Fine-tuning of ``mar`` on the zero-filled images of (slice, mask) pairs, both images
+    scaled by the target's maximum: MSE (paper), or with ``lambda_ssim`` the pre-training loss
+    ``L1 + lambda_ssim (1 - SSIM)``. ``epochs`` passes over the pairs, or ``steps`` steps taken
+    from ``batches`` (an iterator of :func:`_batches` kept between calls). BatchNorm statistics
+    stay frozen (eval mode): the network is well initialised and only needs mild correction.
+    With ``clean_kspace`` and a ``clean_fraction`` > 0, that fraction of the pairs is built from
+    the clean k-space instead (the do-no-harm anchors). Returns the mean loss."""
+    mar.eval()
+    total, count = 0.0, 0
+    device = next(mar.parameters()).device
+    if batches is None:
+        batches = _batches(len(slices), batch_size, generator)
+        steps = epochs * math.ceil(len(slices) / batch_size)
+    for _ in range(steps):
+        idx = next(batches)
+        s = slices[idx].to(kspace.device)
+        k = kspace[s]
+        if clean_kspace is not None and clean_fraction > 0:
+            pick = (torch.rand(len(idx), generator=generator) < clean_fraction).to(k.device)
+            k = torch.where(pick[:, None, None], clean_kspace[s], k)
+        inputs = zero_filled(k, masks[idx].to(kspace.device)).to(device)
+        if lambda_ssim is None:
+            pred, tgt = scale_by_target(mar(inputs), target[s].to(device))
+            loss = torch.mean((pred - tgt) ** 2)
+        else:
+            loss = mar_loss(mar(inputs), target[s].to(device), lambda_ssim)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        dist.average_gradients(mar)  # under torchrun: every rank fine-tunes on its own rollout
+        optimizer.step()
+        total += float(loss.detach()) * len(idx)
+        count += len(idx)
+    return total / max(count, 1)
+
+
+def finetune_to_masks(mar: torch.nn.Module, recipe: FinetuneConfig, train: SliceSet,
+                      pairs: tuple[torch.Tensor, torch.Tensor], val: SliceSet, val_masks: torch.Tensor | np.ndarray,
+                      out: str | Path, metadata: dict[str, Any], progress: bool = True) -> dict[str, Any]:
+    """Fine-tune ``mar`` (in place) by ``recipe`` on the (slice, mask) ``pairs`` of ``train``
+    (:func:`episode_pairs`), selecting on the served image's SSIM on ``val`` under ``val_masks``
+    (N_val, n_pe). The best network goes to ``out`` (``modules`` {"mar": ...} with ``metadata``,
+    plus the step, validation metrics and recipe), the latest to ``<out>.last.pt``, a row per
+    validation to ``<out>.csv``. Returns the best validation metrics (with ``epoch`` and
+    ``step``)."""
+    from tqdm.auto import tqdm
+
+    slices, masks = pairs
+    run = TrainingRun(out, "ssim", higher_is_better=True)
+    per_pass = math.ceil(len(slices) / recipe.batch_size)
+    total = recipe.total_steps(len(slices))
+    every = recipe.val_every or per_pass
+    meta = {**metadata, "finetune": to_dict(recipe)}
+    device = next(mar.parameters()).device
+
+    def record(step: int, loss: float | str) -> None:
+        val_metrics = score_masks(val, val_masks, mar, metrics=("ssim", "psnr")).mean()
+        epoch = step / per_pass
+        epoch = int(epoch) if float(epoch).is_integer() else round(epoch, 3)
+        better = run.record(val_metrics, {"epoch": epoch, "step": step}, {"mar": mar}, {"mar": mar},
+                            {**meta, "epoch": epoch, "step": step, "val": {**val_metrics, "loss": loss}}, {},
+                            {"epoch": epoch, "step": step, "val_ssim": val_metrics["ssim"],
+                             "val_psnr": val_metrics["psnr"], "loss": loss})
+        log.info("step %d (pass %s): loss %s, val SSIM %.4f, PSNR %.2f%s", step, epoch,
+                 loss if isinstance(loss, str) else f"{loss:.4f}", val_metrics["ssim"], val_metrics["psnr"],
+                 " *best*" if better else "")
+
+    record(0, "")  # the network as given: selection keeps it when fine-tuning does not help
+    if total:
+        generator = torch.Generator().manual_seed(recipe.seed)
+        optimizer = torch.optim.Adam(mar.parameters(), lr=recipe.lr)
+        clean = train.kspace_clean if recipe.clean_fraction > 0 else None
+        lambda_ssim = recipe.lambda_ssim if recipe.loss == "pretrain" else None
+        batches = _batches(len(slices), recipe.batch_size, generator)
+        kspace, target = train.kspace_metal.to(device), train.target.to(device)
+        bar = tqdm(total=total, desc="fine-tune MAR", unit="step", disable=not progress)
+        done = 0
+        while done < total:
+            n = min(every, total - done)
+            loss = finetune_mar(mar, optimizer, kspace, target, slices, masks, 0, recipe.batch_size, generator,
+                                lambda_ssim, clean_kspace=None if clean is None else clean.to(device),
+                                clean_fraction=recipe.clean_fraction, steps=n, batches=batches)
+            done += n
+            bar.update(n)
+            record(done, loss)
+            bar.set_postfix(best_ssim=f"{run.best['ssim']:.4f}")
+        bar.close()
+    return run.best
