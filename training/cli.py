@@ -70,6 +70,21 @@ def register_train(subparsers: argparse._SubParsersAction, common: argparse.Argu
                        "learned on the same data under the same --mar (it must have this protocol's lines), and "
                        "only co-adapt the network, e.g. for more epochs")
     fixed.set_defaults(func=cmd_train_fixed_order)
+    tune = actions.add_parser("finetune", parents=[common],
+                              help="a pre-trained MAR network fine-tuned by one recipe to a policy's lines",
+                              description="Play a trained policy (any kind) on the training and validation "
+                              "slices, fine-tune the pre-trained MAR network to its masks by the recipe of a "
+                              "config section (finetune: the served masks; finetune_joint: the co-adaptive "
+                              "loop's pre-action masks and settings), select on validation, and write the "
+                              "policy's checkpoint with that network.")
+    tune.add_argument("--data", required=True, metavar="DIR", help="dataset folder(s)")
+    tune.add_argument("--policy", required=True, metavar="CKPT", help="the trained policy whose lines are learned")
+    tune.add_argument("--mar", required=True, metavar="CKPT", help="pre-trained MAR checkpoint (masc train mar)")
+    tune.add_argument("--recipe", default="finetune", choices=("finetune", "finetune_joint"),
+                      help="the config section of the recipe (default finetune)")
+    tune.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    tune.add_argument("--out", required=True, metavar="CKPT", help="best checkpoint (.pt); .last.pt and .csv beside it")
+    tune.set_defaults(func=cmd_train_finetune)
 
 
 def register_eval(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -287,6 +302,16 @@ def cmd_train_fixed_order(args: argparse.Namespace) -> int:
 
     best = train_fixed_order(config_from_args(args), args.data, args.mar, args.out, order_from=args.order_from)
     _report_best("fixed-order", args.out, best, "epoch")
+    return 0
+
+
+def cmd_train_finetune(args: argparse.Namespace) -> int:
+    from masc_gadget.cli import config_from_args
+    from training.finetune_policy import finetune_policy
+
+    best = finetune_policy(config_from_args(args), args.data, args.policy, args.mar, args.out, args.recipe,
+                           args.device)
+    _report_best("fine-tuned", args.out, best, "step")
     return 0
 
 

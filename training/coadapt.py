@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from masc_gadget import __version__
@@ -101,12 +102,15 @@ def val_fields(ecfg: EnvConfig) -> list[str]:
 
 class _Recorder:
     """Wraps the environment to remember which slice and mask every transition started from
-    (the undersampled images the MAR network is fine-tuned on)."""
+    (the pre-action masks the MAR network is fine-tuned on), and the final served mask of every
+    finished episode (:meth:`served`)."""
 
     def __init__(self, env: BatchedAcquisitionEnv) -> None:
         self.env = env
         self.slices: list[torch.Tensor] = []
         self.masks: list[torch.Tensor] = []
+        self.final_slices: list[torch.Tensor] = []
+        self.final_masks: list[torch.Tensor] = []
 
     @property
     def budget(self) -> int:
@@ -120,9 +124,21 @@ class _Recorder:
         return self.env.reset()
 
     def step(self, actions):
-        self.slices.append(self.env.slice_index.clone())
+        slices = self.env.slice_index.clone()
+        self.slices.append(slices)
         self.masks.append(self.env.observation.mask.clone())
-        return self.env.step(actions)
+        result = self.env.step(actions)
+        done, info = result[2], result[-1]
+        self.final_slices.append(slices[done].cpu())
+        self.final_masks.append(info["final_mask"][done].cpu())
+        return result
+
+    def served(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every finished episode so far: its training slice (E,) and final mask (E, PE) bool,
+        the lines the policy served it with."""
+        if not self.final_slices:
+            return np.zeros(0, dtype=np.int64), np.zeros((0, self.env.observation.mask.shape[1]), dtype=bool)
+        return torch.cat(self.final_slices).numpy(), torch.cat(self.final_masks).numpy()
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor]:
         slices, masks = torch.cat(self.slices), torch.cat(self.masks)
@@ -215,6 +231,7 @@ class _Run:
                                "global_step": rollout_number * self.n_steps * self.ecfg.n_envs, **stats}
         if rollout_number % tcfg.val_every == 0 or rollout_number == tcfg.rollouts:
             row.update(self._validate_and_save(rollout_number, stats))
+            self._save_served()
         row["seconds"] = time.perf_counter() - self.t0
         self._append_csv(row, stats)
         metric = self.files.metric
@@ -239,9 +256,30 @@ class _Run:
                  " *best*" if improved else "")
         return {f"val/{m}": v for m, v in val_metrics.items()}
 
+    def _save_served(self) -> None:
+        """``<out>.served.npz``: the training slice and final served mask of every episode so
+        far (this process's; a resumed run starts it anew), the masks MASC's own lines give
+        ``masc train finetune``'s recipes to compare with."""
+        if self.dist.main:
+            slices, masks = self.recorder.served()
+            np.savez_compressed(served_path(self.files.out), slice=slices, mask=np.packbits(masks, axis=1),
+                                n_pe=masks.shape[1])
+
     def _append_csv(self, row: dict[str, Any], stats: dict[str, float]) -> None:
         fields = ["rollout", "global_step", *sorted(stats), "losses/mar", *val_fields(self.ecfg), "seconds"]
         self.files.log_row(row, list(dict.fromkeys(fields)))
+
+
+def served_path(out: str | Path) -> Path:
+    """The co-adaptive run's record of its episodes' final served masks, beside ``out``."""
+    out = Path(out)
+    return out.with_name(out.stem + ".served.npz")
+
+
+def load_served(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """A ``.served.npz`` record: training slices (E,) and final masks (E, PE) bool."""
+    with np.load(path) as f:
+        return f["slice"], np.unpackbits(f["mask"], axis=1, count=int(f["n_pe"])).astype(bool)
 
 
 def warm_start(run: _Run, train: SliceSet, demos_path: str | Path | None, progress: bool) -> None:

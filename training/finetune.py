@@ -174,12 +174,13 @@ def finetune_mar(mar: torch.nn.Module, optimizer: torch.optim.Optimizer, kspace:
 
 def finetune_to_masks(mar: torch.nn.Module, recipe: FinetuneConfig, train: SliceSet,
                       pairs: tuple[torch.Tensor, torch.Tensor], val: SliceSet, val_masks: torch.Tensor | np.ndarray,
-                      out: str | Path, metadata: dict[str, Any], progress: bool = True) -> dict[str, Any]:
+                      out: str | Path, metadata: dict[str, Any], progress: bool = True,
+                      keep: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Fine-tune ``mar`` (in place) by ``recipe`` on the (slice, mask) ``pairs`` of ``train``
     (:func:`episode_pairs`), selecting on the served image's SSIM on ``val`` under ``val_masks``
-    (N_val, n_pe). The best network goes to ``out`` (``modules`` {"mar": ...} with ``metadata``,
-    plus the step, validation metrics and recipe), the latest to ``<out>.last.pt``, a row per
-    validation to ``<out>.csv``. Returns the best validation metrics (with ``epoch`` and
+    (N_val, n_pe). The best network goes to ``out`` (as ``mar``, beside the state dicts of
+    ``keep``, e.g. a policy's, with ``metadata`` plus the step, validation metrics and recipe), the
+    latest to ``<out>.last.pt``, a row per validation to ``<out>.csv``. Returns the best validation metrics (with ``epoch`` and
     ``step``)."""
     from tqdm.auto import tqdm
 
@@ -195,7 +196,8 @@ def finetune_to_masks(mar: torch.nn.Module, recipe: FinetuneConfig, train: Slice
         val_metrics = score_masks(val, val_masks, mar, metrics=("ssim", "psnr")).mean()
         epoch = step / per_pass
         epoch = int(epoch) if float(epoch).is_integer() else round(epoch, 3)
-        better = run.record(val_metrics, {"epoch": epoch, "step": step}, {"mar": mar}, {"mar": mar},
+        modules = {**(keep or {}), "mar": mar}
+        better = run.record(val_metrics, {"epoch": epoch, "step": step}, modules, modules,
                             {**meta, "epoch": epoch, "step": step, "val": {**val_metrics, "loss": loss}}, {},
                             {"epoch": epoch, "step": step, "val_ssim": val_metrics["ssim"],
                              "val_psnr": val_metrics["psnr"], "loss": loss})
