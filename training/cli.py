@@ -11,7 +11,7 @@ log = logging.getLogger("masc.train")
 
 
 def register_train(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    train = subparsers.add_parser("train", help="train networks (mar, masc, dqn, ss-ddqn, loupe, fixed-order)",
+    train = subparsers.add_parser("train", help="train networks (mar, masc, dqn, ss-ddqn, loupe, fixed-order, finetune)",
                                   description="Training: MAR pre-training (stage 1), MASC (stage 2) and the "
                                   "learned baselines.")
     actions = train.add_subparsers(dest="action", metavar="WHAT", required=True)
