@@ -12,7 +12,10 @@ beside it.
   environment's final step, ``masc eval``'s per-line curves);
 * :func:`score_masks`: every slice of a :class:`~training.data.SliceSet` under masks, in batches
   (validation of every trainer, ``masc mar-check``, ``masc headroom``, the fixed order);
-* :func:`line_masks`: the masks of the protocol's initial centre lines plus chosen lines.
+* :func:`line_masks`: the masks of the protocol's initial centre lines plus chosen lines;
+* :func:`harmed`: the one definition of harm, a served image below doing nothing
+  (:func:`do_nothing`, the zero-filled image of centre-out's lines with the same line count),
+  used by ``masc mar-check``, its ROC and the calibration of the OOD rule.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from masc_gadget.core.ood import OodCalibration, ood_score
 from masc_gadget.core.served import ServedImages, served_images
 from training.data import SliceSet
 
-__all__ = ["BatchScores", "SliceScores", "line_masks", "score_batch", "score_masks"]
+__all__ = ["BatchScores", "SliceScores", "center_out_masks", "do_nothing", "harmed", "line_masks", "score_batch",
+           "score_masks"]
 
 Recon = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(kspace (B, PE, RO) complex, mask (B, PE) bool) -> (B, H, W) real image."""
@@ -145,6 +149,31 @@ def score_masks(data: SliceSet, masks: np.ndarray | torch.Tensor, mar: torch.nn.
         used.append(scores.served.mar_used)
     return SliceScores(**{name: _numpy(values) for name, values in parts.items()},
                        mar_used=torch.cat(used).cpu().numpy())
+
+
+def center_out_masks(n: int, n_pe: int, initial: int, budget: int) -> np.ndarray:
+    """(n, n_pe) bool: centre-out's ``initial + budget`` lines on every slice, what the scanner
+    plays when the gadget misses its deadline."""
+    from masc_gadget.acquisition.policies import make_policy, run_episode
+
+    lines = run_episode(make_policy("center-out"), n_pe, initial, budget, np.random.default_rng(0))
+    return line_masks(n, n_pe, initial, np.asarray(lines, dtype=np.int64))
+
+
+def do_nothing(data: SliceSet, initial: int, budget: int, metrics: Sequence[str] = ("ssim", "psnr"),
+               batch_size: int = 32) -> dict[str, np.ndarray]:
+    """Per slice: the metrics of doing nothing, the zero-filled image of centre-out's lines with
+    the same line count: the reference of :func:`harmed`."""
+    return score_masks(data, center_out_masks(len(data), data.n_pe, initial, budget), None, metrics=metrics,
+                       batch_size=batch_size).image
+
+
+def harmed(served_ssim: np.ndarray, nothing_ssim: np.ndarray) -> np.ndarray:
+    """(N,) bool: the one definition of harm. A served image harms its slice when it scores below
+    doing nothing (:func:`do_nothing`: centre-out's zero-filled image with as many lines), not
+    below the zero-filled image of the lines the policy chose (for scattered lines that one is
+    far worse, and beating it proves nothing)."""
+    return np.asarray(served_ssim) < np.asarray(nothing_ssim)
 
 
 def line_masks(n: int, n_pe: int, initial: int, lines: np.ndarray | Sequence[int]) -> np.ndarray:

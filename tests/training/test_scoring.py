@@ -59,6 +59,19 @@ def test_score_masks_region_ood_and_fallback(tiny_dataset, perturbed_mar):
     np.testing.assert_array_equal(everything.image["ssim"], everything.zero_filled["ssim"])
 
 
+def test_doing_nothing_is_centre_out_zero_filled_with_as_many_lines(tiny_dataset):
+    from training.scoring import center_out_masks, do_nothing, harmed
+
+    data = load_split(tiny_dataset, "train")
+    masks = center_out_masks(len(data), data.n_pe, 1, 2)
+    assert (masks.sum(axis=1) == 3).all() and masks[:, data.n_pe // 2].all()
+    centre = np.flatnonzero(masks[0])
+    assert centre.max() - centre.min() == 2  # contiguous around the centre
+    nothing = do_nothing(data, 1, 2)
+    np.testing.assert_array_equal(nothing["ssim"], score_masks(data, masks, None).zero_filled["ssim"])
+    assert harmed(nothing["ssim"] - 0.01, nothing["ssim"]).all() and not harmed(nothing["ssim"], nothing["ssim"]).any()
+
+
 def test_score_masks_refuses_masks_of_another_shape(tiny_dataset):
     data = load_split(tiny_dataset, "train")
     with pytest.raises(ValueError, match=r"masks must be \(\d+, 32\) bool"):

@@ -9,9 +9,11 @@ For every slice of a split, per dataset folder and per MAR network:
   default, 2 + 11 of 128 lines on the small config) from the metal k-space, and the network's
   served image of it (:func:`~masc_gadget.core.served.served_images`), both against the clean
   fully sampled image; paired tests over subjects (a real volume is one subject);
+* **harm** (:func:`training.scoring.harmed`): a served image harms its slice when it scores
+  below doing nothing, the zero-filled image of centre-out's lines with the same line count
+  (``nothing_ssim``), whatever lines the policy chose;
 * **OOD scores** (:mod:`masc_gadget.core.ood`) of each corrected slice, and how well each
-  separates the slices the network harmed (served SSIM below the zero-filled one) from those it
-  helped: the ROC and its area.
+  separates the slices the network harmed from those it helped: the ROC and its area.
 
 ``--calibrate`` (on the validation split) picks the score with the largest pooled area and the
 threshold that maximises the mean served SSIM when slices scoring above it are served
@@ -38,7 +40,7 @@ from masc_gadget.core.metrics import slice_metrics
 from masc_gadget.core.ood import SCORES, ood_score
 from training.data import SliceSet, data_dirs, load_split
 from training.evaluation.stats import mean_std, subject_tests
-from training.scoring import score_masks
+from training.scoring import do_nothing, harmed, score_masks
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +57,11 @@ def policy_masks(name: str, n: int, n_pe: int, initial: int, budget: int) -> tor
 
 
 @torch.no_grad()
-def slice_rows(mar: torch.nn.Module, data: SliceSet, masks: torch.Tensor, batch_size: int = 32) -> dict[str, np.ndarray]:
-    """Per-slice metrics of ``mar`` on ``data`` under line ``masks`` (module docstring)."""
+def slice_rows(mar: torch.nn.Module, data: SliceSet, masks: torch.Tensor, nothing: dict[str, np.ndarray],
+               batch_size: int = 32) -> dict[str, np.ndarray]:
+    """Per-slice metrics of ``mar`` on ``data`` under line ``masks`` (module docstring);
+    ``nothing``: the slices' :func:`~training.scoring.do_nothing` metrics, the reference of harm,
+    kept as ``nothing_ssim`` and ``nothing_psnr``."""
     out: dict[str, list[np.ndarray]] = {}
 
     def add(key: str, value: torch.Tensor) -> None:
@@ -74,6 +79,7 @@ def slice_rows(mar: torch.nn.Module, data: SliceSet, masks: torch.Tensor, batch_
     scored = score_masks(data, masks, mar, metrics=("ssim", "psnr", "nmse"), kinds=SCORES, batch_size=batch_size,
                          device=torch.device("cpu"))
     return {**{key: np.concatenate(values) for key, values in out.items()},
+            **{f"nothing_{key}": value for key, value in nothing.items()},
             **{f"zf_{key}": value for key, value in scored.zero_filled.items()},
             **{f"mar_{key}": value for key, value in scored.image.items()},
             **{f"score_{kind}": value for kind, value in scored.ood.items()}}
@@ -106,8 +112,8 @@ def calibrate(rows: dict[str, np.ndarray]) -> dict[str, Any]:
     """The score with the largest ROC area on ``rows`` (pooled validation slices) and the
     threshold maximising the mean served SSIM with the zero-filled fallback (ties: the highest
     threshold, i.e. the fewest fallbacks)."""
-    harmed = rows["mar_ssim"] < rows["zf_ssim"]
-    areas = {kind: roc(rows[f"score_{kind}"], harmed)["auc"] for kind in SCORES}
+    harm = harmed(rows["mar_ssim"], rows["nothing_ssim"])
+    areas = {kind: roc(rows[f"score_{kind}"], harm)["auc"] for kind in SCORES}
     kind = max(SCORES, key=lambda k: -1.0 if math.isnan(areas[k]) else areas[k])
     candidates = np.unique(np.concatenate([rows[f"score_{kind}"], [np.inf]]))
     means = np.array([fallback_ssim(rows, kind, t).mean() for t in candidates])
@@ -118,20 +124,24 @@ def calibrate(rows: dict[str, np.ndarray]) -> dict[str, Any]:
     return {"score": kind, "threshold": float(best), "auc": {k: float(v) for k, v in areas.items()},
             "val_served_ssim": float(fallback_ssim(rows, kind, best).mean()),
             "val_mar_ssim": float(rows["mar_ssim"].mean()), "val_zf_ssim": float(rows["zf_ssim"].mean()),
-            "fallback_fraction": float((rows[f"score_{kind}"] > best).mean()), "n_slices": int(len(harmed))}
+            "fallback_fraction": float((rows[f"score_{kind}"] > best).mean()), "n_slices": int(len(harm)),
+            "val_nothing_ssim": float(rows["nothing_ssim"].mean()),
+            "val_served_harmed": float(harmed(fallback_ssim(rows, kind, best), rows["nothing_ssim"]).mean())}
 
 
 def _summary(rows: dict[str, np.ndarray], subjects: list[str], reference: dict[str, np.ndarray] | None,
              ood: dict[str, Any] | None) -> dict[str, Any]:
-    harmed = rows["mar_ssim"] < rows["zf_ssim"]
+    harm = harmed(rows["mar_ssim"], rows["nothing_ssim"])
     summary: dict[str, Any] = {
         "n_slices": int(len(subjects)), "n_subjects": len(set(subjects)),
         **{key: mean_std(rows[key]) for key in ("identity_ssim", "identity_psnr", "zf_ssim", "mar_ssim",
                                                  "zf_psnr", "mar_psnr")},
         "mar_vs_zf_ssim": subject_tests(rows["mar_ssim"], rows["zf_ssim"], subjects),
         "mar_vs_zf_psnr": subject_tests(rows["mar_psnr"], rows["zf_psnr"], subjects),
-        "harmed_fraction": float(harmed.mean()),
-        "roc": {kind: roc(rows[f"score_{kind}"], harmed) for kind in SCORES},
+        "nothing_ssim": mean_std(rows["nothing_ssim"]),
+        "mar_vs_nothing_ssim": subject_tests(rows["mar_ssim"], rows["nothing_ssim"], subjects),
+        "harmed_fraction": float(harm.mean()),
+        "roc": {kind: roc(rows[f"score_{kind}"], harm) for kind in SCORES},
     }
     if ood is not None:
         served = fallback_ssim(rows, ood["score"], ood["threshold"])
@@ -142,6 +152,8 @@ def _summary(rows: dict[str, np.ndarray], subjects: list[str], reference: dict[s
                                "identity_fraction": float(kept.mean()),
                                "ssim": mean_std(served),
                                "vs_zf_ssim": subject_tests(served, rows["zf_ssim"], subjects),
+                               "vs_nothing_ssim": subject_tests(served, rows["nothing_ssim"], subjects),
+                               "harmed_fraction": float(harmed(served, rows["nothing_ssim"]).mean()),
                                "vs_mar_ssim": subject_tests(served, rows["mar_ssim"], subjects)}
     if reference is not None:
         summary["vs_reference_ssim"] = subject_tests(rows["mar_ssim"], reference["mar_ssim"], subjects)
@@ -182,18 +194,19 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
     for folder in data_dirs(data):
         sliceset = load_split(folder, split)
         masks = policy_masks(policy, len(sliceset), sliceset.n_pe, initial, budget)
+        nothing = do_nothing(sliceset, initial, budget, batch_size=batch_size)
         subjects_of[folder.name] = list(sliceset.subjects)
         per_folder_rows[folder.name] = {}
         for name, mar in mars.items():
             log.info("mar-check: %s on %s/%s (%d slices)", name, folder, split, len(sliceset))
-            rows = slice_rows(mar, sliceset, masks, batch_size)
+            rows = slice_rows(mar, sliceset, masks, nothing, batch_size)
             per_folder_rows[folder.name][name] = rows
             for key, value in rows.items():
                 pooled[name].setdefault(key, []).append(value)
             if do_calibrate and (policies or {}).get(name) is not None:
                 log.info("mar-check: %s on the lines its own policy plays", name)
                 own = slice_rows(mar, sliceset, own_masks(policies[name], mar, sliceset, initial, budget,
-                                                          batch_size), batch_size)
+                                                          batch_size), nothing, batch_size)
                 for key, value in own.items():
                     pooled[name].setdefault(key, []).append(value)
     calibration = None
@@ -261,13 +274,13 @@ def render_report(results: dict[str, Any]) -> str:
              f"{results['lines'][1]})", "",
              "Identity: SSIM of the output for the fully sampled clean image against that image. Zero-filled and "
              "MAR: against the clean fully sampled image. p: paired t-test over subjects (volumes). Harmed: slices "
-             "whose MAR image scores below the zero-filled one. With fallback: as served under the network's OOD "
+             "whose MAR image scores below doing nothing (the zero-filled image of centre-out's lines, as many). With fallback: as served under the network's OOD "
              "rule (a flagged slice is served zero-filled; a flagged clean, fully sampled image comes back as "
              "acquired).", ""]
     for folder, by_name in results["folders"].items():
         lines += [f"## {folder}", "",
                   "| MAR network | subjects / slices | identity SSIM | zero-filled SSIM | MAR SSIM | dSSIM (p) | "
-                  "dPSNR dB (p) | harmed | AUC consistency / residual / flip | with fallback: SSIM (served zero-filled) "
+                  "dPSNR dB (p) | harmed | AUC consistency / residual / flip | with fallback: SSIM (served zero-filled, harmed) "
                   "| with fallback: identity SSIM |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name, entry in by_name.items():
@@ -275,7 +288,8 @@ def render_report(results: dict[str, Any]) -> str:
             ts, tp = s["mar_vs_zf_ssim"], s["mar_vs_zf_psnr"]
             aucs = " / ".join(_f(s["roc"][k]["auc"], 2) for k in SCORES)
             fb = s.get("fallback")
-            fallback = f"{_f(fb['ssim']['mean'])} ({100 * fb['fraction']:.0f} %)" if fb else "-"
+            fallback = (f"{_f(fb['ssim']['mean'])} ({100 * fb['fraction']:.0f} %, harmed {100 * fb['harmed_fraction']:.0f} %)"
+                        if fb else "-")
             fallback += f" | {_f(fb['identity_ssim']['mean'])}" if fb else " | -"
             lines.append(f"| {name} | {s['n_subjects']} / {s['n_slices']} | {_f(s['identity_ssim']['mean'])} | "
                          f"{_f(s['zf_ssim']['mean'])} | {_f(s['mar_ssim']['mean'])} | {ts['diff']:+.3f} "
@@ -315,8 +329,8 @@ def roc_figure(results: dict[str, Any], path: Path) -> None:
         pooled = {}
         for name in names:
             slices = [results["folders"][f][name]["slices"] for f in results["folders"]]
-            harmed = np.concatenate([np.less(sl["mar_ssim"], sl["zf_ssim"]) for sl in slices])
-            pooled[name] = {kind: roc(np.concatenate([sl[f"score_{kind}"] for sl in slices]), harmed)
+            harm = np.concatenate([harmed(sl["mar_ssim"], sl["nothing_ssim"]) for sl in slices])
+            pooled[name] = {kind: roc(np.concatenate([sl[f"score_{kind}"] for sl in slices]), harm)
                             for kind in SCORES}
         panels["all folders, pooled"] = pooled
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), squeeze=False)

@@ -24,13 +24,25 @@ def test_roc_area_counts_pairs_and_ties_half():
 
 
 def test_calibration_serves_zero_filled_exactly_where_it_pays():
-    rows = {"zf_ssim": np.array([0.5, 0.5, 0.5, 0.5]), "mar_ssim": np.array([0.7, 0.6, 0.3, 0.2]),
-            "score_consistency": np.array([0.1, 0.2, 0.3, 0.4]), "score_residual": np.array([0.4, 0.1, 0.2, 0.3]),
+    rows = {"zf_ssim": np.array([0.5, 0.5, 0.5, 0.5]), "nothing_ssim": np.array([0.5, 0.5, 0.5, 0.5]),
+            "mar_ssim": np.array([0.7, 0.6, 0.3, 0.2]), "score_consistency": np.array([0.1, 0.2, 0.3, 0.4]), "score_residual": np.array([0.4, 0.1, 0.2, 0.3]),
             "score_flip": np.array([0.2, 0.1, 0.4, 0.3])}
     c = calibrate(rows)
     assert c["score"] == "consistency" and c["auc"]["consistency"] == 1.0
     assert 0.2 < c["threshold"] < 0.3 and c["fallback_fraction"] == 0.5
     assert c["val_served_ssim"] == pytest.approx(np.mean([0.7, 0.6, 0.5, 0.5]))
+
+
+def test_harm_is_judged_against_doing_nothing_not_the_chosen_lines_zero_filled_image():
+    # scattered lines: their zero-filled image (0.3) is far below centre-out's (0.5); a network
+    # at 0.4 beats the first and still harms the slice
+    rows = {"zf_ssim": np.full(4, 0.3), "nothing_ssim": np.full(4, 0.5), "mar_ssim": np.array([0.4, 0.45, 0.6, 0.7]),
+            "score_consistency": np.array([0.4, 0.3, 0.2, 0.1]), "score_residual": np.array([0.1, 0.2, 0.3, 0.4]),
+            "score_flip": np.array([0.2, 0.1, 0.4, 0.3])}
+    c = calibrate(rows)
+    assert c["auc"]["consistency"] == 1.0 and c["auc"]["residual"] == 0.0  # ranks the two harmed slices first
+    # serving the chosen lines zero-filled never pays here, and the calibration says so
+    assert c["fallback_fraction"] == 0.0 and c["val_served_harmed"] == 0.5
 
 
 def test_the_command_checks_calibrates_and_the_export_carries_the_calibration(tiny_dataset, perturbed_mar, tmp_path,
@@ -46,6 +58,10 @@ def test_the_command_checks_calibrates_and_the_export_carries_the_calibration(ti
     assert set(summary["roc"]) == {"consistency", "residual", "flip"} and (out / "roc.png").stat().st_size > 0
     ood = json.loads((out / "ood.json").read_text())["p"]
     assert ood["score"] in summary["roc"] and ood["threshold"] > 0
+    nothing = results["folders"][tiny_dataset.name]["p"]["slices"]["nothing_ssim"]
+    assert nothing == results["folders"][tiny_dataset.name]["p"]["slices"]["zf_ssim"]  # centre-out's lines checked
+    assert summary["harmed_fraction"] == pytest.approx(np.mean(np.less(
+        results["folders"][tiny_dataset.name]["p"]["slices"]["mar_ssim"], nothing)))
     fallback = summary["fallback"]  # a flagged clean image is served as acquired
     assert fallback["identity_ssim"]["mean"] >= summary["identity_ssim"]["mean"] and 0 <= fallback["fraction"] <= 1
     shipped = tmp_path / "shipped.pt"
