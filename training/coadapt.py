@@ -336,6 +336,7 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
         ecfg = EnvConfig(**{**to_dict(ecfg), "observe_mar": False, "reward_mar": False})
     train = load_split(data_dir, "train", tcfg.max_train_slices)
     val = load_split(data_dir, "val", tcfg.max_val_slices)
+    files.describe(data_dir, train=train, val=val)
     acq.check(train.n_pe)
     mar = None
     mar_meta: dict[str, Any] = {}

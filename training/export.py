@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import platform
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import torch
 from masc_gadget import __version__
 from masc_gadget.core.ood import OodCalibration
 from masc_gadget.models.checkpoint import load_checkpoint, save_checkpoint
+from training.run import git_commit
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, command: str = ""
     record = {
         "name": out.stem,
         "kind": ck.metadata.get("kind"),
-        "command": command,
+        "command": command or (ck.metadata.get("provenance") or {}).get("command", ""),
+        "provenance": ck.metadata.get("provenance"),
         "seed": next((cfg[k]["seed"] for k in SEEDED if "seed" in cfg.get(k, {})), None),
         "code_version": ck.metadata.get("code_version", __version__),
         "trained_rollouts": ck.metadata.get("rollout"),
@@ -66,7 +67,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, command: str = ""
         "config": cfg,
         "exported_with": {"masc": __version__, "torch": torch.__version__, "python": platform.python_version()},
         "size_bytes": out.stat().st_size,
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "export_command": export_command,
         "training_data": [{k: v for k, v in d.items() if k != "train_anatomies"} for d in training_data],
         **({"ood": ood} if ood is not None else {}),
@@ -101,18 +102,5 @@ def _mar_pretraining(metadata: dict[str, Any]) -> dict[str, Any] | None:
         return None
     pre = load_checkpoint(path).metadata
     return {"checkpoint": Path(path).name, "epoch": pre.get("epoch"), "data": pre.get("data"),
+            "provenance": pre.get("provenance"),
             **{k: pre[k] for k in ("mar_model", "mar_train", "acquisition") if k in pre}}
-
-
-def _git_commit() -> str | None:
-    """The commit of the code that exports (None outside a git work tree); a work tree with
-    uncommitted changes is marked ``+dirty``."""
-    here = Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return commit + ("+dirty" if dirty else "")

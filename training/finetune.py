@@ -175,17 +175,21 @@ def finetune_mar(mar: torch.nn.Module, optimizer: torch.optim.Optimizer, kspace:
 def finetune_to_masks(mar: torch.nn.Module, recipe: FinetuneConfig, train: SliceSet,
                       pairs: tuple[torch.Tensor, torch.Tensor], val: SliceSet, val_masks: torch.Tensor | np.ndarray,
                       out: str | Path, metadata: dict[str, Any], progress: bool = True,
-                      keep: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+                      keep: dict[str, dict[str, Any]] | None = None,
+                      data_dir: str | Path | list[str | Path] | None = None) -> dict[str, Any]:
     """Fine-tune ``mar`` (in place) by ``recipe`` on the (slice, mask) ``pairs`` of ``train``
     (:func:`episode_pairs`), selecting on the served image's SSIM on ``val`` under ``val_masks``
     (N_val, n_pe). The best network goes to ``out`` (as ``mar``, beside the state dicts of
     ``keep``, e.g. a policy's, with ``metadata`` plus the step, validation metrics and recipe), the
     latest to ``<out>.last.pt``, a row per validation to ``<out>.csv``. Returns the best validation metrics (with ``epoch`` and
-    ``step``)."""
+    ``step``). ``data_dir``: where ``train`` and ``val`` come from, for the provenance
+    (:meth:`~training.run.TrainingRun.describe`)."""
     from tqdm.auto import tqdm
 
     slices, masks = pairs
     run = TrainingRun(out, "ssim", higher_is_better=True)
+    if data_dir is not None:
+        run.describe(data_dir, train=train, val=val)
     per_pass = math.ceil(len(slices) / recipe.batch_size)
     total = recipe.total_steps(len(slices))
     every = recipe.val_every or per_pass

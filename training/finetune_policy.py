@@ -72,6 +72,7 @@ def finetune_policy(config: Config, data_dir: str | Path, policy_path: str | Pat
                 "finetune_config": {"acquisition": to_dict(acq), recipe_name: to_dict(recipe)}}
     log.info("fine-tuning %s to %d (slice, mask) pairs (%s masks) by recipe %s: %d steps", mar_path,
              len(pairs[0]), recipe.masks, recipe_name, recipe.total_steps(len(pairs[0])))
-    best = finetune_to_masks(mar, recipe, train, pairs, val, val_masks, out, metadata, progress, keep=keep)
+    best = finetune_to_masks(mar, recipe, train, pairs, val, val_masks, out, metadata, progress, keep=keep,
+                             data_dir=data_dir)
     best["line_sets"] = sets
     return best

@@ -84,7 +84,8 @@ def _fit(config: Config, data_dir: str | Path, mar: torch.nn.Module, out: str | 
             "config": {"acquisition": to_dict(acq), "fixed_order": to_dict(fcfg), "finetune": to_dict(recipe)}}
     return finetune_to_masks(mar, recipe, train, episode_pairs(np.tile(lines, (len(train), 1)), train.n_pe,
                                                                acq.initial, recipe.masks),
-                             val, order_masks(len(val), val.n_pe, acq.initial, order), out, meta, progress)
+                             val, order_masks(len(val), val.n_pe, acq.initial, order), out, meta, progress,
+                             data_dir=data_dir)
 
 
 def train_fixed_order(config: Config, data_dir: str | Path, mar_path: str | Path, out: str | Path,

@@ -178,6 +178,7 @@ def train_loupe(config: Config, data_dir: str | Path, mar_path: str | Path | Non
                       map_location=device)
     train = load_split(data_dir, "train", cfg.max_train_slices)
     val = load_split(data_dir, "val", cfg.max_val_slices)
+    run.describe(data_dir, train=train, val=val)
     acq.check(train.n_pe)
     gen = torch.Generator().manual_seed(cfg.seed)
     if mar_path:

@@ -214,6 +214,7 @@ def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str
     run = TrainingRun(out, "loss", higher_is_better=False, main=dist.main, resume=resume)
     train = load_split(data_dir, "train", tcfg.max_train_slices)
     val = load_split(data_dir, "val", tcfg.max_val_slices)
+    run.describe(data_dir, train=train, val=val)
     undersampled = tcfg.input != "full"
     if undersampled:
         acq.check(train.n_pe)

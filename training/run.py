@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import logging
 import math
+import shlex
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -32,7 +35,7 @@ from masc_gadget.models.checkpoint import Checkpoint, load_checkpoint, save_chec
 from training.csvlog import append_row
 from training.distributed import Dist
 
-__all__ = ["TrainingRun", "seeded"]
+__all__ = ["TrainingRun", "git_commit", "seeded"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,28 @@ def seeded(seed: int, build: Callable[[], T]) -> T:
     weight initialisation; the caller's global RNG state is left as it was)."""
     with isolated_rng(seed):
         return build()
+
+
+def git_commit() -> str | None:
+    """The commit of the code that runs (None outside a git work tree); a work tree with
+    uncommitted changes is marked ``+dirty``."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("+dirty" if dirty else "")
+
+
+def command_line() -> str:
+    """The command this process runs, as typed (``masc train ...``)."""
+    argv = list(sys.argv)
+    if argv and Path(argv[0]).name in ("masc", "cli.py", "__main__.py"):
+        argv[0] = "masc"
+    return shlex.join(argv)
 
 
 class TrainingRun:
@@ -75,6 +100,7 @@ class TrainingRun:
         self.main = main
         self.best: dict[str, Any] = {metric: -math.inf if higher_is_better else math.inf}
         self.checkpoint: Checkpoint | None = None
+        self.provenance: dict[str, Any] = {}
         if resume is not None:
             ck = load_checkpoint(resume, map_location=map_location)
             if kind is not None and ck.metadata.get("kind") != kind:
@@ -83,6 +109,22 @@ class TrainingRun:
             self.best = dict(ck.metadata["best_val"])
         elif main:
             self.csv.unlink(missing_ok=True)
+
+    def describe(self, data_dir: str | Path | list[str | Path], **splits: Any) -> None:
+        """Record what touched the data in every checkpoint the run writes (``provenance``): the
+        command line, the git commit, each data folder's identity (manifest hash, splits) and
+        the subjects of each split used (``splits``: name -> :class:`~training.data.SliceSet`,
+        e.g. ``train=`` what it trains on, ``val=`` what selects it)."""
+        from training.data import data_dirs, data_identity
+
+        data = []
+        for folder in data_dirs(data_dir):
+            try:
+                data.append({k: v for k, v in data_identity(folder).items() if k != "train_anatomies"})
+            except (FileNotFoundError, ValueError):
+                data.append({"folder": Path(folder).name})
+        self.provenance = {"command": command_line(), "git_commit": git_commit(), "data": data,
+                           "subjects": {name: sorted(set(s.subjects)) for name, s in splits.items()}}
 
     def improved(self, metrics: dict[str, float], **where: Any) -> bool:
         """Whether ``metrics`` beat the best so far on the run's metric; if so they become the
@@ -122,7 +164,8 @@ class TrainingRun:
         improved = self.improved(metrics, **where)
         if sync is not None:
             dist.check_in_sync(sync)
-        self.save(improved, best, last, {**metadata, "best_val": self.best}, extra_state)
+        self.save(improved, best, last, {**metadata, "best_val": self.best,
+                                         **({"provenance": self.provenance} if self.provenance else {})}, extra_state)
         dist.barrier()  # the checkpoint is on disk before any rank goes on
         if row is not None:
             self.log_row(row, fields)
@@ -132,4 +175,4 @@ class TrainingRun:
         """A run that saved no best checkpoint (resumed after its last epoch into a new path)
         saves its current modules as the best (rank 0 only)."""
         if self.main and not self.out.exists():
-            save_checkpoint(self.out, best, metadata)
+            save_checkpoint(self.out, best, {**metadata, **({"provenance": self.provenance} if self.provenance else {})})

@@ -74,6 +74,29 @@ def test_a_policy_keeps_its_lines_and_gets_the_recipe_network(tiny_dataset, pert
     assert changed == (meta["best_val"]["step"] > 0)
 
 
+def test_every_trained_checkpoint_says_what_touched_its_data(tiny_dataset, perturbed_mar, tmp_path):
+    out = tmp_path / "fixed.pt"
+    assert main(["train", "fixed-order", *TINY, "--data", str(tiny_dataset), "--mar", str(perturbed_mar),
+                 "--out", str(out), "--set", "fixed_order.population_slices=2", "--set", "finetune.epochs=1",
+                 "--set", "fixed_order.device=cpu"]) == 0
+    for path in (out, tmp_path / "fixed.last.pt"):
+        prov = load_checkpoint(path).metadata["provenance"]
+        assert prov["data"][0]["folder"] == tiny_dataset.name and len(prov["data"][0]["manifest_sha256"]) == 64
+        train, val = set(prov["subjects"]["train"]), set(prov["subjects"]["val"])
+        assert train and val and not train & val  # trained on one, selected on the other
+        assert prov["git_commit"] is None or len(prov["git_commit"]) >= 40
+    # a calibration names its subjects too, and the export carries both
+    check = tmp_path / "check"
+    assert main(["mar-check", *TINY, "--data", str(tiny_dataset), "--split", "val", "--mar", f"f={out}",
+                 "--calibrate", "--out", str(check)]) == 0
+    shipped = tmp_path / "shipped.pt"
+    assert main(["export", str(out), "--out", str(shipped), "--ood", f"{check / 'ood.json'}:f"]) == 0
+    meta = load_checkpoint(shipped).metadata
+    assert set(meta["ood"]["calibrated_on"]["subjects"]) == val
+    record = __import__("json").loads(shipped.with_suffix(".json").read_text())
+    assert record["provenance"]["subjects"]["val"] == sorted(val) and record["command"]
+
+
 def test_coadaptive_run_records_the_masks_it_served(tiny_masc):
     from training.coadapt import load_served, served_path
 

@@ -211,7 +211,12 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
                     pooled[name].setdefault(key, []).append(value)
     calibration = None
     if do_calibrate:
-        calibration = {name: calibrate({k: np.concatenate(v) for k, v in pooled[name].items()}) for name in mars}
+        from training.run import command_line
+
+        calibrated_on = {"command": command_line(), "split": split,
+                         "subjects": sorted({s for subjects in subjects_of.values() for s in subjects})}
+        calibration = {name: {**calibrate({k: np.concatenate(v) for k, v in pooled[name].items()}),
+                              "calibrated_on": calibrated_on} for name in mars}
         (out / "ood.json").write_text(json.dumps(calibration, indent=1) + "\n")
         ood = {**(ood or {}), **calibration}
     for folder, by_name in per_folder_rows.items():

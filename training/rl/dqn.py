@@ -305,6 +305,7 @@ def train_dqn(config: Config, data_dir: str | Path, mar_path: str | Path | None,
                       map_location=device)
     train = load_split(data_dir, "train", cfg.max_train_slices)
     val = load_split(data_dir, "val", cfg.max_val_slices)
+    run.describe(data_dir, train=train, val=val)
     acq.check(train.n_pe)
     if acq.lines_per_decision != 1:
         raise ValueError(f"{variant} learns one Q-value per line and chooses one line per decision; train it with "
