@@ -28,7 +28,8 @@ def common_options() -> argparse.ArgumentParser:
     """Options every subcommand takes: --config, --set, --log-level, --debug."""
     common = argparse.ArgumentParser(add_help=False)
     group = common.add_argument_group("common options")
-    group.add_argument("--config", metavar="FILE.yaml", help="YAML config overriding the defaults")
+    group.add_argument("--config", metavar="FILE.yaml[,FILE.yaml]", help="YAML config overriding the defaults; "
+                       "A.yaml,B.yaml layers B's keys over A's")
     group.add_argument(
         "--set",
         dest="overrides",

@@ -296,14 +296,19 @@ def load_config(
     overrides: Iterable[str] = (),
     sections: Mapping[str, type] | None = None,
 ) -> Config:
-    """Read a YAML config (or only defaults when ``path`` is None) and apply overrides."""
-    data: Any = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+    """Read a YAML config (or only defaults when ``path`` is None) and apply overrides.
+    ``A.yaml,B.yaml`` layers several files: each later one overrides the earlier ones' keys,
+    section by section (as ``--set`` does)."""
+    data: dict[str, Any] = {}
+    files = [] if path is None else [Path(p) for p in str(path).split(",") if p.strip()]
+    for file in files:
+        if not file.is_file():
+            raise ConfigError(f"config file {file} does not exist")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            layer = yaml.safe_load(file.read_text()) or {}
         except yaml.YAMLError as err:
-            raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+            raise ConfigError(f"config file {file} is not valid YAML: {err}") from None
+        if not isinstance(layer, Mapping):
+            raise ConfigError(f"{file}: top level must be a mapping of sections")
+        data = _merge(data, layer)
     return build_config(data, overrides, sections, None if path is None else str(path))

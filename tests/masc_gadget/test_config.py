@@ -117,3 +117,28 @@ def test_override_replaces_dict_valued_fields():
 
     cfg = build_config({"w": {"table": {"a": 5, "c": 3}, "other": 1}}, ["w.table={z: 9}"], {"w": WithDict})
     assert cfg["w"].table == {"z": 9} and cfg["w"].other == 1
+
+
+def test_config_files_layer_left_to_right(tmp_path):
+    from masc_gadget.config import ConfigError, load_config
+
+    base = tmp_path / "a.yaml"
+    base.write_text("dataset:\n  subjects: 5\n  seed: 1\nsequence:\n  n_slices: 4\n")
+    layer = tmp_path / "b.yaml"
+    layer.write_text("dataset:\n  seed: 9\n")
+    config = load_config(f"{base},{layer}", ["sequence.n_slices=6"])
+    assert (config["dataset"].subjects, config["dataset"].seed, config["sequence"].n_slices) == (5, 9, 6)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(f"{base},{tmp_path / 'missing.yaml'}")
+    bad = tmp_path / "c.yaml"
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping of sections"):
+        load_config(f"{base},{bad}")
+
+
+def test_the_harm_cases_layer_over_the_small_config():
+    from masc_gadget.config import load_config
+
+    config = load_config(f"{CONFIGS / 'small.yaml'},{CONFIGS / 'harm-hip.yaml'}")
+    assert config["variation"].stem_materials == ("stainless_steel",) and config["dataset"].seed != 0
+    assert config["sequence"].matrix == (128, 128)  # the small protocol underneath
