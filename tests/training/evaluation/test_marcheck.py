@@ -45,6 +45,19 @@ def test_harm_is_judged_against_doing_nothing_not_the_chosen_lines_zero_filled_i
     assert c["fallback_fraction"] == 0.0 and c["val_served_harmed"] == 0.5
 
 
+def test_the_roc_area_has_a_subject_bootstrap_interval():
+    from training.evaluation.marcheck import auc_interval
+
+    subjects = [f"s{i // 4}" for i in range(24)]
+    harm = np.tile([True, True, False, False], 6)
+    perfect = np.where(harm, 1.0, 0.0)
+    assert auc_interval(perfect, harm, subjects) == (1.0, 1.0)
+    rng = np.random.default_rng(1)
+    low, high = auc_interval(rng.random(24), harm, subjects)
+    assert 0.0 <= low < high <= 1.0  # an uninformative score: a wide interval
+    assert all(np.isnan(auc_interval(perfect, np.ones(24, dtype=bool), subjects)))  # one class: no area
+
+
 def test_the_command_checks_calibrates_and_the_export_carries_the_calibration(tiny_dataset, perturbed_mar, tmp_path,
                                                                               capsys):
     out = tmp_path / "check"
