@@ -495,6 +495,11 @@ def register_mar_check(subparsers: argparse._SubParsersAction, common: argparse.
     mc.add_argument("--calibrate", action="store_true", help="choose each network's OOD score and threshold on "
                     "this split (pooled over the folders, and for a MASC checkpoint over its fixed policy's "
                     "lines and the lines its own policy plays) and write OUT/ood.json")
+    mc.add_argument("--cross-validate", type=int, default=0, metavar="K",
+                    help="also serve each folder's slices under an OOD rule calibrated on the other subjects "
+                    "(K folds by subject; a real volume is one subject): per subject and over subjects, against "
+                    "doing nothing (centre-out's zero-filled image); a network that carries a policy is judged "
+                    "on its own lines")
     mc.add_argument("--out", required=True, metavar="DIR", help="results.json, report.md, roc.png")
     mc.set_defaults(func=cmd_mar_check)
 
@@ -522,7 +527,8 @@ def cmd_mar_check(args: argparse.Namespace) -> int:
         if not sep:
             name, path = Path(item).stem, item
         mars[name] = load_mar(path, "cpu")[0]
-        if args.calibrate and load_checkpoint(path, map_location="cpu").metadata.get("kind") in OWN_LINES:
+        if ((args.calibrate or args.cross_validate > 1)
+                and load_checkpoint(path, map_location="cpu").metadata.get("kind") in OWN_LINES):
             policies[name] = load_learned(path, "cpu")[0]  # its own lines join the calibration
     if args.reference and args.reference not in mars:
         raise CommandError(f"--reference {args.reference!r} names none of the networks: {', '.join(mars)}")
@@ -532,7 +538,8 @@ def cmd_mar_check(args: argparse.Namespace) -> int:
            if getattr(m, "ood", None) is not None}
     acq = config["acquisition"]
     mar_check(mars, args.data, args.split, acq.initial, acq.budget, args.out, policy=args.policy,
-              reference=args.reference, ood=ood, do_calibrate=args.calibrate, policies=policies)
+              reference=args.reference, ood=ood, do_calibrate=args.calibrate, policies=policies,
+              folds=args.cross_validate)
     print((Path(args.out) / "report.md").read_text())
     return 0
 

@@ -58,7 +58,7 @@ from training.data import REGIONS, SliceSet, load_split
 from training.evaluation.sense import SenseRecon
 from training.rl.corruption import CorruptionModel, ReacquireOracle, draw_attempts, kspace_of
 from training.rl.env import BatchedAcquisitionEnv, EnvConfig
-from training.evaluation.stats import mean_std, paired_tests, subject_means, subject_tests
+from training.evaluation.stats import mean_std, paired_tests, subject_folds, subject_means, subject_tests
 from training.oracle import BeamOracle
 from training.population import population_order
 from training.scoring import Recon, line_masks, score_masks
@@ -159,16 +159,6 @@ class HeadroomConfig:
         return EnvConfig(n_envs=1, region=self.region, margin=self.margin, corruption=self.corruption,
                          corruption_kind=self.corruption_kind, attempts=self.attempts, detection=self.detection,
                          false_alarm=self.false_alarm, corruption_seed=self.seed, observe_mar=observe_mar)
-
-def subject_folds(subjects: list[str], folds: int) -> np.ndarray:
-    """(N,) int: the fold of each slice, its subject's position in sorted order modulo ``folds``
-    (deterministic, every subject wholly in one fold)."""
-    names = sorted(set(subjects))
-    if len(names) < folds:
-        raise ValueError(f"{folds} folds need at least {folds} subjects, got {len(names)}")
-    fold = {s: i % folds for i, s in enumerate(names)}
-    return np.array([fold[s] for s in subjects], dtype=np.int64)
-
 
 def measured_slices(data: SliceSet, per_subject: int) -> np.ndarray:
     """Indices of the ``per_subject`` slices of each subject with the most implant pixels (all

@@ -39,7 +39,7 @@ from masc_gadget.acquisition.policies import make_policy, run_episode
 from masc_gadget.core.metrics import slice_metrics
 from masc_gadget.core.ood import SCORES, ood_score
 from training.data import SliceSet, data_dirs, load_split
-from training.evaluation.stats import mean_std, subject_tests
+from training.evaluation.stats import mean_std, subject_folds, subject_tests
 from training.scoring import do_nothing, harmed, score_masks
 
 log = logging.getLogger(__name__)
@@ -151,6 +151,39 @@ def calibrate(rows: dict[str, np.ndarray]) -> dict[str, Any]:
             "val_served_harmed": float(harmed(fallback_ssim(rows, kind, best), rows["nothing_ssim"]).mean())}
 
 
+def cross_validated(rows: dict[str, np.ndarray], subjects: list[str], folds: int) -> dict[str, Any]:
+    """The served image when the OOD rule is calibrated without the subject it serves: the
+    subjects (volumes) split into ``folds`` (:func:`~training.evaluation.stats.subject_folds`),
+    each fold served under the score and threshold :func:`calibrate` picks on the others. Per
+    subject and over subjects: the served SSIM, the network always on, doing nothing, the
+    fallback rate, and the tests of served against doing nothing."""
+    fold_of = subject_folds(subjects, folds)
+    served = np.empty(len(subjects))
+    flagged = np.zeros(len(subjects), dtype=bool)
+    chosen = []
+    for fold in range(folds):
+        held = fold_of == fold
+        rule = calibrate({k: v[~held] for k, v in rows.items()})
+        part = {k: v[held] for k, v in rows.items()}
+        served[held] = fallback_ssim(part, rule["score"], rule["threshold"])
+        flagged[held] = part[f"score_{rule['score']}"] > rule["threshold"]
+        chosen.append({"score": rule["score"], "threshold": rule["threshold"]})
+    names = sorted(set(subjects))
+    where = {s: np.asarray(subjects) == s for s in names}
+    per_subject = {s: {"slices": int(m.sum()), "served_ssim": float(served[m].mean()),
+                       "mar_ssim": float(rows["mar_ssim"][m].mean()),
+                       "nothing_ssim": float(rows["nothing_ssim"][m].mean()),
+                       "fallback_fraction": float(flagged[m].mean())} for s, m in where.items()}
+    gains = np.array([v["served_ssim"] - v["nothing_ssim"] for v in per_subject.values()])
+    return {"folds": folds, "rules": chosen, "served_ssim": mean_std(served),
+            "fallback_fraction": float(flagged.mean()),
+            "served_vs_nothing_ssim": subject_tests(served, rows["nothing_ssim"], subjects),
+            "mar_vs_nothing_ssim": subject_tests(rows["mar_ssim"], rows["nothing_ssim"], subjects),
+            "harmed_fraction": float(harmed(served, rows["nothing_ssim"]).mean()),
+            "subject_mean_gain": float(gains.mean()), "worst_subject_gain": float(gains.min()),
+            "per_subject": per_subject}
+
+
 def _summary(rows: dict[str, np.ndarray], subjects: list[str], reference: dict[str, np.ndarray] | None,
              ood: dict[str, Any] | None) -> dict[str, Any]:
     harm = harmed(rows["mar_ssim"], rows["nothing_ssim"])
@@ -201,18 +234,20 @@ def own_masks(policy: Any, mar: torch.nn.Module, data: SliceSet, initial: int, b
 def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: str, initial: int, budget: int,
               out: str | Path, policy: str = "center-out", reference: str | None = None,
               ood: dict[str, dict[str, Any]] | None = None, do_calibrate: bool = False,
-              batch_size: int = 32, policies: dict[str, Any] | None = None) -> dict[str, Any]:
+              batch_size: int = 32, policies: dict[str, Any] | None = None, folds: int = 0) -> dict[str, Any]:
     """Run the check of every network in ``mars`` (name -> MarNet) on ``split`` of each folder of
     ``data``; ``reference`` names the network the others are compared with; ``ood`` gives each
     network's stored calibration (name -> {score, threshold}); ``policies``: the learned policy
     of a network whose checkpoint carries one (name -> policy), whose own lines join the
-    calibration. Writes ``OUT/results.json``, ``OUT/report.md``, ``OUT/roc.png`` (and
+    calibration. ``folds`` > 1: also the served image under a rule calibrated without the
+    subject it serves, per folder (:func:`cross_validated`). Writes ``OUT/results.json``, ``OUT/report.md``, ``OUT/roc.png`` (and
     ``OUT/ood.json`` with ``do_calibrate``)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"split": split, "policy": policy, "lines": [initial, budget], "folders": {}}
     pooled: dict[str, dict[str, list[np.ndarray]]] = {name: {} for name in mars}
     per_folder_rows: dict[str, dict[str, dict[str, np.ndarray]]] = {}
+    own_rows: dict[str, dict[str, dict[str, np.ndarray]]] = {}  # folder -> network -> its own lines' rows
     subjects_of: dict[str, list[str]] = {}
     for folder in data_dirs(data):
         sliceset = load_split(folder, split)
@@ -220,16 +255,18 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
         nothing = do_nothing(sliceset, initial, budget, batch_size=batch_size)
         subjects_of[folder.name] = list(sliceset.subjects)
         per_folder_rows[folder.name] = {}
+        own_rows[folder.name] = {}
         for name, mar in mars.items():
             log.info("mar-check: %s on %s/%s (%d slices)", name, folder, split, len(sliceset))
             rows = slice_rows(mar, sliceset, masks, nothing, batch_size)
             per_folder_rows[folder.name][name] = rows
             for key, value in rows.items():
                 pooled[name].setdefault(key, []).append(value)
-            if do_calibrate and (policies or {}).get(name) is not None:
+            if (do_calibrate or folds > 1) and (policies or {}).get(name) is not None:
                 log.info("mar-check: %s on the lines its own policy plays", name)
                 own = slice_rows(mar, sliceset, own_masks(policies[name], mar, sliceset, initial, budget,
                                                           batch_size), nothing, batch_size)
+                own_rows[folder.name][name] = own
                 for key, value in own.items():
                     pooled[name].setdefault(key, []).append(value)
     calibration = None
@@ -250,6 +287,15 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
                                        (ood or {}).get(name)),
                    "slices": {"subject": subjects, **{k: v.tolist() for k, v in rows.items()}}}
             for name, rows in by_name.items()}
+        if folds > 1 and len(set(subjects)) >= folds:
+            for name, rows in by_name.items():  # the lines the network is served with
+                served_rows = own_rows[folder].get(name, rows)
+                results["folders"][folder][name]["summary"]["cross_validated"] = {
+                    "lines": "own" if name in own_rows[folder] else policy,
+                    **cross_validated(served_rows, subjects, folds)}
+        elif folds > 1:
+            log.warning("mar-check: %s has %d subjects, fewer than %d folds: not cross-validated", folder,
+                        len(set(subjects)), folds)
     if calibration is not None:
         results["calibration"] = calibration
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -325,6 +371,18 @@ def render_report(results: dict[str, Any]) -> str:
                          f"({_p(ts['p_ttest'])}) | {tp['diff']:+.2f} ({_p(tp['p_ttest'])}) | "
                          f"{100 * s['harmed_fraction']:.0f} % | {aucs} | {fallback} |")
         lines += _seed_rows(by_name)
+        crossed = [(n, e["summary"]["cross_validated"]) for n, e in by_name.items() if "cross_validated" in e["summary"]]
+        if crossed:
+            lines += ["", f"Served under an OOD rule calibrated without the subject served ({crossed[0][1]['folds']} "
+                      "folds by subject), against doing nothing (centre-out's zero-filled image, as many lines):", "",
+                      "| MAR network | lines | served SSIM | network always on - nothing | served - nothing (p) | "
+                      "subject mean / worst | harmed | fallback |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+            for name, cv in crossed:
+                on, served = cv["mar_vs_nothing_ssim"], cv["served_vs_nothing_ssim"]
+                lines.append(f"| {name} | {cv['lines']} | {_f(cv['served_ssim']['mean'])} | {on['diff']:+.3f} | "
+                             f"{served['diff']:+.3f} ({_p(served['p_ttest'])}) | {cv['subject_mean_gain']:+.3f} / "
+                             f"{cv['worst_subject_gain']:+.3f} | {100 * cv['harmed_fraction']:.0f} % | "
+                             f"{100 * cv['fallback_fraction']:.0f} % |")
         refs = [(n, e["summary"]) for n, e in by_name.items() if "vs_reference_ssim" in e["summary"]]
         if refs:
             lines += ["", "Against the reference network (same lines, served images):", ""]

@@ -103,6 +103,16 @@ def subject_tests(a: np.ndarray, b: np.ndarray, subjects: Sequence[str]) -> dict
             "icc": intraclass_correlation(a - b, subjects)}
 
 
+def subject_folds(subjects: list[str], folds: int) -> np.ndarray:
+    """(N,) int: the fold of each slice, its subject's position in sorted order modulo ``folds``
+    (deterministic, every subject wholly in one fold)."""
+    names = sorted(set(subjects))
+    if len(names) < folds:
+        raise ValueError(f"{folds} folds need at least {folds} subjects, got {len(names)}")
+    fold = {s: i % folds for i, s in enumerate(names)}
+    return np.array([fold[s] for s in subjects], dtype=np.int64)
+
+
 def mean_std(values: np.ndarray) -> dict[str, float]:
     values = np.asarray(values, dtype=np.float64)
     finite = values[np.isfinite(values)]

@@ -58,6 +58,21 @@ def test_the_roc_area_has_a_subject_bootstrap_interval():
     assert all(np.isnan(auc_interval(perfect, np.ones(24, dtype=bool), subjects)))  # one class: no area
 
 
+def test_cross_validation_never_calibrates_on_the_subject_it_serves():
+    from training.evaluation.marcheck import cross_validated
+
+    # subject a: the network harms every slice and scores high; b, c, d: it helps and scores low
+    subjects = ["a"] * 3 + ["b"] * 3 + ["c"] * 3 + ["d"] * 3
+    rows = {"mar_ssim": np.array([0.3] * 3 + [0.8] * 9), "zf_ssim": np.full(12, 0.4), "nothing_ssim": np.full(12, 0.5),
+            "score_consistency": np.array([0.9] * 3 + [0.1] * 9), "score_residual": np.full(12, 0.5),
+            "score_flip": np.linspace(0, 1, 12)}
+    cv = cross_validated(rows, subjects, 4)
+    # a's fold is calibrated on b, c, d alone, which the network never harms: nothing is flagged there
+    assert cv["per_subject"]["a"]["fallback_fraction"] == 0.0 and cv["per_subject"]["a"]["served_ssim"] == 0.3
+    assert cv["worst_subject_gain"] == pytest.approx(-0.2) and cv["harmed_fraction"] == 0.25
+    assert cv["per_subject"]["b"]["served_ssim"] == pytest.approx(0.8) and len(cv["rules"]) == 4
+
+
 def test_the_command_checks_calibrates_and_the_export_carries_the_calibration(tiny_dataset, perturbed_mar, tmp_path,
                                                                               capsys):
     out = tmp_path / "check"
@@ -77,6 +92,13 @@ def test_the_command_checks_calibrates_and_the_export_carries_the_calibration(ti
         results["folders"][tiny_dataset.name]["p"]["slices"]["mar_ssim"], nothing)))
     fallback = summary["fallback"]  # a flagged clean image is served as acquired
     assert fallback["identity_ssim"]["mean"] >= summary["identity_ssim"]["mean"] and 0 <= fallback["fraction"] <= 1
+    crossed = tmp_path / "crossed"
+    assert main(["mar-check", "--config", str(CONFIGS / "tiny.yaml"), "--mar", f"p={perturbed_mar}",
+                 "--data", f"{tiny_dataset}", "--split", "train", "--cross-validate", "2", "--out", str(crossed)]) == 0
+    crossed_results = json.loads((crossed / "results.json").read_text())["folders"][tiny_dataset.name]["p"]
+    assert set(crossed_results["summary"]["cross_validated"]["per_subject"]) == set(crossed_results["slices"]["subject"])
+    assert len(crossed_results["summary"]["cross_validated"]["per_subject"]) == 2
+    assert "calibrated without the subject served" in (crossed / "report.md").read_text()
     shipped = tmp_path / "shipped.pt"
     assert main(["export", str(perturbed_mar), "--out", str(shipped), "--ood", f"{out / 'ood.json'}:p"]) == 0
     mar, meta = load_mar(shipped)
