@@ -537,7 +537,9 @@ def cmd_mar_check(args: argparse.Namespace) -> int:
     ood = {n: {"score": m.ood.score, "threshold": m.ood.threshold} for n, m in mars.items()
            if getattr(m, "ood", None) is not None}
     acq = config["acquisition"]
+    snr = tuple(config["variation"].snr) if tuple(config["variation"].snr) != (0.0, 0.0) else (config["physics"].snr,) * 2
     mar_check(mars, args.data, args.split, acq.initial, acq.budget, args.out, policy=args.policy,
+              snr=snr if snr[0] > 0 else None,
               reference=args.reference, ood=ood, do_calibrate=args.calibrate, policies=policies,
               folds=args.cross_validate)
     print((Path(args.out) / "report.md").read_text())

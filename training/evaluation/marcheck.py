@@ -85,6 +85,59 @@ def slice_rows(mar: torch.nn.Module, data: SliceSet, masks: torch.Tensor, nothin
             **{f"score_{kind}": value for kind, value in scored.ood.items()}}
 
 
+PROMISES = {"identity_ssim": 0.98, "noise_share": 0.95, "center_out_margin": 0.005}
+"""What every shipped network keeps (docs/mar-safety.md): the mean identity SSIM on fully
+sampled, metal-free, noiseless input; the share of slices whose output, for that input with
+acquisition noise across the config's SNR range, is no further from the noiseless image (NMSE)
+than the noisy input; how far below the pre-trained network (``--reference``) its mean SSIM on
+centre-out's lines (the deadline fallback's) may fall."""
+
+
+@torch.no_grad()
+def noise_rows(mar: torch.nn.Module, data: SliceSet, snr: tuple[float, float], seed: int = 0,
+               batch_size: int = 32) -> dict[str, np.ndarray]:
+    """Per slice: the fully sampled clean k-space with complex Gaussian noise at an SNR drawn
+    uniformly from ``snr`` (the mean tissue signal over the noise std, the simulator's
+    definition), and the NMSE of the noisy image and of the network's output for it against
+    the noiseless image (``noise_input_nmse``, ``noise_output_nmse``, ``noise_snr``): a network
+    may denoise, it must not invent."""
+    from masc_gadget.core.kspace import ifft2c
+    from masc_gadget.core.metrics import nmse
+
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, list[torch.Tensor]] = {"noise_snr": [], "noise_input_nmse": [], "noise_output_nmse": []}
+    for start in range(0, len(data), batch_size):
+        index = torch.arange(start, min(start + batch_size, len(data)))
+        k = data.kspace_clean[index]
+        clean = ifft2c(k).abs()
+        level = torch.stack([c[c > 0.1 * c.max()].mean() for c in clean])
+        drawn = snr[0] + (snr[1] - snr[0]) * torch.rand(len(index), generator=gen, dtype=torch.float64)
+        sigma = (level / drawn.float())[:, None, None]
+        noise = torch.complex(torch.randn(k.shape, generator=gen), torch.randn(k.shape, generator=gen)) * sigma / 2 ** 0.5
+        noisy = ifft2c(k + noise.to(k.dtype)).abs()
+        out["noise_snr"].append(drawn)
+        out["noise_input_nmse"].append(nmse(noisy, clean))
+        out["noise_output_nmse"].append(nmse(mar(noisy), clean))
+    return {k: torch.cat(v).double().numpy() for k, v in out.items()}
+
+
+def promises(summary: dict[str, Any], rows: dict[str, np.ndarray],
+             reference_mar_ssim: float | None) -> dict[str, Any]:
+    """Whether a network keeps each of :data:`PROMISES` on these slices (None: not measured)."""
+    share = float(np.mean(rows["noise_output_nmse"] <= rows["noise_input_nmse"])) if "noise_output_nmse" in rows \
+        else None
+    kept = {"identity_ssim": {"value": summary["identity_ssim"]["mean"],
+                              "kept": summary["identity_ssim"]["mean"] >= PROMISES["identity_ssim"]},
+            "noise_share": {"value": share, "kept": None if share is None else share >= PROMISES["noise_share"]},
+            "center_out": {"value": None if reference_mar_ssim is None
+                           else summary["mar_ssim"]["mean"] - reference_mar_ssim,
+                           "kept": None if reference_mar_ssim is None
+                           else summary["mar_ssim"]["mean"] >= reference_mar_ssim - PROMISES["center_out_margin"]}}
+    kept["all"] = all(v["kept"] is not False for v in kept.values()) and all(v["kept"] is not None
+                                                                            for v in kept.values())
+    return kept
+
+
 def roc(scores: np.ndarray, harmed: np.ndarray) -> dict[str, Any]:
     """ROC of ``scores`` as a detector of ``harmed`` (higher score = more likely harmed):
     false / true positive rates over every threshold, and the area (Mann-Whitney U / n_pos n_neg,
@@ -234,12 +287,14 @@ def own_masks(policy: Any, mar: torch.nn.Module, data: SliceSet, initial: int, b
 def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: str, initial: int, budget: int,
               out: str | Path, policy: str = "center-out", reference: str | None = None,
               ood: dict[str, dict[str, Any]] | None = None, do_calibrate: bool = False,
-              batch_size: int = 32, policies: dict[str, Any] | None = None, folds: int = 0) -> dict[str, Any]:
+              batch_size: int = 32, policies: dict[str, Any] | None = None, folds: int = 0,
+              snr: tuple[float, float] | None = None) -> dict[str, Any]:
     """Run the check of every network in ``mars`` (name -> MarNet) on ``split`` of each folder of
     ``data``; ``reference`` names the network the others are compared with; ``ood`` gives each
     network's stored calibration (name -> {score, threshold}); ``policies``: the learned policy
     of a network whose checkpoint carries one (name -> policy), whose own lines join the
-    calibration. ``folds`` > 1: also the served image under a rule calibrated without the
+    calibration. ``snr``: the acquisition SNR range of the noise promise (:func:`noise_rows`;
+    None skips it). ``folds`` > 1: also the served image under a rule calibrated without the
     subject it serves, per folder (:func:`cross_validated`). Writes ``OUT/results.json``, ``OUT/report.md``, ``OUT/roc.png`` (and
     ``OUT/ood.json`` with ``do_calibrate``)."""
     out = Path(out)
@@ -259,6 +314,8 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
         for name, mar in mars.items():
             log.info("mar-check: %s on %s/%s (%d slices)", name, folder, split, len(sliceset))
             rows = slice_rows(mar, sliceset, masks, nothing, batch_size)
+            if snr is not None:
+                rows.update(noise_rows(mar, sliceset, snr, batch_size=batch_size))
             per_folder_rows[folder.name][name] = rows
             for key, value in rows.items():
                 pooled[name].setdefault(key, []).append(value)
@@ -287,6 +344,11 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
                                        (ood or {}).get(name)),
                    "slices": {"subject": subjects, **{k: v.tolist() for k, v in rows.items()}}}
             for name, rows in by_name.items()}
+        for name, rows in by_name.items():
+            reference_ssim = (float(ref_rows["mar_ssim"].mean()) if ref_rows is not None and name != reference
+                              and policy == "center-out" else None)
+            entry = results["folders"][folder][name]["summary"]
+            entry["promises"] = promises(entry, rows, reference_ssim)
         if folds > 1 and len(set(subjects)) >= folds:
             for name, rows in by_name.items():  # the lines the network is served with
                 served_rows = own_rows[folder].get(name, rows)
@@ -371,6 +433,16 @@ def render_report(results: dict[str, Any]) -> str:
                          f"({_p(ts['p_ttest'])}) | {tp['diff']:+.2f} ({_p(tp['p_ttest'])}) | "
                          f"{100 * s['harmed_fraction']:.0f} % | {aucs} | {fallback} |")
         lines += _seed_rows(by_name)
+        lines += ["", "Promises (identity SSIM >= 0.98; output no noisier than its noisy input on >= 95 % of slices; "
+                  "on centre-out's lines at most 0.005 below the reference network):", ""]
+        for name, entry in by_name.items():
+            p = entry["summary"].get("promises", {})
+            def word(key: str, digits: int = 3) -> str:
+                v = p.get(key, {})
+                return "not measured" if v.get("kept") is None else \
+                    f"{'kept' if v['kept'] else 'BROKEN'} ({v['value']:.{digits}f})"
+            lines.append(f"- {name}: identity {word('identity_ssim')}, noise {word('noise_share', 2)}, "
+                         f"centre-out {word('center_out')}")
         crossed = [(n, e["summary"]["cross_validated"]) for n, e in by_name.items() if "cross_validated" in e["summary"]]
         if crossed:
             lines += ["", f"Served under an OOD rule calibrated without the subject served ({crossed[0][1]['folds']} "

@@ -73,11 +73,25 @@ def test_cross_validation_never_calibrates_on_the_subject_it_serves():
     assert cv["per_subject"]["b"]["served_ssim"] == pytest.approx(0.8) and len(cv["rules"]) == 4
 
 
+def test_the_noise_promise_tells_denoising_from_inventing(tiny_dataset):
+    from training.data import load_split
+    from training.evaluation.marcheck import noise_rows
+
+    data = load_split(tiny_dataset, "train")
+    identity = noise_rows(lambda x: x, data, (20.0, 40.0))
+    np.testing.assert_array_equal(identity["noise_output_nmse"], identity["noise_input_nmse"])  # kept, just
+    assert ((identity["noise_snr"] >= 20) & (identity["noise_snr"] <= 40)).all()
+    assert (identity["noise_input_nmse"] > 0).all()
+    inventing = noise_rows(lambda x: x + 0.2 * x.amax(dim=(-2, -1), keepdim=True), data, (20.0, 40.0))
+    assert (inventing["noise_output_nmse"] > inventing["noise_input_nmse"]).all()
+
+
 def test_the_command_checks_calibrates_and_the_export_carries_the_calibration(tiny_dataset, perturbed_mar, tmp_path,
                                                                               capsys):
     out = tmp_path / "check"
     assert main(["mar-check", "--config", str(CONFIGS / "tiny.yaml"), "--mar", f"p={perturbed_mar}",
-                 "--data", f"{tiny_dataset}", "--split", "val", "--calibrate", "--out", str(out)]) == 0
+                 "--data", f"{tiny_dataset}", "--split", "val", "--calibrate", "--out", str(out),
+                 "--set", "variation.snr=[20, 40]"]) == 0
     report = capsys.readouterr().out
     assert f"## {tiny_dataset.name}" in report and "| p | 1 / 4 |" in report
     results = json.loads((out / "results.json").read_text())
@@ -86,6 +100,9 @@ def test_the_command_checks_calibrates_and_the_export_carries_the_calibration(ti
     assert set(summary["roc"]) == {"consistency", "residual", "flip"} and (out / "roc.png").stat().st_size > 0
     ood = json.loads((out / "ood.json").read_text())["p"]
     assert ood["score"] in summary["roc"] and ood["threshold"] > 0
+    assert set(summary["promises"]) == {"identity_ssim", "noise_share", "center_out", "all"}
+    assert summary["promises"]["noise_share"]["kept"] is not None  # an SNR range is set
+    assert "Promises" in (out / "report.md").read_text()
     nothing = results["folders"][tiny_dataset.name]["p"]["slices"]["nothing_ssim"]
     assert nothing == results["folders"][tiny_dataset.name]["p"]["slices"]["zf_ssim"]  # centre-out's lines checked
     assert summary["harmed_fraction"] == pytest.approx(np.mean(np.less(
