@@ -358,9 +358,50 @@ def _matplotlib_volumes() -> list[Volume]:
     return [Volume("matplotlib-s1045", pixels.reshape(1, 256, 256).astype(np.float64), "builtin:matplotlib")]
 
 
+def dead_leaves(size: int, rng: np.random.Generator, radii: tuple[float, float] = (2.0, 64.0),
+                leaves: int = 3000, body: bool = True) -> np.ndarray:
+    """(size, size) float64 in [0, 1]: a dead-leaves image (disks of power-law radii, density
+    ``r^-3`` between ``radii``, drawn front to back so the first ones cover the later ones, each
+    a grey level with a weak linear shading), optionally inside an elliptical body outline with
+    dark background. Natural-image statistics without any anatomy: restoration networks trained
+    on such images transfer to real ones (Achddou et al. 2023; Baradad et al. 2021)."""
+    image = np.full((size, size), np.nan)
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float64)
+    r0, r1 = radii
+    for _ in range(leaves):
+        u = rng.random()  # inverse CDF of p(r) ~ r^-3 on [r0, r1]
+        r = 1.0 / math.sqrt(1.0 / r0 ** 2 - u * (1.0 / r0 ** 2 - 1.0 / r1 ** 2))
+        cy, cx = rng.uniform(-r, size + r, size=2)
+        inside = ((yy - cy) ** 2 + (xx - cx) ** 2 <= r * r) & np.isnan(image)
+        if inside.any():
+            grey, gy, gx = rng.uniform(0.05, 1.0), *rng.normal(0, 0.15 / max(r, 1.0), size=2)
+            image[inside] = np.clip(grey + gy * (yy[inside] - cy) + gx * (xx[inside] - cx), 0.0, 1.0)
+        if not np.isnan(image).any():
+            break
+    image = np.nan_to_num(image, nan=rng.uniform(0.05, 1.0))
+    if body:
+        a, b = rng.uniform(0.3, 0.48, size=2) * size
+        outline = ((yy - size / 2) / a) ** 2 + ((xx - size / 2) / b) ** 2 <= 1.0
+        image = np.where(outline, image, 0.0)
+    return image
+
+
+def _procedural_volumes(count: int = 4, slices: int = 16, size: int = 256, seed: int = 0) -> list[Volume]:
+    """``count`` volumes of dead-leaves images (:func:`dead_leaves`), seeded, half of them
+    filling the field of view (as the volumes where networks trained on the pelvis harm do)."""
+    volumes = []
+    for v in range(count):
+        rng = np.random.default_rng([seed, v])
+        images = np.stack([dead_leaves(size, rng, body=v % 2 == 0) for _ in range(slices)])
+        volumes.append(Volume(f"procedural-dead-leaves-{v}", images, "builtin:procedural"))
+    return volumes
+
+
 BUILTIN = {"pydicom": _pydicom_volumes, "scikit-image": _skimage_volumes, "nilearn": _nilearn_volumes,
-           "dipy": _dipy_volumes, "pydicom-examples": _pydicom_example_volumes, "matplotlib": _matplotlib_volumes}
-"""Package -> the real MR images it ships (read from the installed package, never downloaded),
+           "dipy": _dipy_volumes, "pydicom-examples": _pydicom_example_volumes, "matplotlib": _matplotlib_volumes,
+           "procedural": _procedural_volumes}
+"""Package -> the real MR images it ships (``procedural``: dead-leaves images made here, no
+anatomy at all, for training without real volumes) (read from the installed package, never downloaded),
 in the order they are imported (a source added later comes last, so that the implant draws of
 the earlier ones do not change).
 pydicom-data, nibabel's test data and the raw data of twixtools and pypulseq are deliberately

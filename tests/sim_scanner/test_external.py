@@ -317,3 +317,20 @@ def test_ismrmrd_import_skips_what_is_not_an_image_line_and_crops_readout_oversa
     both = ismrmrd.Acquisition()
     both.set_flag(ismrmrd.ACQ_IS_PARALLEL_CALIBRATION_AND_IMAGING)
     assert is_imaging_line(both.flags) and is_imaging_line(0) and NOT_IMAGING & (1 << (ismrmrd.ACQ_IS_NOISE_MEASUREMENT - 1))
+
+
+def test_dead_leaves_are_seeded_cover_the_image_and_keep_a_body_outline():
+    import numpy as np
+
+    from sim_scanner.dataset.external import BUILTIN, dead_leaves
+
+    a = dead_leaves(64, np.random.default_rng(3), leaves=400)
+    b = dead_leaves(64, np.random.default_rng(3), leaves=400)
+    np.testing.assert_array_equal(a, b)
+    assert np.isfinite(a).all() and a.min() >= 0 and a.max() <= 1
+    assert a[0, 0] == 0 and a[32, 32] > 0  # dark outside the body, tissue inside
+    full = dead_leaves(64, np.random.default_rng(4), leaves=400, body=False)
+    assert (full > 0).mean() > 0.95 and len(np.unique(full.round(3))) > 20  # many leaves, the whole field
+    volumes = BUILTIN["procedural"](count=2, slices=2, size=32)
+    assert [v.name for v in volumes] == ["procedural-dead-leaves-0", "procedural-dead-leaves-1"]
+    assert volumes[0].images.shape == (2, 32, 32) and volumes[0].source == "builtin:procedural"
