@@ -409,10 +409,10 @@ absent: they are kept for independent checks of models trained on these."""
 
 
 def builtin_volumes(packages: list[str] | None = None) -> list[Volume]:
-    """Real MR images shipped inside installed packages (:data:`BUILTIN`; all of them by
-    default); nothing is downloaded. A package that is not installed is skipped with a warning
+    """Real MR images shipped inside installed packages (:data:`BUILTIN`; by default all of
+    them, and not the procedural images, which are asked for by name); nothing is downloaded. A package that is not installed is skipped with a warning
     naming it; ValueError when no image is available."""
-    names = list(BUILTIN) if not packages else packages
+    names = [n for n in BUILTIN if n != "procedural"] if not packages else packages
     unknown = [n for n in names if n not in BUILTIN]
     if unknown:
         raise ValueError(f"unknown builtin source(s) {', '.join(unknown)}: choose from {', '.join(BUILTIN)}")

@@ -265,7 +265,8 @@ def test_volumes_go_to_the_named_splits_whole_and_several_folders_load_as_one(tm
 def test_builtin_sources_are_named_and_an_unknown_one_is_refused():
     from sim_scanner.dataset.external import BUILTIN, builtin_volumes
 
-    assert list(BUILTIN) == ["pydicom", "scikit-image", "nilearn", "dipy", "pydicom-examples", "matplotlib"]
+    assert list(BUILTIN) == ["pydicom", "scikit-image", "nilearn", "dipy", "pydicom-examples", "matplotlib",
+                             "procedural"]
     with pytest.raises(ValueError, match="unknown builtin source\\(s\\) pydicom-data: choose from pydicom"):
         builtin_volumes(["pydicom-data"])
     volumes = builtin_volumes(["pydicom", "pydicom-examples", "matplotlib"])
@@ -334,3 +335,15 @@ def test_dead_leaves_are_seeded_cover_the_image_and_keep_a_body_outline():
     volumes = BUILTIN["procedural"](count=2, slices=2, size=32)
     assert [v.name for v in volumes] == ["procedural-dead-leaves-0", "procedural-dead-leaves-1"]
     assert volumes[0].images.shape == (2, 32, 32) and volumes[0].source == "builtin:procedural"
+    from sim_scanner.dataset import external
+
+    called = []
+    real = {name: (lambda name=name: called.append(name) or []) for name in BUILTIN}
+    original = dict(external.BUILTIN)
+    try:
+        external.BUILTIN.update(real)
+        with pytest.raises(ValueError, match="no builtin real MR image"):
+            external.builtin_volumes()
+    finally:
+        external.BUILTIN.update(original)
+    assert "procedural" not in called and "pydicom" in called  # real images only, unless asked by name
