@@ -224,7 +224,8 @@ class _Run:
             stats["losses/mar"] = finetune_mar(self.mar, self.mar_opt, self.kspace, self.target, slices, masks,
                                                tcfg.mar_epochs, tcfg.mar_batch_size, self.gen, self.lambda_ssim,
                                                self.dist, self.clean_kspace,
-                                               self.config["mar_train"].clean_fraction)
+                                               self.config["mar_train"].clean_fraction,
+                                               anchor_snr=self.config["mar_train"].anchor_snr)
             self.env.set_mar(self.mar)
             rollout.cursor.obs = self.env.observation
         row: dict[str, Any] = {"rollout": rollout_number,

@@ -33,7 +33,7 @@ from masc_gadget.core.kspace import zero_filled
 from masc_gadget.core.metrics import scale_by_target
 from training.data import SliceSet
 from training.distributed import Dist
-from training.mar import mar_loss
+from training.mar import acquisition_noise, check_snr_range, mar_loss
 from training.run import TrainingRun
 from training.scoring import score_masks
 
@@ -66,6 +66,9 @@ class FinetuneConfig:
     """Pairs per step."""
     clean_fraction: float = 0.0
     """Share of the pairs built from the clean k-space (the do-no-harm anchors)."""
+    anchor_snr: tuple[float, float] = (0.0, 0.0)
+    """The anchors' acquisition noise: an SNR drawn uniformly from this range per pair, the
+    target noiseless (:func:`training.mar.acquisition_noise`); (0, 0): noiseless anchors."""
     max_val_slices: int = 0
     """Validation slices scored (0 = all)."""
     seed: int = 0
@@ -81,6 +84,7 @@ class FinetuneConfig:
             raise ValueError(f"clean_fraction must be in [0, 1], got {self.clean_fraction}")
         if self.lambda_ssim < 0:
             raise ValueError(f"lambda_ssim must be >= 0, got {self.lambda_ssim}")
+        check_snr_range(self.anchor_snr)
 
     def total_steps(self, pairs: int) -> int:
         """The recipe's budget in steps for ``pairs`` (slice, mask) pairs."""
@@ -136,14 +140,16 @@ def finetune_mar(mar: torch.nn.Module, optimizer: torch.optim.Optimizer, kspace:
                  batch_size: int, generator: torch.Generator,
                  lambda_ssim: float | None = None, dist: Dist = Dist(),
                  clean_kspace: torch.Tensor | None = None, clean_fraction: float = 0.0,
-                 steps: int = 0, batches: Iterator[torch.Tensor] | None = None) -> float:
+                 steps: int = 0, batches: Iterator[torch.Tensor] | None = None,
+                 anchor_snr: tuple[float, float] = (0.0, 0.0)) -> float:
     """Fine-tuning of ``mar`` on the zero-filled images of (slice, mask) pairs, both images
     scaled by the target's maximum: MSE (paper), or with ``lambda_ssim`` the pre-training loss
     ``L1 + lambda_ssim (1 - SSIM)``. ``epochs`` passes over the pairs, or ``steps`` steps taken
     from ``batches`` (an iterator of :func:`_batches` kept between calls). BatchNorm statistics
     stay frozen (eval mode): the network is well initialised and only needs mild correction.
     With ``clean_kspace`` and a ``clean_fraction`` > 0, that fraction of the pairs is built from
-    the clean k-space instead (the do-no-harm anchors). Returns the mean loss."""
+    the clean k-space instead (the do-no-harm anchors), with acquisition noise at an SNR drawn
+    from ``anchor_snr`` when it is not (0, 0). Returns the mean loss."""
     mar.eval()
     total, count = 0.0, 0
     device = next(mar.parameters()).device
@@ -156,7 +162,11 @@ def finetune_mar(mar: torch.nn.Module, optimizer: torch.optim.Optimizer, kspace:
         k = kspace[s]
         if clean_kspace is not None and clean_fraction > 0:
             pick = (torch.rand(len(idx), generator=generator) < clean_fraction).to(k.device)
-            k = torch.where(pick[:, None, None], clean_kspace[s], k)
+            anchor = clean_kspace[s]
+            if tuple(anchor_snr) != (0.0, 0.0):
+                snr = anchor_snr[0] + (anchor_snr[1] - anchor_snr[0]) * torch.rand(len(idx), generator=generator)
+                anchor = anchor + acquisition_noise(anchor, snr, generator)
+            k = torch.where(pick[:, None, None], anchor, k)
         inputs = zero_filled(k, masks[idx].to(kspace.device)).to(device)
         if lambda_ssim is None:
             pred, tgt = scale_by_target(mar(inputs), target[s].to(device))
@@ -223,7 +233,8 @@ def finetune_to_masks(mar: torch.nn.Module, recipe: FinetuneConfig, train: Slice
             n = min(every, total - done)
             loss = finetune_mar(mar, optimizer, kspace, target, slices, masks, 0, recipe.batch_size, generator,
                                 lambda_ssim, clean_kspace=None if clean is None else clean.to(device),
-                                clean_fraction=recipe.clean_fraction, steps=n, batches=batches)
+                                clean_fraction=recipe.clean_fraction, steps=n, batches=batches,
+                                anchor_snr=recipe.anchor_snr)
             done += n
             bar.update(n)
             record(done, loss)

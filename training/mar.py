@@ -57,6 +57,11 @@ class MarTrainConfig:
     pair, an undersampled one asks for de-aliasing only. They teach the residual network to leave
     alone what needs no correction (the do-no-harm recipe uses 0.25; 0 draws nothing, so the
     random streams of earlier recipes are unchanged)."""
+    anchor_snr: tuple[float, float] = (0.0, 0.0)
+    """With ``clean_fraction`` > 0: the clean anchors carry complex Gaussian acquisition noise at
+    an SNR drawn uniformly from this range (:func:`acquisition_noise`), the target staying
+    noiseless, so the network learns to denoise rather than to invent; (0, 0): noiseless anchors
+    (the earlier recipe; draws nothing)."""
     policies: tuple[str, ...] = ("center-out", "random", "random-lowbias", "equispaced")
     """Policies that draw the undersampling masks of ``undersampled`` / ``mixed`` inputs."""
     device: str = "auto"
@@ -78,10 +83,48 @@ class MarTrainConfig:
             raise ValueError(f"clean_fraction must be in [0, 1], got {self.clean_fraction}")
         if self.lambda_ssim < 0:
             raise ValueError(f"lambda_ssim must be >= 0, got {self.lambda_ssim}")
+        check_snr_range(self.anchor_snr)
         if not self.policies:
             raise ValueError("policies must name at least one sampling policy")
         for name in self.policies:
             make_policy(name)  # unknown names raise, listing the known ones
+
+
+def check_snr_range(snr: tuple[float, float]) -> None:
+    """An anchor SNR range is (0, 0) (no noise) or 0 < low <= high."""
+    low, high = snr
+    if (low, high) != (0.0, 0.0) and not 0 < low <= high:
+        raise ValueError(f"anchor_snr must be (0, 0) or a range 0 < low <= high, got {tuple(snr)}")
+
+
+def acquisition_noise(kspace: torch.Tensor, snr: torch.Tensor, generator: torch.Generator | None = None,
+                      seeds: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, PE, RO) complex: Gaussian acquisition noise for B slices at SNR ``snr`` (B,): the mean
+    tissue signal of ``|ifft2c(kspace)|`` (pixels above 10 % of the slice's maximum) over the
+    noise std, the simulator's definition. Drawn from ``generator``, or one stream per slice from
+    ``seeds`` (B,) int (the same noise however the slices are batched)."""
+    from masc_gadget.core.kspace import ifft2c
+
+    image = ifft2c(kspace).abs()
+    level = torch.stack([c[c > 0.1 * c.max()].mean() if c.max() > 0 else c.new_zeros(()) for c in image])
+    sigma = (level / snr.to(level)).reshape(-1, 1, 1) / 2 ** 0.5
+    shape = kspace.shape[1:]
+    if seeds is not None:
+        draws = [torch.randn((2, *shape), generator=torch.Generator().manual_seed(int(s))) for s in seeds]
+        real, imag = torch.stack(draws).unbind(dim=1)
+    else:
+        real, imag = torch.randn(kspace.shape, generator=generator), torch.randn(kspace.shape, generator=generator)
+    return torch.complex(real, imag).to(kspace.device, kspace.dtype) * sigma.to(kspace.device)
+
+
+def draw_anchor_noise(n: int, snr: tuple[float, float], rng: np.random.Generator
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per slice: the anchor's SNR (n,) and noise seed (n,), or None for noiseless anchors
+    (drawing nothing)."""
+    if tuple(snr) == (0.0, 0.0):
+        return None
+    return (torch.from_numpy(rng.uniform(snr[0], snr[1], size=n)),
+            torch.from_numpy(rng.integers(0, 2 ** 62, size=n)))
 
 
 def mar_loss(pred: torch.Tensor, target: torch.Tensor, lambda_ssim: float) -> torch.Tensor:
@@ -111,19 +154,29 @@ def draw_clean(n: int, fraction: float, rng: np.random.Generator) -> torch.Tenso
 
 def network_inputs(data: SliceSet, index: torch.Tensor, mode: str, masks: torch.Tensor | None,
                    device: torch.device, positions: torch.Tensor | None = None,
-                   clean: torch.Tensor | None = None) -> torch.Tensor:
+                   clean: torch.Tensor | None = None,
+                   noise: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """(B, H, W) input images for slices ``index``: full metal images and / or zero-filled ones
     (``mixed``: by the parity of each slice's ``positions`` in its minibatch, default 0, 1, ...);
-    where ``clean[index]`` is set, of the clean k-space instead of the metal one."""
+    where ``clean[index]`` is set, of the clean k-space instead of the metal one, with the
+    acquisition noise of ``noise`` (:func:`draw_anchor_noise`: SNR and seed per slice) when given."""
+    from masc_gadget.core.kspace import ifft2c
+
     pick = None if clean is None else clean[index].to(device)
+    anchor_k = None
+    if pick is not None and noise is not None:
+        k_clean = data.kspace_clean[index].to(device)
+        anchor_k = k_clean + acquisition_noise(k_clean, noise[0][index], seeds=noise[1][index])
     full = data.metal_image[index].to(device)
     if pick is not None:
-        full = torch.where(pick[:, None, None], data.target[index].to(device), full)
+        anchor_full = data.target[index].to(device) if anchor_k is None else ifft2c(anchor_k).abs()
+        full = torch.where(pick[:, None, None], anchor_full, full)
     if mode == "full":
         return full
     kspace = data.kspace_metal[index].to(device)
     if pick is not None:
-        kspace = torch.where(pick[:, None, None], data.kspace_clean[index].to(device), kspace)
+        anchor = data.kspace_clean[index].to(device) if anchor_k is None else anchor_k
+        kspace = torch.where(pick[:, None, None], anchor, kspace)
     under = zero_filled(kspace, masks[index].to(device))
     if mode == "undersampled":
         return under
@@ -135,7 +188,8 @@ def network_inputs(data: SliceSet, index: torch.Tensor, mode: str, masks: torch.
 @torch.no_grad()
 def validate(model: torch.nn.Module, data: SliceSet, mode: str, masks: torch.Tensor | None,
              lambda_ssim: float, batch_size: int, device: torch.device,
-             clean: torch.Tensor | None = None) -> dict[str, float]:
+             clean: torch.Tensor | None = None,
+             noise: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, float]:
     """Mean loss and metrics of ``model`` on ``data`` (and of the uncorrected input). With
     ``clean`` (the do-no-harm recipe) also ``identity_ssim``: the SSIM of the output against the
     input for the fully sampled clean images, which need no change."""
@@ -144,7 +198,7 @@ def validate(model: torch.nn.Module, data: SliceSet, mode: str, masks: torch.Ten
     n = len(data)
     for start in range(0, n, batch_size):
         index = torch.arange(start, min(start + batch_size, n))
-        inputs = network_inputs(data, index, mode, masks, device, clean=clean)
+        inputs = network_inputs(data, index, mode, masks, device, clean=clean, noise=noise)
         target = data.target[index].to(device)
         pred = model(inputs)
         batch = {"loss": float(mar_loss(pred, target, lambda_ssim)) * len(index),
@@ -162,7 +216,8 @@ def validate(model: torch.nn.Module, data: SliceSet, mode: str, masks: torch.Ten
 
 def train_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, train: SliceSet,
                 order: torch.Tensor, masks: torch.Tensor | None, tcfg: MarTrainConfig,
-                device: torch.device, dist: Dist = Dist(), clean: torch.Tensor | None = None) -> float:
+                device: torch.device, dist: Dist = Dist(), clean: torch.Tensor | None = None,
+                noise: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
     """One pass over ``train`` in ``order`` (minibatches of ``tcfg.batch_size``); returns the
     mean training loss. Under ``torchrun`` each rank trains on its share of every global
     minibatch (:func:`~training.distributed.shard`), its loss weighted by that share, so the
@@ -176,7 +231,7 @@ def train_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, train:
             continue  # BatchNorm needs two samples, and every rank one
         positions = shard(torch.arange(len(index)), dist)
         local = index[positions]
-        inputs = network_inputs(train, local, tcfg.input, masks, device, positions, clean)
+        inputs = network_inputs(train, local, tcfg.input, masks, device, positions, clean, noise)
         loss = mar_loss(model(inputs), train.target[local].to(device), tcfg.lambda_ssim)
         optimizer.zero_grad(set_to_none=True)
         (loss * (len(local) * dist.world / len(index))).backward()
@@ -233,6 +288,7 @@ def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str
     val_masks = (draw_masks(len(val), val.n_pe, acq, tcfg.policies, np.random.default_rng(tcfg.seed + 1))
                  if undersampled else None)
     val_clean = draw_clean(len(val), tcfg.clean_fraction, np.random.default_rng(tcfg.seed + 2))
+    val_noise = draw_anchor_noise(len(val), tcfg.anchor_snr, np.random.default_rng(tcfg.seed + 3))
 
     def metadata(epoch: int, val_metrics: dict[str, float]) -> dict[str, Any]:
         return {
@@ -257,10 +313,11 @@ def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str
         t0 = time.perf_counter()
         masks = draw_masks(len(train), train.n_pe, acq, tcfg.policies, rng) if undersampled else None
         clean = draw_clean(len(train), tcfg.clean_fraction, rng)
+        noise = draw_anchor_noise(len(train), tcfg.anchor_snr, rng) if clean is not None else None
         train_loss = train_epoch(net, optimizer, train, torch.randperm(len(train), generator=shuffle),
-                                 masks, tcfg, device, dist, clean)
+                                 masks, tcfg, device, dist, clean, noise)
         val_metrics = validate(model, val, tcfg.input, val_masks, tcfg.lambda_ssim, tcfg.batch_size, device,
-                               val_clean)
+                               val_clean, val_noise if val_clean is not None else None)
         row = {"epoch": epoch + 1, "train_loss": train_loss, **{f"val_{k}": v for k, v in val_metrics.items()},
                "seconds": time.perf_counter() - t0}
         improved = run.record(val_metrics, {"epoch": epoch + 1}, {"mar": model}, {"mar": model},

@@ -97,3 +97,39 @@ def test_clean_inputs_are_the_clean_images_and_training_reports_how_unchanged_th
     assert load_mar(tmp_path / "c.pt")[1]["data"] == f"{tiny_dataset},{tiny_dataset}"
     with pytest.raises(ValueError, match="clean_fraction must be in \\[0, 1\\], got 1.5"):
         MarTrainConfig(clean_fraction=1.5)
+
+
+def test_acquisition_noise_has_the_asked_snr_and_per_slice_seeds_do_not_depend_on_batching():
+    from masc_gadget.core.kspace import fft2c, ifft2c
+    from training.mar import acquisition_noise, draw_anchor_noise
+
+    image = torch.zeros(2, 64, 64)
+    image[:, 16:48, 16:48] = 1.0  # tissue of mean signal 1
+    k = fft2c(image.to(torch.complex64))
+    noise = acquisition_noise(k, torch.tensor([10.0, 20.0]), torch.Generator().manual_seed(0))
+    stds = ifft2c(noise).abs().pow(2).mean(dim=(-2, -1)).sqrt()  # orthonormal: image noise = k-space noise
+    assert stds[0] == pytest.approx(0.1, rel=0.05) and stds[1] == pytest.approx(0.05, rel=0.05)
+    snr, seeds = draw_anchor_noise(2, (10.0, 20.0), np.random.default_rng(0))
+    both = acquisition_noise(k, snr, seeds=seeds)
+    alone = acquisition_noise(k[1:], snr[1:], seeds=seeds[1:])
+    assert torch.equal(both[1:], alone)
+    assert draw_anchor_noise(2, (0.0, 0.0), np.random.default_rng(0)) is None
+    with pytest.raises(ValueError, match="anchor_snr"):
+        from training.mar import MarTrainConfig
+
+        MarTrainConfig(anchor_snr=(30.0, 10.0))
+
+
+def test_noisy_anchors_change_only_the_anchor_inputs(tiny_dataset):
+    from training.data import load_split
+    from training.mar import draw_anchor_noise, network_inputs
+
+    data = load_split(tiny_dataset, "train")
+    index = torch.arange(len(data))
+    clean = torch.zeros(len(data), dtype=torch.bool)
+    clean[0] = True
+    noise = draw_anchor_noise(len(data), (20.0, 40.0), np.random.default_rng(1))
+    quiet = network_inputs(data, index, "full", None, torch.device("cpu"), clean=clean)
+    noisy = network_inputs(data, index, "full", None, torch.device("cpu"), clean=clean, noise=noise)
+    assert torch.equal(quiet[1:], noisy[1:]) and not torch.equal(quiet[0], noisy[0])
+    assert torch.allclose(quiet[0], data.target[0])  # the noiseless anchor is the target itself

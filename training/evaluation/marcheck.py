@@ -104,17 +104,16 @@ def noise_rows(mar: torch.nn.Module, data: SliceSet, snr: tuple[float, float], s
     from masc_gadget.core.kspace import ifft2c
     from masc_gadget.core.metrics import nmse
 
+    from training.mar import acquisition_noise
+
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, list[torch.Tensor]] = {"noise_snr": [], "noise_input_nmse": [], "noise_output_nmse": []}
     for start in range(0, len(data), batch_size):
         index = torch.arange(start, min(start + batch_size, len(data)))
         k = data.kspace_clean[index]
         clean = ifft2c(k).abs()
-        level = torch.stack([c[c > 0.1 * c.max()].mean() for c in clean])
         drawn = snr[0] + (snr[1] - snr[0]) * torch.rand(len(index), generator=gen, dtype=torch.float64)
-        sigma = (level / drawn.float())[:, None, None]
-        noise = torch.complex(torch.randn(k.shape, generator=gen), torch.randn(k.shape, generator=gen)) * sigma / 2 ** 0.5
-        noisy = ifft2c(k + noise.to(k.dtype)).abs()
+        noisy = ifft2c(k + acquisition_noise(k, drawn, gen)).abs()
         out["noise_snr"].append(drawn)
         out["noise_input_nmse"].append(nmse(noisy, clean))
         out["noise_output_nmse"].append(nmse(mar(noisy), clean))
