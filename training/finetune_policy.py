@@ -55,7 +55,7 @@ def finetune_policy(config: Config, data_dir: str | Path, policy_path: str | Pat
     mar, mar_meta = load_mar(mar_path, dev)
     with torch.no_grad():  # a policy without a network of its own (DQN) plays under the pre-trained one
         played = {name: run_method(policy, data, acq.initial, acq.budget, mar if own_mar is None else own_mar, seed=0, batch_size=32,
-                                   device=dev, progress=progress, lines_per_decision=k).lines
+                                   device=dev, progress=progress, lines_per_decision=k, score=False).lines
                   for name, data in (("train", train), ("val", val))}
     sets = {name: len({tuple(sorted(row)) for row in lines.tolist()}) for name, lines in played.items()}
     log.info("%s plays %d distinct line sets on %d training slices, %d on %d validation slices",

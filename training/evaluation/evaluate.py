@@ -97,7 +97,7 @@ class Trajectories:
 def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: int, budget: int,
                mar: torch.nn.Module | None, seed: int, batch_size: int, device: torch.device,
                example_index: list[int] = (), progress: bool = False, lines_per_decision: int = 1,
-               ood: OodCalibration | None = None) -> Trajectories:
+               ood: OodCalibration | None = None, score: bool = True) -> Trajectories:
     """Run ``policy`` on every slice (batched), scoring the served zero-filled and MAR images
     (:func:`masc_gadget.core.served.served_images`, the gadget's pixels) after the initial lines
     and after each line. The policy observes what it observes in the gadget: the unclamped
@@ -109,7 +109,8 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
     lines from the image before each train (:func:`select_trains`); the curves still have one
     point per line. ``ood``: the gadget's rule for serving a slice zero-filled when its MAR
     image's OOD score is too high (:func:`masc_gadget.core.ood.fallback_rule`), applied to the
-    scored MAR images as the gadget applies it."""
+    scored MAR images as the gadget applies it. ``score`` False plays the policy alone: the
+    lines, no curves (and no network pass for a policy that reads no image)."""
     from tqdm.auto import tqdm
 
     n, n_pe = len(data), data.n_pe
@@ -127,15 +128,18 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
         episodes = EpisodeBatch(n_pe, initial, budget, len(index), device,
                                 rngs=[slice_rng(seed, int(data.slices[i])) for i in index])
         for t in range(steps):
-            images = {False: zero_filled(kspace, episodes.mask)}  # what a policy observes
-            if mar is not None:
+            if not score and t == budget:
+                break
+            needed = score or (policy.needs_image and not isinstance(policy, GreedyOracle))
+            images = {False: zero_filled(kspace, episodes.mask)} if needed else {}  # what a policy observes
+            if mar is not None and needed:
                 images[True] = mar(images[False])
-            # what the gadget returns
-            scores = score_batch(images[False], images.get(True), target, ood=ood, mask=episodes.mask, mar=mar)
-            scored = {False: scores.served.zero_filled, True: scores.served.image}
-            for m in settings:
-                for key, value in (scores.image if m else scores.zero_filled).items():
-                    curves[m][key][index, t] = value.double().cpu().numpy()
+            if score:  # what the gadget returns
+                scores = score_batch(images[False], images.get(True), target, ood=ood, mask=episodes.mask, mar=mar)
+                scored = {False: scores.served.zero_filled, True: scores.served.image}
+                for m in settings:
+                    for key, value in (scores.image if m else scores.zero_filled).items():
+                        curves[m][key][index, t] = value.double().cpu().numpy()
             if t == budget:
                 for b, i in enumerate(index):
                     if i in wanted:

@@ -277,7 +277,7 @@ def own_masks(policy: Any, mar: torch.nn.Module, data: SliceSet, initial: int, b
     from training.evaluation.evaluate import run_method
 
     lines = run_method(policy, data, initial, budget, mar, seed=0, batch_size=batch_size,
-                       device=torch.device("cpu")).lines
+                       device=torch.device("cpu"), score=False).lines
     masks = torch.zeros(len(data), data.n_pe, dtype=torch.bool)
     masks[torch.arange(len(data))[:, None], torch.as_tensor(lines)] = True
     return masks
