@@ -100,6 +100,11 @@ def _fmt_p(p: float) -> str:
     return "< 0.001" if p < 0.001 else f"{p:.3f}"
 
 
+def line_sets(row: dict[str, Any]) -> int:
+    """How many distinct sets of lines a results row plays over its slices."""
+    return len({tuple(sorted(lines)) for lines in row["lines"]})
+
+
 def render_table(results: dict[str, Any]) -> str:
     """The paper's Table 1 layout in Markdown, computed from the results dict only."""
     out = [f"# Evaluation on split `{results['split']}` ({results['n_slices']} slices)", ""]
@@ -114,6 +119,7 @@ def render_table(results: dict[str, Any]) -> str:
         shown = [over for over, v in captured.items() if any(x is not None for x in v.values())]
         header += [f"oracle gain captured over {'Random' if over == 'random' else 'the best baseline'} (SSIM)"
                    for over in shown]
+        header += ["line sets"]
         out.append("| " + " | ".join(header) + " |")
         out.append("|" + "|".join(["---"] * 2 + ["---:"] * (len(header) - 2)) + "|")
         best = {}
@@ -136,10 +142,12 @@ def render_table(results: dict[str, Any]) -> str:
             for over in shown:
                 share = captured[over].get(row["key"])
                 cells.append("–" if share is None else f"{100 * share:.0f} %")
+            cells.append(str(line_sets(row)) if "lines" in row else "–")
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     n_subjects = len(set(result_subjects(results)))
-    note = (f"Mean ± std over slices; metrics per slice against the clean fully sampled image, both "
+    note = (f"Line sets: how many distinct sets of lines the method plays over the {results['n_slices']} "
+            f"slices (1: one line set for every slice, however it was chosen). Mean ± std over slices; metrics per slice against the clean fully sampled image, both "
             f"scaled by its maximum, on the image the gadget serves. Best in bold. p-values: paired "
             f"two-sided tests of SSIM against the reference row `{ref}`, over the subjects' mean SSIM "
             f"({n_subjects} {'subject: no test' if n_subjects == 1 else 'subjects'}; these decide: slices of "

@@ -53,6 +53,13 @@ def test_table_is_rendered_from_the_json(eval_run):
     shown = table.split("## Summary")[0]
     assert shown.count("**") >= 2 * 3 * len(results["accelerations"])  # a bold best per metric shown (SSIM, PSNR, NMSE)
     assert "MAE" not in shown and "## Summary" in table
+    # beside every learned or fixed policy: how many line sets it plays
+    from training.evaluation.tables import line_sets
+
+    assert "| line sets |" in shown
+    row = results["accelerations"]["10x"]["rows"][0]
+    assert line_sets(row) == len({tuple(sorted(x)) for x in row["lines"]}) >= 1
+    assert line_sets({"lines": [[1, 2, 3], [3, 2, 1], [1, 2, 4]]}) == 2
 
 
 def test_results_structure_and_numbers(eval_run, tiny_dataset, tiny_config):
