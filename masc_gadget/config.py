@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 import reprlib
 import types
 import typing
@@ -65,6 +66,10 @@ def _type_name(tp: Any) -> str:
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return "one of " + ", ".join(repr(m.value) for m in tp)
     return getattr(tp, "__name__", str(tp))
+
+
+_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+"""A number in exponent notation, which YAML 1.1 (PyYAML) reads as a string without a dot."""
 
 
 def _coerce(tp: Any, value: Any, where: str) -> Any:
@@ -130,6 +135,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str) and len(value) <= 32 and _EXPONENT.fullmatch(value.strip()):
+            return float(value)  # YAML 1.1 reads 1e-5 (no dot) as a string
         raise ConfigError(f"{where}: must be a number, got {quote(value)}")
     if tp is str:
         if isinstance(value, str):

@@ -142,3 +142,12 @@ def test_the_harm_cases_layer_over_the_small_config():
     config = load_config(f"{CONFIGS / 'small.yaml'},{CONFIGS / 'harm-hip.yaml'}")
     assert config["variation"].stem_materials == ("stainless_steel",) and config["dataset"].seed != 0
     assert config["sequence"].matrix == (128, 128)  # the small protocol underneath
+
+
+def test_a_number_in_exponent_notation_is_a_number():
+    from masc_gadget.config import ConfigError, load_config
+
+    config = load_config(None, ["ppo.lr=1e-12", "mar_train.lr=5E-4"])
+    assert config["ppo"].lr == 1e-12 and config["mar_train"].lr == 5e-4
+    with pytest.raises(ConfigError, match="must be a number"):
+        load_config(None, ["ppo.lr=fast"])
