@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,6 +220,7 @@ def finetune_to_masks(mar: torch.nn.Module, recipe: FinetuneConfig, train: Slice
                  loss if isinstance(loss, str) else f"{loss:.4f}", val_metrics["ssim"], val_metrics["psnr"],
                  " *best*" if better else "")
 
+    t0 = time.perf_counter()
     record(0, "")  # the network as given: selection keeps it when fine-tuning does not help
     if total:
         generator = torch.Generator().manual_seed(recipe.seed)
@@ -240,4 +242,5 @@ def finetune_to_masks(mar: torch.nn.Module, recipe: FinetuneConfig, train: Slice
             record(done, loss)
             bar.set_postfix(best_ssim=f"{run.best['ssim']:.4f}")
         bar.close()
+    run.best["seconds"] = time.perf_counter() - t0
     return run.best
