@@ -108,21 +108,26 @@ def fair_report(folder: str | Path, seeds: list[int]) -> FairReport:
 
 
 def _spread(values: list[float], digits: int = 3) -> str:
+    """Mean ± sd over the seeds; one seed has no spread to show."""
     values = np.asarray(values, dtype=np.float64)
-    sd = values.std(ddof=1) if len(values) > 1 else 0.0
-    return f"{values.mean():.{digits}f} ± {sd:.{digits}f}"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{values.mean():.{digits}f} ± {values.std(ddof=1):.{digits}f}"
 
 
 def _effect(per_seed: list[dict[str, float]]) -> str:
     diffs = [t["diff"] for t in per_seed]
     ps = " / ".join(f"{t['p_ttest']:.1e}" if t["p_ttest"] < 1e-3 else f"{t['p_ttest']:.3f}" for t in per_seed)
+    if len(diffs) == 1:
+        return f"{diffs[0]:+.4f} (p {ps})"
     return f"{np.mean(diffs):+.3f} (per seed {' / '.join(f'{d:+.3f}' for d in diffs)}; p {ps})"
 
 
 def render_fair(report: FairReport) -> str:
     """The Markdown tables of a :class:`FairReport`."""
     names = {"fixed": "fixed order", "masc": "MASC", "finetune": "A: served masks", "finetune_joint": "B: pre-action"}
-    lines = [f"Seeds {', '.join(map(str, report.seeds))}; mean ± sd over seeds. Default (best mean validation SSIM): "
+    spread = "mean ± sd over seeds" if len(report.seeds) > 1 else "one seed, no spread"
+    lines = [f"Seeds {', '.join(map(str, report.seeds))}; {spread}. Default (best mean validation SSIM): "
              f"**{names[report.default.split('/')[0]]}, recipe {names[report.default.split('/')[1]]}**.", "",
              "| policy | recipe | val SSIM | test SSIM | test PSNR (dB) | against the default (test SSIM, p over subjects) "
              "| line sets on test |", "| --- | --- | ---: | ---: | ---: | --- | --- |"]
