@@ -29,9 +29,7 @@ from masc_gadget import __version__
 from masc_gadget.models.checkpoint import Checkpoint, load_mar
 from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
-from masc_gadget.core.kspace import zero_filled
 from masc_gadget.acquisition.learned import KIND, policy_metadata
-from masc_gadget.core.metrics import scale_by_target
 from masc_gadget.models.policy_net import PolicyNet
 from training.csvlog import append_row, plot_training
 from training.run import TrainingRun, seeded

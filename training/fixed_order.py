@@ -30,11 +30,11 @@ from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
 from masc_gadget.models.checkpoint import load_checkpoint, load_mar
 from training.finetune import FinetuneConfig, episode_pairs, finetune_to_masks
-from training.data import SliceSet, load_split, spread_subset
+from training.data import load_split, spread_subset
 from training.population import population_order
-from training.scoring import line_masks, score_masks
+from training.scoring import line_masks
 
-__all__ = ["FixedOrderConfig", "KIND", "order_masks", "refit_fixed_order", "train_fixed_order"]
+__all__ = ["FixedOrderConfig", "KIND", "refit_fixed_order", "train_fixed_order"]
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +54,6 @@ class FixedOrderConfig:
     def __post_init__(self) -> None:
         if self.population_slices < 0:
             raise ValueError(f"population_slices must be >= 0, got {self.population_slices}")
-
-
-def order_masks(n: int, n_pe: int, initial: int, order: np.ndarray) -> torch.Tensor:
-    """(n, n_pe) bool: the protocol's initial centre lines and ``order``, on every slice."""
-    return torch.from_numpy(line_masks(n, n_pe, initial, order))
 
 
 def _fit(config: Config, data_dir: str | Path, mar: torch.nn.Module, out: str | Path, device: torch.device,
@@ -84,7 +79,7 @@ def _fit(config: Config, data_dir: str | Path, mar: torch.nn.Module, out: str | 
             "config": {"acquisition": to_dict(acq), "fixed_order": to_dict(fcfg), "finetune": to_dict(recipe)}}
     return finetune_to_masks(mar, recipe, train, episode_pairs(np.tile(lines, (len(train), 1)), train.n_pe,
                                                                acq.initial, recipe.masks),
-                             val, order_masks(len(val), val.n_pe, acq.initial, order), out, meta, progress,
+                             val, line_masks(len(val), val.n_pe, acq.initial, order), out, meta, progress,
                              data_dir=data_dir)
 
 

@@ -137,6 +137,18 @@ def promises(summary: dict[str, Any], rows: dict[str, np.ndarray],
     return kept
 
 
+def _auc(scores: np.ndarray, harmed: np.ndarray) -> float:
+    """The ROC area (Mann-Whitney U / n_pos n_neg, ties counted half) from the ranks, O(n log n);
+    NaN when one class is empty."""
+    from scipy.stats import rankdata
+
+    n_pos, n_neg = int(harmed.sum()), int((~harmed).sum())
+    if n_pos == 0 or n_neg == 0:
+        return math.nan
+    ranks = rankdata(scores)
+    return float((ranks[harmed].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
 def roc(scores: np.ndarray, harmed: np.ndarray) -> dict[str, Any]:
     """ROC of ``scores`` as a detector of ``harmed`` (higher score = more likely harmed):
     false / true positive rates over every threshold, and the area (Mann-Whitney U / n_pos n_neg,
@@ -149,9 +161,7 @@ def roc(scores: np.ndarray, harmed: np.ndarray) -> dict[str, Any]:
     thresholds = np.unique(scores)[::-1]
     tpr = [0.0] + [float((scores[harmed] >= t).mean()) for t in thresholds]
     fpr = [0.0] + [float((scores[~harmed] >= t).mean()) for t in thresholds]
-    pos, neg = scores[harmed][:, None], scores[~harmed][None, :]
-    auc = float(((pos > neg).sum() + 0.5 * (pos == neg).sum()) / (n_pos * n_neg))
-    return {"auc": auc, "fpr": fpr, "tpr": tpr, "n_harmed": n_pos, "n_helped": n_neg}
+    return {"auc": _auc(scores, harmed), "fpr": fpr, "tpr": tpr, "n_harmed": n_pos, "n_helped": n_neg}
 
 
 def auc_interval(scores: np.ndarray, harm: np.ndarray, subjects: list[str], draws: int = 1000,
@@ -167,7 +177,7 @@ def auc_interval(scores: np.ndarray, harm: np.ndarray, subjects: list[str], draw
     areas = []
     for _ in range(draws):
         index = np.concatenate([rows[names[i]] for i in rng.integers(len(names), size=len(names))])
-        area = roc(scores[index], harm[index])["auc"]
+        area = _auc(scores[index], harm[index])
         if math.isfinite(area):
             areas.append(area)
     if not areas:
