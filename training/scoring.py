@@ -60,7 +60,8 @@ class BatchScores(NamedTuple):
 def score_batch(zero_filled: torch.Tensor, corrected: torch.Tensor | None, target: torch.Tensor, *,
                 roi: torch.Tensor | None = None, ood: OodCalibration | None = None, mask: torch.Tensor | None = None,
                 mar: Callable[[torch.Tensor], torch.Tensor] | None = None, metrics: Sequence[str] = METRICS,
-                kinds: Sequence[str] = ()) -> BatchScores:
+                kinds: Sequence[str] = (), switched: torch.Tensor | None = None,
+                early_score: torch.Tensor | None = None) -> BatchScores:
     """Score B slices' served images.
 
     Args:
@@ -73,8 +74,11 @@ def score_batch(zero_filled: torch.Tensor, corrected: torch.Tensor | None, targe
         mar: the MAR network (the ``flip`` score runs it again).
         metrics: the whole-image metrics kept (of :data:`~masc_gadget.core.metrics.METRICS`).
         kinds: OOD score kinds computed for every slice, whatever the rule (``masc mar-check``).
+        switched, early_score: (B,) with an early rule, its verdicts
+            (:func:`masc_gadget.core.served.served_images`).
     """
-    served = served_images(zero_filled, corrected, ood=ood, mask=mask, mar=mar)
+    served = served_images(zero_filled, corrected, ood=ood, mask=mask, mar=mar, switched=switched,
+                           early_score=early_score)
     whole = slice_metrics(served.image, target)
     plain = slice_metrics(served.zero_filled, target)
     local = {} if roi is None else {k: v for k, v in roi_metrics(served.image, target, roi).items() if k in metrics}

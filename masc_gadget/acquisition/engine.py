@@ -54,7 +54,7 @@ from masc_gadget.acquisition.batcher import DecisionBatcher, DecisionRequest, sp
 from masc_gadget.acquisition.episode import AcquisitionState, EpisodeBatch, check_episode
 from masc_gadget.acquisition.policies import SamplingPolicy, select_next, select_trains, slice_rng
 from masc_gadget.core.coils import COMBINES, coil_combine
-from masc_gadget.core.ood import fallback_rule
+from masc_gadget.core.ood import early_switch, fallback_rule
 from masc_gadget.core.served import served_images
 from masc_gadget.device import resolve_device
 
@@ -233,8 +233,11 @@ class AcquisitionEngine:
         self.mar_name = mar_name or ("none" if mar is None else type(mar).__name__)
         self.sees_mar = policy.sees_mar(self.mar is not None)
         """Whether the policy is shown the MAR image (else the zero-filled one)."""
-        self.ood = fallback_rule(self.mar, settings.mar_fallback)
-        """The rule that serves a slice zero-filled when its MAR image's OOD score is too high."""
+        self.ood = fallback_rule(self.mar, settings.mar_fallback, reads_image=self.sees_mar)
+        """The rule that serves a slice zero-filled when its MAR image's OOD score is too high:
+        at the end of the scan, or (stage ``early``) at the first decision, switching the slice
+        to centre-out (:mod:`masc_gadget.core.ood`)."""
+        self.early = self.ood is not None and self.ood.stage == "early"
         self._slices: dict[int, _Slice] = {}
         self.batcher = batcher
         self._batch_key = (id(policy), id(self.mar), self.sees_mar, str(self.device),
@@ -292,15 +295,19 @@ class AcquisitionEngine:
             zf, corrected = self._forward(kspace, mask, with_mar)
             return zf.cpu().numpy(), None if corrected is None else corrected.float().cpu().numpy()
 
-    def _served(self, keys: Sequence[int], kspace: np.ndarray, mask: np.ndarray) -> _Served:
+    def _served(self, keys: Sequence[int], kspace: np.ndarray, mask: np.ndarray, switched: np.ndarray,
+                early_score: np.ndarray) -> _Served:
         """The served images of the finished slices ``keys``
         (:func:`masc_gadget.core.served.served_images` of :meth:`_forward`) as numpy arrays: (B,
-        n_pe, n_readout) float32 images and (B,) whether each is the MAR one. Logs what it replaced."""
+        n_pe, n_readout) float32 images and (B,) whether each is the MAR one; ``switched``,
+        ``early_score`` (B,): the early rule's verdicts (:class:`EpisodeBatch`). Logs what it
+        replaced."""
         with torch.no_grad():
             zf, corrected = self._forward(kspace, mask, self.mar is not None)
             zf_finite = torch.isfinite(zf.flatten(1)).all(dim=1).cpu().numpy()
             served = served_images(zf, corrected, ood=self.ood, mask=torch.from_numpy(mask).to(zf.device),
-                                   mar=self.mar)
+                                   mar=self.mar, switched=torch.from_numpy(switched),
+                                   early_score=torch.from_numpy(early_score))
         if not zf_finite.all():
             log.error("slice(s) %s: zero-filled image not finite; non-finite pixels set to 0",
                       [k for k, ok in zip(keys, zf_finite) if not ok])
@@ -309,8 +316,9 @@ class AcquisitionEngine:
         if self.mar is not None and not used.all():
             flagged = self.ood is not None and scores > self.ood.threshold
             if np.any(flagged):
-                log.warning("slice(s) %s: OOD score above %.3g (%s): the zero-filled image is returned as the "
-                            "MAR series", [k for k, f in zip(keys, flagged) if f], self.ood.threshold, self.ood.score)
+                log.warning("slice(s) %s: %sOOD score above %.3g (%s): the zero-filled image is returned as the "
+                            "MAR series", [k for k, f in zip(keys, flagged) if f],
+                            "early " if self.early else "", self.ood.threshold, self.ood.score)
             if np.any(~used & ~flagged):
                 log.error("slice(s) %s: MAR image not finite; the zero-filled image is returned",
                           [k for k, ok, f in zip(keys, used, np.broadcast_to(flagged, used.shape)) if not ok and not f])
@@ -411,6 +419,8 @@ class AcquisitionEngine:
             episode = self._episode(buf.episode.rngs[0])
             for kept in lines:
                 episode.record(0, kept)
+            if len(lines) >= self.settings.initial:  # the early verdict stands on the lines kept
+                episode.switch(0, buf.episode.switched, buf.episode.switch_score)
             buf.episode = episode
             del buf.decided[undo.n_decided:]
         buf.awaiting = undo.awaiting
@@ -474,11 +484,15 @@ class AcquisitionEngine:
         if self.policy.needs_image:
             kspace = np.stack([b.kspace for b in bufs])  # (B, n_coils, n_pe, n_readout)
             mask = np.concatenate([b.episode.masks for b in bufs])  # (B, n_pe)
+        unscored = np.array([self.early and not b.episode.scored(0)[0] for b in bufs], dtype=bool)
         if self.batcher is not None and self.policy.needs_image:
-            request = DecisionRequest(self._batch_key, (self, kspace, mask, states, rngs), len(bufs))
-            lines, finite = self.batcher(request)
+            request = DecisionRequest(self._batch_key, (self, kspace, mask, states, rngs, unscored), len(bufs))
+            lines, finite, early = self.batcher(request)
         else:
-            lines, finite = self.decision_pass(kspace, mask, states, rngs)
+            lines, finite, early = self.decision_pass(kspace, mask, states, rngs, unscored)
+        for b, score in zip(bufs, early):
+            if not np.isnan(score):
+                b.episode.switch(0, [score > self.ood.threshold], [score])
         bad = [k for k, ok in zip(chosen, finite) if not ok]
         keep = np.flatnonzero(finite)
         chosen, bufs = [chosen[i] for i in keep], [bufs[i] for i in keep]
@@ -496,26 +510,40 @@ class AcquisitionEngine:
         return decisions, bad
 
     def decision_pass(self, kspace: np.ndarray | None, mask: np.ndarray | None,
-                      states: Sequence[AcquisitionState], rngs: Sequence[np.random.Generator | None]
-                      ) -> tuple[np.ndarray, np.ndarray]:
+                      states: Sequence[AcquisitionState], rngs: Sequence[np.random.Generator | None],
+                      unscored: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One decision pass over B slices: zero-filled recon of ``kspace`` (B, n_coils, n_pe, n_readout)
-        under ``mask`` (B, n_pe) -> MAR (when the policy observes it) -> one
-        ``policy.select_batch``. Policies that read no image take ``kspace = mask = None``.
+        under ``mask`` (B, n_pe) -> MAR (when the policy observes it) -> the early OOD rule on the
+        ``unscored`` slices ((B,) bool; an early rule only) -> one ``policy.select_batch``.
+        Policies that read no image take ``kspace = mask = None``.
 
         Returns ((B, lines_per_decision) int64 trains, -1 where not decided; (B,) bool whether
-        the slice's reconstruction is finite: a slice whose image is NaN / inf is never decided on)."""
+        the slice's reconstruction is finite: a slice whose image is NaN / inf is never decided on;
+        (B,) float32 early scores, NaN where not scored: a slice scoring above the threshold is
+        switched to centre-out from this decision on)."""
         finite = np.ones(len(states), dtype=bool)
+        early = np.full(len(states), np.nan, dtype=np.float32)
         if self.policy.needs_image:
             zf, mar = self._reconstruct(kspace, mask, with_mar=self.sees_mar)
             images = zf if mar is None else mar
             finite = _finite(zf) if mar is None else _finite(zf) & _finite(mar)
             states = [dataclasses.replace(s, image=image) for s, image in zip(states, images)]
+            rows = np.flatnonzero(unscored & finite) if self.early and unscored is not None else np.zeros(0, int)
+            if rows.size:
+                on = self.device
+                flagged, scores = early_switch(self.ood, torch.from_numpy(zf[rows]).to(on),
+                                               torch.from_numpy(mar[rows]).to(on),
+                                               torch.from_numpy(mask[rows]).to(on), self.mar)
+                early[rows] = scores.cpu().numpy()
+                for i, flag in zip(rows, flagged.tolist()):
+                    if flag:
+                        states[i] = dataclasses.replace(states[i], switched=True)
         k = self.settings.lines_per_decision
         lines = np.full((len(states), k), -1, dtype=np.int64)
         keep = np.flatnonzero(finite)
         if keep.size:
             lines[keep] = select_trains(self.policy, [states[i] for i in keep], [rngs[i] for i in keep], k)
-        return lines, finite
+        return lines, finite, early
 
     @staticmethod
     def run_group(group: Sequence[DecisionRequest]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -527,8 +555,9 @@ class AcquisitionEngine:
         mask = np.concatenate([r.payload[2] for r in group])
         states = [s for r in group for s in r.payload[3]]
         rngs = [g for r in group for g in r.payload[4]]
-        lines, finite = engine.decision_pass(kspace, mask, states, rngs)
-        return list(zip(split_rows(lines, sizes), split_rows(finite, sizes)))
+        unscored = np.concatenate([r.payload[5] for r in group])
+        lines, finite, early = engine.decision_pass(kspace, mask, states, rngs, unscored)
+        return list(zip(split_rows(lines, sizes), split_rows(finite, sizes), split_rows(early, sizes)))
 
     def on_line(self, slice: int, line: int, data: np.ndarray) -> list[Decision]:
         """:meth:`add_line`, then :meth:`decide` for that slice if it wants a decision:
@@ -623,7 +652,9 @@ class AcquisitionEngine:
             return []
         keys = [k for k, _ in detached]
         bufs = [b for _, b in detached]
-        served = self._served(keys, np.stack([b.kspace for b in bufs]), np.concatenate([b.episode.masks for b in bufs]))
+        served = self._served(keys, np.stack([b.kspace for b in bufs]), np.concatenate([b.episode.masks for b in bufs]),
+                              np.concatenate([b.episode.switched for b in bufs]),
+                              np.concatenate([b.episode.switch_score for b in bufs]))
         return [
             SliceResult(
                 slice=k,
@@ -642,6 +673,9 @@ class AcquisitionEngine:
         if self.mar is None or used:
             return self.mar_name
         if self.ood is not None and score > self.ood.threshold:
+            if self.early:
+                return (f"none (early OOD score {score:.3g} > {self.ood.threshold:.3g}, {self.ood.score}: "
+                        "switched to centre-out)")
             return f"none (OOD score {score:.3g} > {self.ood.threshold:.3g}, {self.ood.score})"
         return NON_FINITE_MAR
 

@@ -118,6 +118,9 @@ class AcquisitionState:
     n_initial: int | None = None
     """Centre lines acquired before the policy started; None = ``mask.sum() - step`` (at
     least 1). Set by :meth:`initial`; the equispaced pattern depends on it."""
+    switched: bool = False
+    """The early OOD rule switched this slice to the safe order: its remaining lines are
+    centre-out's whatever the policy (:func:`~masc_gadget.acquisition.policies.select_lines`)."""
 
     def __post_init__(self) -> None:
         mask = np.array(self.mask, dtype=bool, copy=True)
@@ -252,6 +255,10 @@ class EpisodeBatch:
         self._first[self.initial_lines] = True
         self.masks = np.zeros((batch, self.n_pe), dtype=bool)
         self._mask: torch.Tensor | None = None  # masks on the device, made when asked for
+        self.switched = np.zeros(batch, dtype=bool)
+        """(B,) bool: switched to the safe order by the early OOD rule (:meth:`switch`)."""
+        self.switch_score = np.full(batch, np.nan, dtype=np.float32)
+        """(B,) the early OOD score of each episode (NaN: not scored)."""
         self.n_acquired = np.zeros(batch, dtype=np.int64)
         self.order = np.full((batch, self.n_pe), -1, dtype=np.int64)
         if start:
@@ -338,6 +345,8 @@ class EpisodeBatch:
         self.n_acquired[rows] = self.initial
         self.order[rows] = -1
         self.order[rows, : self.initial] = self.initial_lines
+        self.switched[rows] = False
+        self.switch_score[rows] = np.nan
         if rngs is not None:
             if len(rngs) != rows.size:
                 raise ValueError(f"need one rng per reset {self.name}: got {len(rngs)} for {rows.size}")
@@ -387,6 +396,22 @@ class EpisodeBatch:
         self._set(np.array([row]), np.array([line], dtype=np.int64))
         return True
 
+    def switch(self, rows: Any, flagged: Any, scores: Any) -> None:
+        """The early OOD rule's verdict on episodes ``rows`` (all: None): their scores, and those
+        ``flagged`` continue with centre-out's lines (:attr:`switched`; kept until reset)."""
+        rows = self._rows(rows)
+        flagged = np.asarray(flagged, dtype=bool).reshape(-1)
+        scores = np.asarray(scores, dtype=np.float32).reshape(-1)
+        if flagged.shape != rows.shape or scores.shape != rows.shape:
+            raise ValueError(f"need one verdict and score per {self.name}: {rows.size} rows, "
+                             f"{flagged.size} verdicts, {scores.size} scores")
+        self.switched[rows] |= flagged
+        self.switch_score[rows] = scores
+
+    def scored(self, rows: Any = None) -> np.ndarray:
+        """(k,) bool: whether the early rule has scored episodes ``rows`` (all: None)."""
+        return ~np.isnan(self.switch_score[self._rows(rows)])
+
     # --- policies -------------------------------------------------------------------------------
 
     def states(self, rows: Any = None, images: Sequence[np.ndarray] | np.ndarray | None = None
@@ -400,6 +425,6 @@ class EpisodeBatch:
         steps_left, step = self.steps_left, self.step
         return [
             AcquisitionState(mask=m, steps_left=int(steps_left[r]), step=max(int(step[r]), 0),
-                             image=image, n_initial=self.initial)
+                             image=image, n_initial=self.initial, switched=bool(self.switched[r]))
             for r, m, image in zip(rows, masks, images)
         ]

@@ -17,6 +17,7 @@ numpy's global RNG; :func:`slice_rng` gives each slice its own reproducible stre
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from importlib import metadata
@@ -392,10 +393,15 @@ def select_lines(
     rngs: Sequence[np.random.Generator | None],
 ) -> np.ndarray:
     """``policy.select_batch(states, rngs)``, checked: (B,) int64, one free line per state.
+    A state the early OOD rule switched (``state.switched``) gets centre-out's line instead: the
+    policy is not asked.
 
     RuntimeError when the policy returns the wrong number of choices or a line that is not free:
     a broken policy, never bad input.
     """
+    states = list(states)
+    if any(state.switched for state in states):
+        return _safe_split(policy, states, rngs, 1)[:, 0]
     lines = np.asarray(policy.select_batch(states, rngs))
     name = policy.name or type(policy).__name__
     if lines.shape != (len(states),):
@@ -417,10 +423,13 @@ def select_trains(
     k: int,
 ) -> np.ndarray:
     """``policy.select_trains(states, rngs, k)`` (k = 1: :func:`select_lines`), checked: (B, k)
-    int64, distinct free lines per state, -1 only beyond its ``steps_left``. RuntimeError for a
-    broken policy."""
+    int64, distinct free lines per state, -1 only beyond its ``steps_left``; a switched state
+    (``state.switched``) gets centre-out's train. RuntimeError for a broken policy."""
+    states = list(states)
     if k == 1:
         return select_lines(policy, states, rngs)[:, None]
+    if any(state.switched for state in states):
+        return _safe_split(policy, states, rngs, k)
     trains = np.asarray(policy.select_trains(states, rngs, k))
     name = policy.name or type(policy).__name__
     if trains.shape != (len(states), k):
@@ -432,6 +441,24 @@ def select_trains(
                 not 0 <= line < state.n_pe or state.mask[line] for line in chosen):
             raise RuntimeError(f"policy {name!r} chose the train {train.tolist()}, not {n} distinct free lines")
     return trains.astype(np.int64, copy=False)
+
+
+SAFE_ORDER = CenterOut()
+"""The order a slice switched by the early OOD rule continues with: centre-out's, so that its
+zero-filled image is doing nothing (:func:`training.scoring.do_nothing`)."""
+
+
+def _safe_split(policy: SamplingPolicy, states: list[AcquisitionState],
+                rngs: Sequence[np.random.Generator | None], k: int) -> np.ndarray:
+    """(B, k) trains: :data:`SAFE_ORDER`'s for the switched states, ``policy``'s for the others."""
+    switched = np.array([state.switched for state in states])
+    out = np.full((len(states), k), -1, dtype=np.int64)
+    for rows, chooser in ((np.flatnonzero(switched), SAFE_ORDER), (np.flatnonzero(~switched), policy)):
+        if rows.size:
+            part = [states[i] for i in rows]
+            out[rows] = select_trains(chooser, [dataclasses.replace(st, switched=False) for st in part]
+                                      if chooser is SAFE_ORDER else part, [rngs[i] for i in rows], k).reshape(rows.size, k)
+    return out
 
 
 def select_next(policy: SamplingPolicy, episodes: EpisodeBatch, rows: Any = None,

@@ -21,6 +21,20 @@ much, or how inconsistently, the network changed it:
 Which score the gadget uses, and the threshold above which it returns the zero-filled image
 instead, are chosen on a validation split by ``masc mar-check`` and stored in the MAR
 checkpoint (metadata ``ood``); see :func:`masc_gadget.core.served.served_images`.
+
+Two stages of the rule (:class:`OodCalibration` ``stage``):
+
+``end``
+    The score of the final image; a flagged slice is served as the zero-filled image of the lines
+    it was acquired with. For lines scattered over k-space that image can be far worse than doing
+    nothing (centre-out's zero-filled image with as many lines), so this stage can harm.
+``early``
+    The early switch, for a policy that reads the MAR image anyway: the score of the image of the
+    initial centre lines, computed at the policy's first decision from the images it is shown. A
+    flagged slice is switched to centre-out for the rest of its lines
+    (:func:`masc_gadget.acquisition.policies.select_lines`) and served zero-filled: it is then
+    exactly doing nothing, never worse. A policy that reads no image keeps its order decidable
+    ahead of the scan and is judged by the ``end`` stage (:func:`fallback_rule`).
 """
 
 from __future__ import annotations
@@ -34,10 +48,11 @@ import torch
 
 from masc_gadget.core.kspace import fft2c, zero_filled
 
-__all__ = ["SCORES", "OodCalibration", "calibration_of", "consistency_score", "fallback_rule", "flip_score",
+__all__ = ["SCORES", "STAGES", "OodCalibration", "early_calibration_of", "early_switch", "calibration_of", "consistency_score", "fallback_rule", "flip_score",
            "ood_score", "residual_score"]
 
 SCORES = ("consistency", "residual", "flip")
+STAGES = ("end", "early")
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -83,30 +98,63 @@ def ood_score(kind: str, zero_filled_image: torch.Tensor, corrected: torch.Tenso
     return torch.where(torch.isfinite(score), score, torch.full_like(score, float("inf")))
 
 
+@torch.no_grad()
+def early_switch(rule: OodCalibration, zero_filled_image: torch.Tensor, corrected: torch.Tensor,
+                 mask: torch.Tensor, mar: Callable[[torch.Tensor], torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The early rule at the policy's first decision: ((B,) bool flagged, (B,) float32 scores) for
+    B slices from the images of their initial lines (zero-filled, and the MAR output the policy
+    is shown), ``mask`` (B, H) those lines. A slice whose output is not finite is flagged."""
+    if rule.stage != "early":
+        raise ValueError(f"early_switch needs an early rule, got stage {rule.stage!r}")
+    score = ood_score(rule.score, zero_filled_image.float(), corrected.float(), mask, mar)
+    return score > rule.threshold, score
+
+
 @dataclass(frozen=True)
 class OodCalibration:
     """Which score a MAR network is judged by, and the threshold above which its slice is served
-    zero-filled (``inf``: scored, never replaced)."""
+    zero-filled (``inf``: scored, never replaced); ``stage``: scored on the final image
+    (``end``) or on the image of the initial lines, switching a flagged slice to centre-out
+    (``early``; module docstring)."""
 
     score: str
     threshold: float
+    stage: str = "end"
 
     def __post_init__(self) -> None:
         if self.score not in SCORES:
             raise ValueError(f"unknown OOD score {self.score!r}: choose from {', '.join(SCORES)}")
+        if self.stage not in STAGES:
+            raise ValueError(f"unknown OOD stage {self.stage!r}: choose from {', '.join(STAGES)}")
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not self.threshold > 0:
             raise ValueError(f"the OOD threshold must be a number > 0, got {self.threshold!r}")
 
     @classmethod
     def from_metadata(cls, section: Any, where: str) -> OodCalibration | None:
-        """The calibration stored in a checkpoint's metadata (``ood``: {score, threshold}), or
-        None when there is none; ValueError naming ``where`` when it is malformed."""
+        """The end-of-scan calibration stored in a checkpoint's metadata (``ood``: {score,
+        threshold}, optionally ``early``: {score, threshold}), or None when there is none;
+        ValueError naming ``where`` when it (or its ``early`` entry) is malformed."""
         if section is None:
             return None
         try:
-            return cls(str(section["score"]), float(section["threshold"]))
+            rule = cls(str(section["score"]), float(section["threshold"]))
         except (TypeError, KeyError, ValueError) as err:
             raise ValueError(f"{where}: metadata 'ood' must be {{score, threshold}}: {err}") from None
+        cls.early_from_metadata(section, where)
+        return rule
+
+    @classmethod
+    def early_from_metadata(cls, section: Any, where: str) -> OodCalibration | None:
+        """The early-switch calibration of a checkpoint's metadata ``ood`` (its ``early`` entry:
+        {score, threshold}), or None; ValueError naming ``where`` when it is malformed."""
+        early = section.get("early") if isinstance(section, dict) else None
+        if early is None:
+            return None
+        try:
+            return cls(str(early["score"]), float(early["threshold"]), "early")
+        except (TypeError, KeyError, ValueError) as err:
+            raise ValueError(f"{where}: metadata 'ood.early' must be {{score, threshold}}: {err}") from None
 
 
 def calibration_of(mar: Any) -> OodCalibration | None:
@@ -116,16 +164,27 @@ def calibration_of(mar: Any) -> OodCalibration | None:
     return found if isinstance(found, OodCalibration) else None
 
 
-def fallback_rule(mar: Any, setting: str) -> OodCalibration | None:
+def early_calibration_of(mar: Any) -> OodCalibration | None:
+    """The early-switch calibration a loaded MAR network carries (attribute ``ood_early``), or
+    None."""
+    found = getattr(mar, "ood_early", None)
+    return found if isinstance(found, OodCalibration) and found.stage == "early" else None
+
+
+def fallback_rule(mar: Any, setting: str, reads_image: bool = False) -> OodCalibration | None:
     """The rule a gadget serves ``mar``'s images by, from the ``gadget.mar_fallback`` setting:
-    ``auto`` the network's own calibration (None without one: always its image); ``off`` scored
-    by its calibration's score but never replaced; a number, that threshold on the calibration's
-    score (``consistency`` for a network without one)."""
+    ``auto`` the network's own calibration: its early switch when the policy reads the MAR
+    image (``reads_image``, :meth:`~masc_gadget.acquisition.policies.SamplingPolicy.sees_mar`)
+    and the network has one, else its end-of-scan rule (None without one: always its image);
+    ``off`` scored by its end-of-scan calibration's score but never replaced; a number, that
+    threshold on the end-of-scan calibration's score (``consistency`` for a network without
+    one)."""
     if mar is None:
         return None
     calibration = calibration_of(mar)
     if setting == "auto":
-        return calibration
+        early = early_calibration_of(mar) if reads_image else None
+        return early if early is not None else calibration
     kind = calibration.score if calibration is not None else "consistency"
     if setting == "off":
         return OodCalibration(kind, math.inf) if calibration is not None else None

@@ -12,11 +12,15 @@ it does, in order:
    limit; a last resort);
 3. a slice whose MAR output is not finite everywhere gets its zero-filled image instead
    (``mar_used`` False);
-4. out of distribution: with an OOD rule (:class:`~masc_gadget.core.ood.OodCalibration`, the
-   network's own calibration unless ``gadget.mar_fallback`` says otherwise), each slice's score
-   is computed (:func:`~masc_gadget.core.ood.ood_score`) and a slice scoring above the
-   threshold gets its zero-filled image (``mar_used`` False): the network is outside what it was
-   trained for and would more likely harm the image than help it;
+4. out of distribution: with an end-of-scan OOD rule
+   (:class:`~masc_gadget.core.ood.OodCalibration`, the network's own calibration unless
+   ``gadget.mar_fallback`` says otherwise), each slice's score is computed
+   (:func:`~masc_gadget.core.ood.ood_score`) and a slice scoring above the threshold gets its
+   zero-filled image (``mar_used`` False): the network is outside what it was trained for and
+   would more likely harm the image than help it. With an early rule the decision was taken at
+   the policy's first decision (:func:`~masc_gadget.core.ood.early_switch`): a switched slice
+   (``switched``, acquired with centre-out's lines since) gets its zero-filled image, and the
+   score reported is the early one;
 5. clamping: a magnitude is never negative, so both images are clamped at 0 (the MAR network's
    residual can dip below zero on dark pixels).
 
@@ -60,7 +64,8 @@ def _finite_rows(images: torch.Tensor) -> torch.Tensor:
 
 def served_images(zero_filled: torch.Tensor, corrected: torch.Tensor | None = None, *,
                   ood: OodCalibration | None = None, mask: torch.Tensor | None = None,
-                  mar: Callable[[torch.Tensor], torch.Tensor] | None = None) -> ServedImages:
+                  mar: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  switched: torch.Tensor | None = None, early_score: torch.Tensor | None = None) -> ServedImages:
     """The pixels served for B slices (module docstring).
 
     Args:
@@ -69,6 +74,8 @@ def served_images(zero_filled: torch.Tensor, corrected: torch.Tensor | None = No
         ood: the OOD rule (score and threshold), or None (no score, never replaced).
         mask: (B, H) bool, the acquired lines (the ``consistency`` score needs them).
         mar: the MAR network (the ``flip`` score runs it once more).
+        switched: (B,) bool, with an early rule: the slices its switch flagged.
+        early_score: (B,) float, with an early rule: their early scores (NaN where not scored).
 
     Returns:
         :class:`ServedImages` on the inputs' device.
@@ -85,7 +92,15 @@ def served_images(zero_filled: torch.Tensor, corrected: torch.Tensor | None = No
                          f"got {tuple(corrected.shape)}")
     out = corrected.float()
     ok = _finite_rows(out)
-    if ood is not None:
+    if ood is not None and ood.stage == "early":
+        if switched is None or early_score is None:
+            raise ValueError("an early OOD rule needs the switched slices and their early scores")
+        switched = torch.as_tensor(switched, dtype=torch.bool, device=zf.device).reshape(-1)
+        if switched.shape[0] != zf.shape[0]:
+            raise ValueError(f"switched must be ({zf.shape[0]},) bool, got {tuple(switched.shape)}")
+        ok = ok & ~switched
+        score = torch.as_tensor(early_score, dtype=torch.float32, device=zf.device).reshape(-1)
+    elif ood is not None:
         if ood.score == "consistency" and (mask is None or mask.shape != zf.shape[:2]):
             raise ValueError(f"the consistency score needs the (B, H) line mask of the {tuple(zf.shape)} images")
         with torch.no_grad():

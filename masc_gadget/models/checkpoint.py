@@ -256,6 +256,7 @@ def mar_from_checkpoint(ck: Checkpoint, path: str | Path, device: torch.device) 
     except RuntimeError as err:
         raise ValueError(f"{path}: 'mar' weights do not match mar_model {cfg}: {err}") from None
     model.ood = OodCalibration.from_metadata(ck.metadata.get("ood"), str(path))
+    model.ood_early = OodCalibration.early_from_metadata(ck.metadata.get("ood"), str(path))
     return model.to(device).eval()
 
 

@@ -61,9 +61,11 @@ class GadgetConfig:
     mar_fallback: str | float | bool = "auto"
     """When a slice's MAR image is served zero-filled instead (:mod:`masc_gadget.core.ood`):
     ``auto`` when its OOD score passes the threshold calibrated for the network on validation
-    data (stored in its checkpoint; a network without one is always used), ``off`` never (the
-    score is still reported), or a number: that threshold. YAML's unquoted ``off`` (false) is
-    ``off``."""
+    data (stored in its checkpoint; a network without one is always used): for a policy that
+    reads the MAR image, the early switch (scored on the initial lines' images; a flagged slice
+    continues with centre-out's lines) when the network has one, else the end-of-scan rule;
+    ``off`` never (the score is still reported), or a number: that threshold on the end-of-scan
+    score. YAML's unquoted ``off`` (false) is ``off``."""
     coil_combine: Literal["rss", "sensitivity"] = "rss"
     """How a multi-coil scan's channels become one image before MAR: ``rss`` (root-sum-of-squares)
     or ``sensitivity`` (adaptive combine with sensitivities from the acquired centre lines)."""

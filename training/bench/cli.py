@@ -134,8 +134,44 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     env.add_argument("--out", metavar="FILE.json", help="also write the results as JSON")
     env.set_defaults(func=cmd_env)
 
+    fallback = actions.add_parser(
+        "fallback", parents=[common], help="what the OOD rule's safety net costs per slice",
+        description="Per-slice latency (batch 1) of the early switch (score of the initial lines' images, "
+        "threshold, centre-out's next line, the zero-filled image served) and of the end-of-scan rule, for "
+        "each OOD score, beside the zero-filled reconstruction and MAR pass the decision runs anyway. "
+        "Target: at most 20 ms per 128 x 128 slice on one core.")
+    fallback.add_argument("--mar", metavar="CKPT", default="shipped:masc_small",
+                          help="the MAR network (a checkpoint or shipped:NAME; default shipped:masc_small)")
+    fallback.add_argument("--size", type=int, default=128, metavar="N", help="image size N x N (default 128)")
+    fallback.add_argument("--initial", type=int, default=2, metavar="N", help="initial centre lines (default 2)")
+    fallback.add_argument("--repeats", type=int, default=50, metavar="N", help="timed calls per row (default 50)")
+    fallback.add_argument("--threads", type=int, default=1, metavar="N", help="torch CPU threads (default 1)")
+    fallback.add_argument("--out", metavar="FILE.json", help="also write the rows as JSON")
+    fallback.set_defaults(func=cmd_fallback)
+
     _register_serve(actions, common)
     _register_gpu_check(actions, common)
+
+
+def cmd_fallback(args: argparse.Namespace) -> int:
+    import torch
+
+    from masc_gadget.models.checkpoint import load_mar
+    from masc_gadget.models.shipped import resolve
+    from training.bench.common import environment
+    from training.bench.fallback import bench_fallback, format_table
+
+    if args.threads < 1 or args.size < 8 or args.repeats < 1 or not 1 <= args.initial < args.size:
+        raise ValueError("--threads and --repeats must be >= 1, --size >= 8, --initial in [1, size)")
+    torch.set_num_threads(args.threads)
+    mar, _ = load_mar(resolve(args.mar), "cpu")
+    rows = bench_fallback(mar, args.size, args.initial, args.repeats)
+    env = environment("cpu")
+    print(f"OOD safety net per slice ({args.mar}, {args.size} x {args.size}, {args.initial} initial lines), "
+          f"{env['cpu_threads']} CPU thread(s), torch {env['torch']}")
+    print(format_table(rows))
+    _write_json(args.out, {"environment": env, "rows": rows})
+    return 0
 
 
 def _register_gpu_check(actions: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

@@ -22,7 +22,7 @@ from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
 from masc_gadget.core.kspace import zero_filled
 from masc_gadget.core.metrics import METRICS
-from masc_gadget.core.ood import OodCalibration, fallback_rule
+from masc_gadget.core.ood import OodCalibration, early_switch, fallback_rule
 from masc_gadget.acquisition.policies import (FixedOrder, SamplingPolicy, make_policy, select_next, select_trains,
                                               slice_rng)
 from training.data import SliceSet, load_split, spread_subset
@@ -109,10 +109,16 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
     lines from the image before each train (:func:`select_trains`); the curves still have one
     point per line. ``ood``: the gadget's rule for serving a slice zero-filled when its MAR
     image's OOD score is too high (:func:`masc_gadget.core.ood.fallback_rule`), applied to the
-    scored MAR images as the gadget applies it. ``score`` False plays the policy alone: the
-    lines, no curves (and no network pass for a policy that reads no image)."""
+    scored MAR images as the gadget applies it; an early rule (a policy that reads the MAR
+    image) scores the images of the initial lines before the first choice and switches the
+    slices it flags to centre-out (:func:`masc_gadget.core.ood.early_switch`), as the engine
+    does. ``score`` False plays the policy alone: the lines, no curves (and no network pass for
+    a policy that reads no image)."""
     from tqdm.auto import tqdm
 
+    early = ood is not None and ood.stage == "early"
+    if early and (mar is None or isinstance(policy, GreedyOracle) or not policy.sees_mar(True)):
+        raise ValueError("an early OOD rule needs a MAR network and a policy that reads its image")
     n, n_pe = len(data), data.n_pe
     steps = budget + 1
     lines = np.zeros((n, initial + budget), dtype=np.int64)
@@ -134,8 +140,13 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
             images = {False: zero_filled(kspace, episodes.mask)} if needed else {}  # what a policy observes
             if mar is not None and needed:
                 images[True] = mar(images[False])
+            if early and t == 0:  # the engine's first decision pass
+                flagged, verdict = early_switch(ood, images[False], images[True], episodes.mask, mar)
+                episodes.switch(None, flagged.cpu().numpy(), verdict.cpu().numpy())
             if score:  # what the gadget returns
-                scores = score_batch(images[False], images.get(True), target, ood=ood, mask=episodes.mask, mar=mar)
+                scores = score_batch(images[False], images.get(True), target, ood=ood, mask=episodes.mask, mar=mar,
+                                     switched=torch.from_numpy(episodes.switched).to(device),
+                                     early_score=torch.from_numpy(episodes.switch_score).to(device))
                 scored = {False: scores.served.zero_filled, True: scores.served.image}
                 for m in settings:
                     for key, value in (scores.image if m else scores.zero_filled).items():
@@ -354,7 +365,9 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
             traj = run_method(policy, data, initial, budget, method_mar[method], ecfg.seed, ecfg.batch_size,
                               device, examples, progress=progress and isinstance(policy, GreedyOracle),
                               lines_per_decision=config["acquisition"].lines_per_decision,
-                              ood=fallback_rule(method_mar[method], config["gadget"].mar_fallback))
+                              ood=fallback_rule(method_mar[method], config["gadget"].mar_fallback,
+                                                reads_image=not isinstance(policy, GreedyOracle)
+                                                and policy.sees_mar(method_mar[method] is not None)))
             block = results["accelerations"].setdefault(acc, {
                 "initial": initial, "budget": budget, "n_pe": data.n_pe,
                 "lines_per_decision": config["acquisition"].lines_per_decision,

@@ -40,7 +40,7 @@ from masc_gadget.core.metrics import slice_metrics
 from masc_gadget.core.ood import SCORES, ood_score
 from training.data import SliceSet, data_dirs, load_split
 from training.evaluation.stats import mean_std, subject_folds, subject_tests
-from training.scoring import do_nothing, harmed, score_masks
+from training.scoring import do_nothing, harmed, line_masks, score_masks
 
 log = logging.getLogger(__name__)
 
@@ -186,35 +186,56 @@ def auc_interval(scores: np.ndarray, harm: np.ndarray, subjects: list[str], draw
     return float(low), float(high)
 
 
-def fallback_ssim(rows: dict[str, np.ndarray], kind: str, threshold: float) -> np.ndarray:
-    """Per-slice served SSIM when slices whose score exceeds ``threshold`` are served zero-filled."""
-    above = rows[f"score_{kind}"] > threshold
-    return np.where(above, rows["zf_ssim"], rows["mar_ssim"])
+STAGE_KEYS = {"end": ("score_", "zf_ssim"), "early": ("early_score_", "nothing_ssim")}
+"""Per stage of the OOD rule (:mod:`masc_gadget.core.ood`): the prefix of its score rows and the
+row a flagged slice is served as: at the end, the zero-filled image of its own lines; switched
+early, centre-out's zero-filled image (doing nothing)."""
 
 
-def calibrate(rows: dict[str, np.ndarray]) -> dict[str, Any]:
+def fallback_ssim(rows: dict[str, np.ndarray], kind: str, threshold: float, stage: str = "end") -> np.ndarray:
+    """Per-slice served SSIM when slices whose ``stage`` score exceeds ``threshold`` are served
+    by that stage's fallback (:data:`STAGE_KEYS`)."""
+    prefix, fallback = STAGE_KEYS[stage]
+    above = rows[f"{prefix}{kind}"] > threshold
+    return np.where(above, rows[fallback], rows["mar_ssim"])
+
+
+@torch.no_grad()
+def early_rows(mar: torch.nn.Module, data: SliceSet, initial: int, batch_size: int = 32) -> dict[str, np.ndarray]:
+    """Per slice: every OOD score of the network's output for the image of the initial centre
+    lines (``early_score_<kind>``), what the early rule reads at the policy's first decision."""
+    masks = line_masks(len(data), data.n_pe, initial, np.zeros(0, dtype=np.int64))
+    scored = score_masks(data, masks, mar, metrics=("ssim",), kinds=SCORES, batch_size=batch_size,
+                         device=torch.device("cpu"))
+    return {f"early_score_{kind}": value for kind, value in scored.ood.items()}
+
+
+def calibrate(rows: dict[str, np.ndarray], stage: str = "end") -> dict[str, Any]:
     """The score with the largest ROC area on ``rows`` (pooled validation slices) and the
-    threshold maximising the mean served SSIM with the zero-filled fallback (ties: the highest
-    threshold, i.e. the fewest fallbacks)."""
+    threshold maximising the mean served SSIM with the ``stage`` fallback (:data:`STAGE_KEYS`;
+    ties: the highest threshold, i.e. the fewest fallbacks)."""
+    prefix, fallback = STAGE_KEYS[stage]
     harm = harmed(rows["mar_ssim"], rows["nothing_ssim"])
-    areas = {kind: roc(rows[f"score_{kind}"], harm)["auc"] for kind in SCORES}
+    areas = {kind: roc(rows[f"{prefix}{kind}"], harm)["auc"] for kind in SCORES}
     kind = max(SCORES, key=lambda k: -1.0 if math.isnan(areas[k]) else areas[k])
-    candidates = np.unique(np.concatenate([rows[f"score_{kind}"], [np.inf]]))
-    means = np.array([fallback_ssim(rows, kind, t).mean() for t in candidates])
+    candidates = np.unique(np.concatenate([rows[f"{prefix}{kind}"], [np.inf]]))
+    means = np.array([fallback_ssim(rows, kind, t, stage).mean() for t in candidates])
     best = candidates[np.flatnonzero(means >= means.max() - 1e-12)[-1]]
     if np.isfinite(best):  # midway to the next score above, so it does not sit on a slice
         above = candidates[candidates > best]
         best = float((best + above[0]) / 2) if len(above) and np.isfinite(above[0]) else float(best)
-    return {"score": kind, "threshold": float(best), "auc": {k: float(v) for k, v in areas.items()},
-            "val_served_ssim": float(fallback_ssim(rows, kind, best).mean()),
+    served = fallback_ssim(rows, kind, best, stage)
+    return {"score": kind, "threshold": float(best), "stage": stage, "auc": {k: float(v) for k, v in areas.items()},
+            "val_served_ssim": float(served.mean()),
             "val_mar_ssim": float(rows["mar_ssim"].mean()), "val_zf_ssim": float(rows["zf_ssim"].mean()),
-            "fallback_fraction": float((rows[f"score_{kind}"] > best).mean()), "n_slices": int(len(harm)),
+            "fallback_fraction": float((rows[f"{prefix}{kind}"] > best).mean()), "n_slices": int(len(harm)),
             "val_nothing_ssim": float(rows["nothing_ssim"].mean()),
-            "val_served_harmed": float(harmed(fallback_ssim(rows, kind, best), rows["nothing_ssim"]).mean())}
+            "val_served_harmed": float(harmed(served, rows["nothing_ssim"]).mean())}
 
 
-def cross_validated(rows: dict[str, np.ndarray], subjects: list[str], folds: int) -> dict[str, Any]:
-    """The served image when the OOD rule is calibrated without the subject it serves: the
+def cross_validated(rows: dict[str, np.ndarray], subjects: list[str], folds: int, stage: str = "end"
+                    ) -> dict[str, Any]:
+    """The served image when the OOD rule (its ``stage``) is calibrated without the subject it serves: the
     subjects (volumes) split into ``folds`` (:func:`~training.evaluation.stats.subject_folds`),
     each fold served under the score and threshold :func:`calibrate` picks on the others. Per
     subject and over subjects: the served SSIM, the network always on, doing nothing, the
@@ -225,10 +246,10 @@ def cross_validated(rows: dict[str, np.ndarray], subjects: list[str], folds: int
     chosen = []
     for fold in range(folds):
         held = fold_of == fold
-        rule = calibrate({k: v[~held] for k, v in rows.items()})
+        rule = calibrate({k: v[~held] for k, v in rows.items()}, stage)
         part = {k: v[held] for k, v in rows.items()}
-        served[held] = fallback_ssim(part, rule["score"], rule["threshold"])
-        flagged[held] = part[f"score_{rule['score']}"] > rule["threshold"]
+        served[held] = fallback_ssim(part, rule["score"], rule["threshold"], stage)
+        flagged[held] = part[f"{STAGE_KEYS[stage][0]}{rule['score']}"] > rule["threshold"]
         chosen.append({"score": rule["score"], "threshold": rule["threshold"]})
     names = sorted(set(subjects))
     where = {s: np.asarray(subjects) == s for s in names}
@@ -237,7 +258,7 @@ def cross_validated(rows: dict[str, np.ndarray], subjects: list[str], folds: int
                        "nothing_ssim": float(rows["nothing_ssim"][m].mean()),
                        "fallback_fraction": float(flagged[m].mean())} for s, m in where.items()}
     gains = np.array([v["served_ssim"] - v["nothing_ssim"] for v in per_subject.values()])
-    return {"folds": folds, "rules": chosen, "served_ssim": mean_std(served),
+    return {"folds": folds, "stage": stage, "rules": chosen, "served_ssim": mean_std(served),
             "fallback_fraction": float(flagged.mean()),
             "served_vs_nothing_ssim": subject_tests(served, rows["nothing_ssim"], subjects),
             "mar_vs_nothing_ssim": subject_tests(rows["mar_ssim"], rows["nothing_ssim"], subjects),
@@ -310,6 +331,7 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"split": split, "policy": policy, "lines": [initial, budget], "folders": {}}
     pooled: dict[str, dict[str, list[np.ndarray]]] = {name: {} for name in mars}
+    pooled_own: dict[str, dict[str, list[np.ndarray]]] = {name: {} for name in mars}  # the own lines alone
     per_folder_rows: dict[str, dict[str, dict[str, np.ndarray]]] = {}
     own_rows: dict[str, dict[str, dict[str, np.ndarray]]] = {}  # folder -> network -> its own lines' rows
     subjects_of: dict[str, list[str]] = {}
@@ -332,9 +354,13 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
                 log.info("mar-check: %s on the lines its own policy plays", name)
                 own = slice_rows(mar, sliceset, own_masks(policies[name], mar, sliceset, initial, budget,
                                                           batch_size), nothing, batch_size)
+                own.update(early_rows(mar, sliceset, initial, batch_size))
                 own_rows[folder.name][name] = own
                 for key, value in own.items():
-                    pooled[name].setdefault(key, []).append(value)
+                    pooled_own[name].setdefault(key, []).append(value)
+                for key, value in own.items():
+                    if not key.startswith("early_"):
+                        pooled[name].setdefault(key, []).append(value)
     calibration = None
     if do_calibrate:
         from training.run import command_line
@@ -343,6 +369,10 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
                          "subjects": sorted({s for subjects in subjects_of.values() for s in subjects})}
         calibration = {name: {**calibrate({k: np.concatenate(v) for k, v in pooled[name].items()}),
                               "calibrated_on": calibrated_on} for name in mars}
+        for name in mars:  # the early switch, for a network whose policy reads its image
+            if pooled_own[name]:
+                calibration[name]["early"] = calibrate({k: np.concatenate(v) for k, v in pooled_own[name].items()},
+                                                       "early")
         (out / "ood.json").write_text(json.dumps(calibration, indent=1) + "\n")
         ood = {**(ood or {}), **calibration}
     for folder, by_name in per_folder_rows.items():
@@ -364,6 +394,9 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
                 results["folders"][folder][name]["summary"]["cross_validated"] = {
                     "lines": "own" if name in own_rows[folder] else policy,
                     **cross_validated(served_rows, subjects, folds)}
+                if name in own_rows[folder]:
+                    results["folders"][folder][name]["summary"]["cross_validated_early"] = {
+                        "lines": "own, switched", **cross_validated(served_rows, subjects, folds, "early")}
         elif folds > 1:
             log.warning("mar-check: %s has %d subjects, fewer than %d folds: not cross-validated", folder,
                         len(set(subjects)), folds)
@@ -452,10 +485,13 @@ def render_report(results: dict[str, Any]) -> str:
                     f"{'kept' if v['kept'] else 'BROKEN'} ({v['value']:.{digits}f})"
             lines.append(f"- {name}: identity {word('identity_ssim')}, noise {word('noise_share', 2)}, "
                          f"centre-out {word('center_out')}")
-        crossed = [(n, e["summary"]["cross_validated"]) for n, e in by_name.items() if "cross_validated" in e["summary"]]
+        crossed = [(n, e["summary"][key]) for n, e in by_name.items()
+                   for key in ("cross_validated", "cross_validated_early") if key in e["summary"]]
         if crossed:
             lines += ["", f"Served under an OOD rule calibrated without the subject served ({crossed[0][1]['folds']} "
-                      "folds by subject), against doing nothing (centre-out's zero-filled image, as many lines):", "",
+                      "folds by subject), against doing nothing (centre-out's zero-filled image, as many lines); "
+                      "lines `own, switched`: the early switch (a flagged slice continues with centre-out's lines "
+                      "after the initial ones and is served zero-filled):", "",
                       "| MAR network | lines | served SSIM | network always on - nothing | served - nothing (p) | "
                       "subject mean / worst | harmed | fallback |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
             for name, cv in crossed:
@@ -475,10 +511,16 @@ def render_report(results: dict[str, Any]) -> str:
     if "calibration" in results:
         lines += ["## Calibration (pooled over the folders)", ""]
         for name, c in results["calibration"].items():
-            lines.append(f"- {name}: score `{c['score']}` (AUC {', '.join(f'{k} {v:.3f}' for k, v in c['auc'].items())}), "
-                         f"threshold {c['threshold']:.4g}: {100 * c['fallback_fraction']:.0f} % of slices served "
-                         f"zero-filled, mean served SSIM {c['val_served_ssim']:.4f} (MAR always "
-                         f"{c['val_mar_ssim']:.4f}, zero-filled always {c['val_zf_ssim']:.4f})")
+            for label, rule in (("", c), (" early switch", c.get("early"))):
+                if rule is None:
+                    continue
+                served_as = "switched to centre-out" if label else "served zero-filled"
+                lines.append(f"- {name}{label}: score `{rule['score']}` (AUC "
+                             f"{', '.join(f'{k} {v:.3f}' for k, v in rule['auc'].items())}), threshold "
+                             f"{rule['threshold']:.4g}: {100 * rule['fallback_fraction']:.0f} % of slices {served_as}, "
+                             f"mean served SSIM {rule['val_served_ssim']:.4f} (MAR always {rule['val_mar_ssim']:.4f}, "
+                             f"doing nothing {rule['val_nothing_ssim']:.4f}), harmed "
+                             f"{100 * rule['val_served_harmed']:.0f} %")
         lines.append("")
     return "\n".join(lines)
 

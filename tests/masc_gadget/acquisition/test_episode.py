@@ -126,3 +126,26 @@ def test_one_rule_for_line_counts():
         EpisodeBatch(N_PE, 0, 2, 1)
     with pytest.raises(ValueError, match=r"initial \+ budget must be <= number of PE lines \(16\)"):
         EpisodeBatch(N_PE, 8, 9, 1)
+
+
+def test_a_switched_episode_continues_with_centre_out_whatever_the_policy():
+    from masc_gadget.acquisition.policies import select_trains
+
+    episodes = EpisodeBatch(16, 2, 5, 3, rngs=[np.random.default_rng(i) for i in range(3)])
+    assert not episodes.scored().any()
+    episodes.switch([1], [True], [0.9])
+    episodes.switch([2], [False], [0.1])
+    assert episodes.scored().tolist() == [False, True, True] and episodes.switched.tolist() == [False, True, False]
+    assert [s.switched for s in episodes.states()] == [False, True, False]
+    trains = select_trains(make_policy("random"), episodes.states(), episodes.rngs, 3)
+    assert trains[1].tolist() == run_episode(make_policy("center-out"), 16, 2, 3)[2:].tolist()
+    policy = make_policy("random")
+    for _ in range(5):
+        episodes.acquire(select_next(policy, episodes))
+    safe = run_episode(make_policy("center-out"), 16, 2, 5).tolist()
+    lines = episodes.chosen()
+    assert lines[1].tolist() == safe and lines[0].tolist() != safe and lines[2].tolist() != safe
+    episodes.reset([1])
+    assert not episodes.switched[1] and np.isnan(episodes.switch_score[1])
+    with pytest.raises(ValueError, match="one verdict and score per"):
+        episodes.switch([0, 1], [True], [0.5])

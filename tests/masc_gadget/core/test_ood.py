@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from masc_gadget.core.kspace import fft2c, zero_filled
-from masc_gadget.core.ood import (SCORES, OodCalibration, check_fallback_setting, consistency_score, fallback_rule,
-                                  flip_score, ood_score, residual_score)
+from masc_gadget.core.ood import (SCORES, OodCalibration, check_fallback_setting, consistency_score, early_switch,
+                                  fallback_rule, flip_score, ood_score, residual_score)
 from masc_gadget.core.served import served_images
 
 
@@ -117,3 +117,41 @@ def test_yaml_off_and_on_are_the_fallback_settings():
     assert load_config(None, ["gadget.mar_fallback=on"])["gadget"].mar_fallback == "auto"
     assert load_config(None, ["gadget.mar_fallback=0.3"])["gadget"].mar_fallback == "0.3"
     assert check_fallback_setting(False) == "off"
+
+
+def test_the_early_rule_is_chosen_only_for_a_policy_that_reads_the_image():
+    class Net(torch.nn.Module):
+        pass
+
+    net = Net()
+    net.ood = OodCalibration("flip", 0.25)
+    net.ood_early = OodCalibration("residual", 0.5, "early")
+    assert fallback_rule(net, "auto", reads_image=True) == net.ood_early
+    assert fallback_rule(net, "auto") == net.ood  # a fixed order keeps its lines decidable ahead
+    assert fallback_rule(net, "off", reads_image=True) == OodCalibration("flip", math.inf)
+    assert fallback_rule(net, "0.1", reads_image=True) == OodCalibration("flip", 0.1)
+    section = {"score": "flip", "threshold": 0.2, "early": {"score": "residual", "threshold": 0.4, "auc": {}}}
+    assert OodCalibration.early_from_metadata(section, "x.pt") == OodCalibration("residual", 0.4, "early")
+    assert OodCalibration.early_from_metadata({"score": "flip", "threshold": 0.2}, "x.pt") is None
+    with pytest.raises(ValueError, match="x.pt: metadata 'ood.early' must be"):
+        OodCalibration.from_metadata({**section, "early": {"score": "residual"}}, "x.pt")
+    with pytest.raises(ValueError, match="unknown OOD stage"):
+        OodCalibration("flip", 0.1, "later")
+
+
+def test_an_early_switch_serves_the_switched_slices_zero_filled():
+    image, mask = _scan()
+    zf = zero_filled(fft2c(image.to(torch.complex64)), mask)
+    corrected = zf * 1.5
+    rule = OodCalibration("residual", 0.4, "early")
+    flagged, score = early_switch(rule, zf, corrected, mask)
+    assert torch.allclose(score, torch.full((2,), 0.5)) and flagged.all()
+    switched = torch.tensor([True, False])
+    served = served_images(zf, corrected, ood=rule, mask=mask, switched=switched, early_score=score)
+    assert served.mar_used.tolist() == [False, True]
+    assert torch.equal(served.image[0], served.zero_filled[0]) and torch.allclose(served.image[1], corrected[1])
+    assert torch.equal(served.ood_score, score)  # the early score is the one reported
+    with pytest.raises(ValueError, match="needs the switched slices"):
+        served_images(zf, corrected, ood=rule, mask=mask)
+    with pytest.raises(ValueError, match="needs an early rule"):
+        early_switch(OodCalibration("residual", 0.4), zf, corrected, mask)

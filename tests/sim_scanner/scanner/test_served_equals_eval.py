@@ -136,3 +136,48 @@ def test_the_ood_fallback_is_served_and_scored_alike(tiny_dataset, tmp_path, per
     assert fell_back.any() and not fell_back.all()
     np.testing.assert_allclose(np.asarray(mar)[fell_back], np.asarray(nomar)[fell_back], atol=1e-6)
     assert np.abs(np.subtract(mar, nomar))[~fell_back].max() > 1e-3
+
+
+def test_the_early_switch_is_played_served_and_scored_alike(tiny_dataset, tmp_path, masc_checkpoint):
+    """A MASC checkpoint whose early rule flags about half the slices from the image of their
+    initial lines: the gadget plays centre-out's lines on those and serves them zero-filled
+    (doing nothing), the others get MASC's lines and its MAR image; masc eval plays and scores
+    exactly the same."""
+    from masc_gadget.acquisition.learned import load_masc
+    from masc_gadget.acquisition.policies import make_policy, run_episode
+    from masc_gadget.core.kspace import zero_filled
+    from masc_gadget.core.ood import residual_score
+    from masc_gadget.models.checkpoint import load_checkpoint
+    from training.data import load_split
+    from training.scoring import line_masks
+
+    data = load_split(tiny_dataset, "test")
+    _, mar, _ = load_masc(masc_checkpoint, "cpu")
+    with torch.no_grad():
+        zf = zero_filled(data.kspace_metal, torch.as_tensor(line_masks(len(data), N, INITIAL, [])))
+        scores = residual_score(zf, mar(zf))
+    threshold = float(scores.median())
+    ck = load_checkpoint(masc_checkpoint)
+    calibrated = save_checkpoint(tmp_path / "masc_early.pt", ck.state_dicts, {
+        **ck.metadata, "ood": {"score": "flip", "threshold": 1e-9, "early": {"score": "residual", "threshold": threshold}}})
+    served = _scan(tiny_dataset, tmp_path / "scan", "masc",
+                   [f"acquisition.seed={SEED}", f"gadget.policy_checkpoint={calibrated}"])
+    config = load_config(CONFIGS / "tiny.yaml", [
+        f"eval.accelerations={{10x: [{INITIAL}, {BUDGET}]}}", f"eval.seed={SEED}", "eval.examples=0"])
+    results, _ = evaluate(config, tiny_dataset, "test", ["masc"], None, progress=False, checkpoint=calibrated)
+    rows = {r["key"]: r for r in results["accelerations"]["10x"]["rows"]}
+    plain, _ = evaluate(config, tiny_dataset, "test", ["masc"], None, progress=False, checkpoint=masc_checkpoint)
+    own = next(r for r in plain["accelerations"]["10x"]["rows"] if r["key"] == "masc")
+    safe = run_episode(make_policy("center-out"), N, INITIAL, BUDGET).tolist()
+    switched = (scores > threshold).numpy()
+    assert switched.any() and not switched.all()
+    assert any(own["lines"][i] != safe for i in np.flatnonzero(switched))  # the switch changes lines
+    mar_ssim, nomar = rows["masc"]["per_slice"]["ssim"], rows["masc+nomar"]["per_slice"]["ssim"]
+    for i, label in enumerate(results["slices"]):
+        sl = served[label]
+        assert sl.lines == rows["masc"]["lines"][i], label
+        assert abs(sl.metrics["ssim"] - mar_ssim[i]) < 1e-5, label
+        if switched[i]:  # centre-out's lines, served zero-filled: doing nothing
+            assert sl.lines == safe and abs(mar_ssim[i] - nomar[i]) < 1e-6, label
+        else:  # MASC's own lines and its MAR image (the end rule is not applied)
+            assert sl.lines == own["lines"][i] and abs(mar_ssim[i] - own["per_slice"]["ssim"][i]) < 1e-6, label

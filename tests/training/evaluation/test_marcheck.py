@@ -154,3 +154,24 @@ def test_a_network_with_its_own_policy_is_calibrated_on_its_lines_too(tiny_datas
     both = mar_check({"p": mar}, str(tiny_dataset), "val", 1, 2, tmp_path / "b", do_calibrate=True,
                      policies={"p": make_policy("equispaced")})
     assert both["calibration"]["p"]["n_slices"] == 2 * alone["calibration"]["p"]["n_slices"] == 2 * len(data)
+    # the policy's own lines also get the early switch's calibration (switched to centre-out)
+    early = both["calibration"]["p"]["early"]
+    assert early["stage"] == "early" and early["n_slices"] == len(data)
+    assert "early" not in alone["calibration"]["p"]
+
+
+def test_the_early_switch_serves_doing_nothing_and_never_harms():
+    # scattered lines whose zero-filled image (0.3) is far below doing nothing (0.5): the end rule
+    # cannot help the harmed slices, the early switch serves them exactly doing nothing
+    rows = {"zf_ssim": np.full(4, 0.3), "nothing_ssim": np.full(4, 0.5), "mar_ssim": np.array([0.4, 0.45, 0.6, 0.7]),
+            **{f"{p}{k}": v for p in ("score_", "early_score_") for k, v in (
+                ("consistency", np.array([0.4, 0.3, 0.2, 0.1])), ("residual", np.array([0.1, 0.2, 0.3, 0.4])),
+                ("flip", np.array([0.2, 0.1, 0.4, 0.3])))}}
+    end, early = calibrate(rows), calibrate(rows, "early")
+    assert end["val_served_harmed"] == 0.5 and end["fallback_fraction"] == 0.0
+    assert early["score"] == "consistency" and early["fallback_fraction"] == 0.5
+    assert early["val_served_harmed"] == 0.0 and early["val_served_ssim"] == pytest.approx(np.mean([0.5, 0.5, 0.6, 0.7]))
+    from training.evaluation.marcheck import cross_validated
+
+    cv = cross_validated({k: np.tile(v, 2) for k, v in rows.items()}, ["a"] * 4 + ["b"] * 4, 2, "early")
+    assert cv["stage"] == "early" and cv["harmed_fraction"] == 0.0
