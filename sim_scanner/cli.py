@@ -115,14 +115,17 @@ def _names(text: str | None) -> list[str]:
 
 def cmd_external(args: argparse.Namespace) -> int:
     from masc_gadget.cli import config_from_args
-    from sim_scanner.dataset.external import assign_splits, builtin_volumes, read_volumes, simulate_external
+    from sim_scanner.dataset.external import (ImportSummary, assign_splits, builtin_volumes, read_volumes,
+                                              simulate_external)
 
     config = config_from_args(args)
     if args.source == "builtin" or args.source.startswith("builtin:"):
         packages = [p for p in args.source.partition(":")[2].split(",") if p]
         volumes = builtin_volumes(packages or None)
     else:
-        volumes = read_volumes(args.source)
+        summary = ImportSummary()
+        volumes = read_volumes(args.source, summary)
+        print(summary.render())
     splits = assign_splits(volumes, _names(args.train), _names(args.val))
     manifest = simulate_external(config, volumes, args.out, draws=args.draws, splits=splits,
                                  train_draws=args.train_draws, train_augment=args.augment)

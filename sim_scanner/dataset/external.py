@@ -30,8 +30,9 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -47,7 +48,7 @@ from sim_scanner.physics.artifact2d import Artifact2DConfig, add_implant
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BUILTIN", "DECODERS", "ImportRefused", "Volume", "assign_splits", "augment", "builtin_volumes",
+__all__ = ["BUILTIN", "DECODERS", "ImportRefused", "ImportSummary", "Volume", "assign_splits", "augment", "builtin_volumes",
            "read_volumes", "simulate_external"]
 
 
@@ -58,6 +59,38 @@ class Volume:
     name: str
     images: np.ndarray  # (S, H, W) float
     source: str  # "fastmri", "ismrmrd", "dicom", "nifti" or "builtin:..."
+    positions_mm: np.ndarray | None = None
+    """(S,) each slice's position along the slice normal, from the first one (DICOM geometry);
+    None where the source carries none."""
+
+
+@dataclass
+class ImportSummary:
+    """What a folder import did: the volumes imported, the files and series skipped with the
+    reason, and the warnings about what was imported (duplicate or missing slice positions)."""
+
+    imported: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def skip(self, reason: str) -> None:
+        self.skipped.append(reason)
+        log.warning("not imported: %s", reason)
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+        log.warning("%s", message)
+
+    def render(self) -> str:
+        """A few lines for the terminal: counts, then every skip and warning (one line each)."""
+        lines = [f"imported {len(self.imported)} volume(s): {', '.join(self.imported) or '-'}"]
+        if self.skipped:
+            lines.append(f"skipped {len(self.skipped)} file(s) or series:")
+            lines += [f"  - {reason}" for reason in self.skipped]
+        if self.warnings:
+            lines.append(f"{len(self.warnings)} warning(s):")
+            lines += [f"  - {message}" for message in self.warnings]
+        return "\n".join(lines)
 
 
 def _fastmri(path: Path, f: h5py.File) -> Volume:
@@ -143,50 +176,132 @@ def _slice_key(d) -> tuple[float, int]:
     return along, int(getattr(d, "InstanceNumber", 0) or 0)
 
 
-def _dicom_files(files: list[Path], name: str) -> Volume:
-    """One DICOM series (its files, any order) as a volume; ImportRefused for a non-MR series,
-    a compression without decoder or images of different sizes."""
+def _read_image(path: Path) -> tuple[Any, np.ndarray]:
+    """One DICOM file's dataset and rescaled pixels; ImportRefused naming the file and the reason
+    (unreadable or truncated, not MR, a compression without decoder)."""
     import pydicom
 
-    datasets = [pydicom.dcmread(str(p)) for p in files]
-    for d in datasets:
-        _check_mr(d, name)
-    datasets.sort(key=_slice_key)
-    slices = []
-    for d in datasets:
-        pixels = _pixels(d, name)
-        slices.extend(pixels if pixels.ndim == 3 else [pixels])
+    try:
+        d = pydicom.dcmread(str(path))
+    except Exception as err:  # noqa: BLE001 - pydicom raises many kinds for a damaged file; each is this file's refusal
+        raise ImportRefused(f"{path}: not a readable DICOM file ({type(err).__name__}: "
+                            f"{(str(err).splitlines() or [''])[0][:160]})") from None
+    _check_mr(d, str(path))
+    try:
+        return d, _pixels(d, str(path))
+    except ImportRefused:
+        raise
+    except Exception as err:  # noqa: BLE001 - a truncated pixel element, a bad length: this file only
+        raise ImportRefused(f"{path}: the pixel data cannot be read ({type(err).__name__}: "
+                            f"{(str(err).splitlines() or [''])[0][:160]})") from None
+
+
+def _positions(keyed: list[tuple[tuple[float, int], Any, np.ndarray]], name: str,
+               summary: ImportSummary) -> tuple[list[tuple[tuple[float, int], Any, np.ndarray]], np.ndarray | None]:
+    """The images of one series in slice order with exact copies at one position dropped, and
+    their positions along the slice normal (None without geometry); warnings for copies, for
+    distinct images sharing a position and for gaps in the slice spacing."""
+    has_geometry = all(getattr(d, "ImagePositionPatient", None) is not None
+                       and len(getattr(d, "ImageOrientationPatient", None) or ()) == 6 for _, d, _ in keyed)
+    if not has_geometry:
+        if len(keyed) > 1:
+            summary.warn(f"{name}: no slice geometry (ImagePositionPatient / ImageOrientationPatient): "
+                         f"{len(keyed)} images ordered by InstanceNumber, positions unknown")
+        return keyed, None
+    kept: list[tuple[tuple[float, int], Any, np.ndarray]] = []
+    copies = 0
+    for item in keyed:
+        if kept and abs(kept[-1][0][0] - item[0][0]) < 1e-3 and np.array_equal(kept[-1][2], item[2]):
+            copies += 1
+            continue
+        kept.append(item)
+    if copies:
+        summary.warn(f"{name}: {copies} exact copies of images at the same slice position dropped")
+    along = np.array([k[0][0] for k in kept])
+    distinct, counts = np.unique(np.round(along, 3), return_counts=True)
+    if (counts > 1).any():
+        summary.warn(f"{name}: {int(counts[counts > 1].sum())} images at {int((counts > 1).sum())} slice position(s) "
+                     "share them with another (echoes, repeats or a second stack?): imported as separate slices "
+                     "in InstanceNumber order")
+    if len(distinct) >= 3:
+        steps = np.diff(distinct)
+        usual = float(np.median(steps))
+        gaps = [(float(a), float(b)) for a, b, step in zip(distinct[:-1], distinct[1:], steps) if step > 1.5 * usual]
+        if gaps:
+            shown = ", ".join(f"{a - distinct[0]:.1f} to {b - distinct[0]:.1f} mm" for a, b in gaps[:3])
+            summary.warn(f"{name}: missing slice positions (spacing {usual:.2f} mm, gaps {shown}"
+                         f"{', ...' if len(gaps) > 3 else ''})")
+    return kept, along - along[0]
+
+
+def _dicom_files(files: list[Path], name: str, summary: ImportSummary | None = None) -> Volume:
+    """One DICOM series (its files, any order) as a volume. Each file is read on its own: an
+    unreadable, truncated, non-MR or undecodable file is skipped with its reason (in
+    ``summary``) and the series keeps the rest; ImportRefused when no file is left or the images
+    have different sizes."""
+    summary = summary if summary is not None else ImportSummary()
+    keyed = []
+    reasons = []
+    for path in files:
+        try:
+            d, pixels = _read_image(path)
+        except ImportRefused as err:
+            reasons.append(str(err))
+            if len(files) > 1:
+                summary.skip(str(err))
+            continue
+        keyed.append((_slice_key(d), d, pixels))
+    if not keyed:
+        raise ImportRefused(reasons[0] if len(reasons) == 1 else f"{name}: none of its {len(files)} files "
+                            f"imports ({reasons[0]}; ...)")
+    keyed.sort(key=lambda item: item[0])
+    keyed, positions = _positions(keyed, name, summary)
+    slices, where = [], []
+    for (along, _), _, pixels in keyed:
+        frames = pixels if pixels.ndim == 3 else [pixels]
+        slices.extend(frames)
+        where.extend([along] * len(frames))
     shapes = {s.shape for s in slices}
     if len(shapes) != 1:
         raise ImportRefused(f"{name}: images of different sizes {sorted(shapes)} in one series")
-    return Volume(name, np.stack(slices), "dicom")
+    if positions is not None and len(where) != len(positions):  # multi-frame files: no per-frame geometry here
+        positions = None
+    return Volume(name, np.stack(slices), "dicom", positions)
 
 
-def _dicom_series(files: list[Path], root: Path) -> dict[str, list[Path]]:
-    """DICOM files grouped by SeriesInstanceUID (headers only), each named after its folder
-    and series description or number."""
+def _dicom_series(files: list[Path], root: Path, summary: ImportSummary) -> dict[str, list[Path]]:
+    """DICOM files grouped by SeriesInstanceUID (headers only; an unreadable file is skipped with
+    its reason), each series named by its SeriesDescription, else its folder; a name two series
+    share gets the folder in front, then a number."""
     import pydicom
 
     series: dict[str, list[Path]] = {}
-    names: dict[str, str] = {}
+    labels: dict[str, tuple[str, str]] = {}
     for path in files:
         try:
             d = pydicom.dcmread(str(path), stop_before_pixels=True)
-        except (pydicom.errors.InvalidDicomError, OSError) as err:
-            log.warning("%s: not a readable DICOM file (%s): skipped", path, err)
+        except Exception as err:  # noqa: BLE001 - a damaged header: this file only
+            summary.skip(f"{path}: not a readable DICOM file ({type(err).__name__}: "
+                         f"{(str(err).splitlines() or [''])[0][:160]})")
             continue
         uid = str(getattr(d, "SeriesInstanceUID", "") or f"no-uid:{path.parent}")
         series.setdefault(uid, []).append(path)
-        if uid not in names:
-            label = str(getattr(d, "SeriesDescription", "") or getattr(d, "SeriesNumber", "") or "series")
+        if uid not in labels:
+            description = str(getattr(d, "SeriesDescription", "") or "").strip()
             folder = path.parent.relative_to(root).as_posix() if path.parent != root else root.name
-            names[uid] = f"{folder}/{label}".replace(" ", "_")
-    counts: dict[str, int] = {}
-    out = {}
+            labels[uid] = (description, folder)
+    first = {uid: (desc or folder) for uid, (desc, folder) in labels.items()}
+    clash = {n for n in first.values() if list(first.values()).count(n) > 1}
+    out: dict[str, list[Path]] = {}
     for uid, paths in series.items():
-        name = names[uid]
-        counts[name] = counts.get(name, 0) + 1
-        out[name if counts[name] == 1 else f"{name}-{counts[name]}"] = sorted(paths)
+        desc, folder = labels[uid]
+        name = f"{folder}/{desc}" if desc and first[uid] in clash else first[uid]
+        name = name.replace(" ", "_")
+        unique, n = name, 1
+        while unique in out:
+            n += 1
+            unique = f"{name}-{n}"
+        out[unique] = sorted(paths)
     return out
 
 
@@ -215,37 +330,43 @@ def _is_nifti(path: Path) -> bool:
     return path.name.endswith((".nii", ".nii.gz"))
 
 
-def read_volumes(source: str | Path) -> list[Volume]:
+def read_volumes(source: str | Path, summary: ImportSummary | None = None) -> list[Volume]:
     """The volumes of a file or folder: fastMRI / ISMRMRD HDF5 (``.h5``), NIfTI (``.nii``,
     ``.nii.gz``), DICOM (``.dcm`` or files with the DICM preamble). A folder is searched
     recursively: one volume per HDF5 or NIfTI file and per DICOM series (grouped by
     SeriesInstanceUID). In a folder, a file or series that cannot be imported (a modality other
-    than MR, a compression without decoder, ...) is skipped with a one-line warning that says why
-    and what to install, and the rest imports; ValueError when nothing does. A single file that
-    cannot be imported is an :class:`ImportRefused` error."""
+    than MR, a compression without decoder, a truncated file, ...) is skipped with a one-line
+    warning that names it, says why and what to install, and the rest imports (a series keeps its
+    readable files); duplicate or missing DICOM slice positions are warnings; ValueError when
+    nothing imports. ``summary`` collects what was imported and skipped
+    (:meth:`ImportSummary.render`). A single file that cannot be imported is an
+    :class:`ImportRefused` error."""
     path = Path(source)
+    summary = summary if summary is not None else ImportSummary()
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file())
         volumes: list[Volume] = []
-        refused: list[str] = []
         dicom = []
         for p in files:
             if p.suffix in _HDF5 or _is_nifti(p):
                 try:
-                    volumes += read_volumes(p)
-                except ImportRefused as err:
-                    refused.append(str(err))
+                    found = read_volumes(p, summary)
+                    volumes += found
+                    summary.imported += [f"{v.name} ({len(v.images)} slices)" for v in found]
+                except (ImportRefused, OSError) as err:
+                    summary.skip(str(err) if isinstance(err, ImportRefused) else f"{p}: cannot be read ({err})")
             elif _is_dicom(p):
                 dicom.append(p)
-        for name, paths in _dicom_series(dicom, path).items():
+        for name, paths in _dicom_series(dicom, path, summary).items():
             try:
-                volumes.append(_dicom_files(paths, name))
+                volume = _dicom_files(paths, name, summary)
             except ImportRefused as err:
-                refused.append(str(err))
-        for reason in refused:
-            log.warning("not imported: %s", reason)
+                summary.skip(str(err))
+                continue
+            volumes.append(volume)
+            summary.imported.append(f"{name} ({len(volume.images)} slices)")
         if not volumes:
-            why = f": {'; '.join(refused[:3])}" if refused else ""
+            why = f": {'; '.join(summary.skipped[:3])}" if summary.skipped else ""
             raise ValueError(f"{path}: no importable fastMRI / ISMRMRD HDF5, NIfTI or MR DICOM data in this folder{why}")
         return volumes
     if not path.is_file():
@@ -262,7 +383,7 @@ def read_volumes(source: str | Path) -> list[Volume]:
     if _is_nifti(path):
         return [_nifti(path)]
     if _is_dicom(path):
-        return [_dicom_files([path], path.stem)]
+        return [_dicom_files([path], path.stem, summary)]
     raise ImportRefused(f"{path}: not a fastMRI / ISMRMRD HDF5, NIfTI or DICOM file")
 
 
@@ -544,12 +665,17 @@ def simulate_external(config: Config, volumes: list[Volume], out: str | Path, dr
             for k in (k_clean, k_metal):
                 k += sd / math.sqrt(2) * (rng.standard_normal(k.shape) + 1j * rng.standard_normal(k.shape))
         n = len(clean)
+        per = n // len(volume.images)  # the draws of one image follow each other
+        if volume.positions_mm is not None:  # the series' own geometry
+            centres = [float(volume.positions_mm[i // per]) for i in range(n)]
+        else:  # no geometry: every slice (each draw too) one slice thickness from the last
+            centres = [float(i * seq.slice_thickness_mm) for i in range(n)]
         data = SubjectData(
             subject_id=sid, kspace_metal=k_metal.astype(np.complex64), kspace_clean=k_clean.astype(np.complex64),
             images_metal=magnitude(torch.from_numpy(k_metal)).numpy().astype(np.float32),
             images_clean=magnitude(torch.from_numpy(k_clean)).numpy().astype(np.float32),
             implant_mask=np.stack(implant).astype(np.uint8), field_map_hz=np.stack(field).astype(np.float32),
-            slice_centres_mm=[float(i * seq.slice_thickness_mm) for i in range(n)], fov_centre_mm=(0.0, 0.0),
+            slice_centres_mm=centres, fov_centre_mm=(0.0, 0.0),
             anatomy={"external": {"name": volume.name, "source": volume.source}},
             implant={"model": "artifact2d", "draws": draws_meta, "config": to_dict(acfg)},
             scanner={"sequence": {"n_slices": n, "b0_t": acfg.b0_t, "readout_bw_hz_per_px": acfg.readout_bw_hz_per_px}},

@@ -227,6 +227,46 @@ def test_a_folder_imports_every_series_recursively_and_refuses_what_it_cannot_re
         read_volumes(tmp_path / "patient" / "ct")
 
 
+def test_a_damaged_or_undecodable_file_costs_only_itself_and_is_named(tmp_path, caplog):
+    """A series of 9 files with one JPEG-LS file (no decoder here) and one truncated file, seven
+    exact copies of one image, a gap in the slice positions, and a series without a description:
+    the series keeps its 7 readable distinct images, each refused file is named with its reason,
+    copies and the gap are warnings, the positions are the series' own, and the names are the
+    description or the folder."""
+    from pydicom.uid import JPEGLSLossless
+
+    from sim_scanner.dataset.external import ImportSummary
+
+    images = [(1000 * _phantom(n=24, seed=s)).astype(np.uint16) for s in range(9)]
+    series = tmp_path / "study" / "knee"
+    positions = [0, 3, 6, 9, 12, 15, 24, 27, 30]  # 18 and 21 mm missing
+    for i, (pixels, z) in enumerate(zip(images, positions)):
+        _write_dicom(series / f"IM{i}", pixels, i + 1, "1.2.9.1", description="PD sag", position=float(z))
+    _write_dicom(series / "IMjls", images[0], 20, "1.2.9.1", description="PD sag", syntax=JPEGLSLossless,
+                 position=40.0)
+    _write_dicom(series / "IMcut", images[1], 21, "1.2.9.1", description="PD sag", position=43.0)
+    (series / "IMcut").write_bytes((series / "IMcut").read_bytes()[:-500])  # truncated pixel data
+    copies = tmp_path / "study" / "copies"
+    for i in range(7):
+        _write_dicom(copies / f"C{i}", images[0], i + 1, "1.2.9.2", description="", position=5.0)
+    summary = ImportSummary()
+    with caplog.at_level("WARNING"):
+        volumes = {v.name: v for v in read_volumes(tmp_path, summary)}
+    assert sorted(volumes) == ["PD_sag", "study/copies"]
+    knee = volumes["PD_sag"]
+    assert knee.images.shape == (9, 24, 24) and np.array_equal(knee.images, np.stack(images).astype(float))
+    np.testing.assert_allclose(knee.positions_mm, positions)
+    assert volumes["study/copies"].images.shape == (1, 24, 24)
+    assert len(summary.skipped) == 2
+    assert any("IMjls" in r and "pip install pylibjpeg pylibjpeg-libjpeg" in r for r in summary.skipped)
+    assert any("IMcut" in r for r in summary.skipped)
+    assert any("6 exact copies" in w for w in summary.warnings)
+    assert any("missing slice positions" in w and "15.0 to 24.0 mm" in w for w in summary.warnings)
+    said = summary.render()
+    assert "imported 2 volume(s)" in said and "skipped 2" in said and "IMcut" in said
+    assert all("\n" not in r.getMessage() for r in caplog.records)
+
+
 def test_nifti_volumes_import(tmp_path):
     nibabel = pytest.importorskip("nibabel")
     data = np.stack([_phantom(n=20, seed=s) for s in range(4)], axis=-1).transpose(1, 0, 2)  # (x, y, z)
