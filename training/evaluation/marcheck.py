@@ -400,6 +400,11 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
         elif folds > 1:
             log.warning("mar-check: %s has %d subjects, fewer than %d folds: not cross-validated", folder,
                         len(set(subjects)), folds)
+        for name, own in own_rows[folder].items():  # within this domain: do the early scores find the harm?
+            harm = harmed(own["mar_ssim"], own["nothing_ssim"])
+            results["folders"][folder][name]["summary"]["early_roc"] = {
+                kind: {**roc(own[f"early_score_{kind}"], harm),
+                       "auc_interval": auc_interval(own[f"early_score_{kind}"], harm, subjects)} for kind in SCORES}
     if calibration is not None:
         results["calibration"] = calibration
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -500,6 +505,15 @@ def render_report(results: dict[str, Any]) -> str:
                              f"{served['diff']:+.3f} ({_p(served['p_ttest'])}) | {cv['subject_mean_gain']:+.3f} / "
                              f"{cv['worst_subject_gain']:+.3f} | {100 * cv['harmed_fraction']:.0f} % | "
                              f"{100 * cv['fallback_fraction']:.0f} % |")
+        early = [(n, e["summary"]["early_roc"]) for n, e in by_name.items() if "early_roc" in e["summary"]]
+        if early:
+            lines += ["", "The early scores (the output for the initial lines' image) against harm on the network's "
+                      "own lines, ROC area (95 % over subjects):", ""]
+            for name, areas in early:
+                lines.append(f"- {name}: " + ", ".join(
+                    f"{k} {_f(areas[k]['auc'], 2)} ({_f(areas[k]['auc_interval'][0], 2)}-"
+                    f"{_f(areas[k]['auc_interval'][1], 2)})" for k in SCORES)
+                    + f" ({areas[SCORES[0]]['n_harmed']} harmed, {areas[SCORES[0]]['n_helped']} helped)")
         refs = [(n, e["summary"]) for n, e in by_name.items() if "vs_reference_ssim" in e["summary"]]
         if refs:
             lines += ["", "Against the reference network (same lines, served images):", ""]

@@ -158,6 +158,7 @@ def test_a_network_with_its_own_policy_is_calibrated_on_its_lines_too(tiny_datas
     early = both["calibration"]["p"]["early"]
     assert early["stage"] == "early" and early["n_slices"] == len(data)
     assert "early" not in alone["calibration"]["p"]
+    assert set(both["folders"][tiny_dataset.name]["p"]["summary"]["early_roc"]) == {"consistency", "residual", "flip"}
 
 
 def test_the_early_switch_serves_doing_nothing_and_never_harms():
