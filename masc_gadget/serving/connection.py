@@ -98,6 +98,7 @@ class Connection:
         self.interrupt_reason = ""
         self.read_error: str | None = None
         self.first_items: list[Any] = []
+        self.refused: list[str] = []  # the client's settings not applied, told after the handshake
         self.n_slices = self.limits.max_slices
         self.opened = time.monotonic()
         self.last_activity = self.opened  # monotonic time of the last message from the client
@@ -110,6 +111,15 @@ class Connection:
         Gadgetron takes its error message as the end of the stream, so there it is logged."""
         if self.dialect == "mrd":
             self._send_error(message)
+
+    def warn(self, message: str) -> None:
+        """Something the stream did not do as the client asked (a setting the operator did not
+        allow): to an MRD client as text starting ``MASC warning:``; logged for Gadgetron."""
+        if self.dialect == "mrd":
+            try:
+                self.stream.send_text(f"MASC warning: {clip(message)}")
+            except OSError:
+                pass
 
     def _send_error(self, message: str) -> None:
         try:
@@ -168,7 +178,10 @@ class Connection:
             self.trusted = settings  # the operator's configuration, chosen by name
         elif msg.id == ID_CONFIG_TEXT:
             self.trusted = named.default  # a client's script: its models must be names
-            settings = settings_from_xml(msg.payload, self.trusted)
+            # masc serve's client sent it: as far as the operator allows; Gadgetron's connect mode
+            # sends the stream XML of the Gadgetron host: applied whole
+            allowed = self.host.limits.client_overrides if self.dialect == "mrd" else None
+            settings = settings_from_xml(msg.payload, self.trusted, allowed, self.refused)
         else:
             raise ClientError(f"expected a configuration (message 1 or 2) first, got message {msg.id}")
         if self.dialect == "gadgetron" and settings.feedback == "fire":
@@ -290,8 +303,11 @@ class Connection:
                 raise ClientError(self.interrupt_reason)
             raise ClientError(f"server busy: all {self.limits.max_connections} connection slots are in use "
                               "(server.max_connections); try again later")
+        for note in self.refused:
+            self.warn(note)
         stats = process(self.items(), header, settings, self._send, on_error=self.report, host=self.host,
-                        trusted=self.trusted, eager=self.dialect == "gadgetron", background_images=True)
+                        trusted=self.trusted, eager=self.dialect == "gadgetron", background_images=True,
+                        on_warning=self.warn)
         log.info("%s done: %s", self.peer, stats)
         if self.read_error is not None:
             self._fail(self.read_error)

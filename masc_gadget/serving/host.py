@@ -23,7 +23,7 @@ from masc_gadget.acquisition.policies import POLICIES
 from masc_gadget.config import Config, ConfigError, load_config, quote
 from masc_gadget.mrd.feedback import DEFAULT_ZMQ_ALLOW, tcp_port
 from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache
-from masc_gadget.serving.settings import GadgetSettings
+from masc_gadget.serving.settings import SETTINGS, GadgetSettings
 
 __all__ = ["ClientError", "Host", "MemoryBudget", "NamedConfigs", "ServerConfig", "allowed_networks",
            "clip", "is_loopback", "peer_allowed", "MAX_CONFIG_NAME_CHARS", "MAX_ERROR_CHARS"]
@@ -96,6 +96,15 @@ class ServerConfig:
     """Shared secret a client must send as ``{"token": "..."}`` in its JSON parameters (message
     5, right after the header); "" = no token needed. Gadgetron forwards no text messages, so
     connect mode cannot ask for one: keep it on loopback or behind ``allow``."""
+    client_overrides: tuple[str, ...] = ()
+    """Settings a client of ``masc serve`` may change (its JSON parameters, a configuration
+    script, a policy named as its configuration), beyond ``feedback`` and ``zmq_address``, which
+    it always may; ``["*"]``: every setting. Every other value a client sends that differs from
+    the operator's is refused (logged at WARNING and told to the client) and the operator's
+    stands; a different protocol (``initial``, ``budget``, ``lines_per_decision``) ends the
+    connection with an error naming both. Model settings stay names the server offers
+    (``models``) whatever this allows. Gadgetron's modes take their stream XML whole: it is the
+    Gadgetron host's."""
     threads: int = 1
     """torch CPU threads of the server process (0: torch's default, one per core). Decisions
     of all connections run batched on one worker; on a busy machine more threads per forward
@@ -116,6 +125,10 @@ class ServerConfig:
         if len(self.max_matrix) != 2 or min(self.max_matrix) < 1:
             raise ValueError(f"max_matrix must be two sizes >= 1 (PE lines, readout samples), got {self.max_matrix}")
         allowed_networks(self.allow)
+        unknown = [k for k in self.client_overrides if k != "*" and k not in SETTINGS]
+        if unknown:
+            raise ValueError(f"client_overrides: unknown setting {quote(unknown[0])}; known settings: "
+                             f"{', '.join(sorted(SETTINGS))} (or * for every one)")
 
     def networks(self) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
         """The allow-list, parsed."""
@@ -186,9 +199,11 @@ class NamedConfigs:
     A name is a plain file stem (letters, digits, ``_ . -``; no path separators, no ``..``) of
     at most :data:`MAX_CONFIG_NAME_CHARS` characters, looked up only inside the folders."""
 
-    def __init__(self, default: GadgetSettings, folders: list[Path]) -> None:
+    def __init__(self, default: GadgetSettings, folders: list[Path], allowed: tuple[str, ...] = ()) -> None:
         self.default = default
         self.folders = [f for f in folders if f.is_dir()]
+        self.allowed = allowed
+        """``server.client_overrides``: naming a policy changes the policy only where it allows."""
 
     def names(self) -> list[str]:
         yaml_names = sorted({p.stem for f in self.folders for p in f.glob("*.yaml")
@@ -200,6 +215,10 @@ class NamedConfigs:
         if name in ("", "default"):
             return base
         if name in POLICIES:
+            if name != base.policy and "*" not in self.allowed and "policy" not in self.allowed:
+                raise ClientError(f"configuration {name!r} would change the policy: this server serves "
+                                  f"{base.policy!r}, and its operator lets clients change it only with "
+                                  "server.client_overrides: [policy]; ask for the configuration 'default'")
             return base.updated({"policy": name}, f"config {name!r}")
         if len(name) > MAX_CONFIG_NAME_CHARS:
             raise ClientError(f"configuration name is {len(name)} characters, more than the limit "
@@ -263,7 +282,8 @@ class Host:
             folders.insert(0, Path(config.source).parent)
         folders.append(Path.cwd() / "configs")
         cache.configure(config["models"])
-        return cls(limits=config["server"], named=NamedConfigs(GadgetSettings.from_config(config), folders),
+        return cls(limits=config["server"], named=NamedConfigs(GadgetSettings.from_config(config), folders,
+                                                               tuple(config["server"].client_overrides)),
                    cache=cache, batcher=DecisionBatcher(AcquisitionEngine.run_group) if batch else None,
                    zmq_allow=tuple(config["feedback"].zmq_allow))
 

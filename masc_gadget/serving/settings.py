@@ -10,9 +10,11 @@ that section's own checks validate it.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import typing
 import xml.etree.ElementTree as ET
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -21,7 +23,8 @@ from masc_gadget.config import QUOTE_CHARS, ConfigError, from_dict, quote
 from masc_gadget.core.ood import check_fallback_setting
 from masc_gadget.mrd.header import parse_xml
 
-__all__ = ["GadgetConfig", "GadgetSettings", "SETTINGS", "parameters_json", "settings_from_json", "settings_from_xml",
+__all__ = ["ALWAYS_ALLOWED", "GadgetConfig", "GadgetSettings", "PROTOCOL", "SETTINGS", "client_values",
+           "parameters_json", "settings_from_json", "settings_from_xml",
            "MAX_CONFIG_CHARS", "MAX_PARAMETERS_CHARS", "MAX_VALUE_CHARS", "MAX_JSON_DEPTH", "scalar"]
 
 MAX_CONFIG_CHARS = 1 << 20
@@ -32,6 +35,8 @@ MAX_VALUE_CHARS = 4096
 """Longest value of one ``<configuration>`` property (a path at most)."""
 MAX_JSON_DEPTH = 8
 """Deepest nesting of arrays and objects in the JSON parameters (the settings are scalars)."""
+
+log = logging.getLogger(__name__)
 
 _DEVICE = re.compile(r"cpu|auto|cuda(:[0-9]{1,4})?")
 
@@ -223,17 +228,58 @@ def _settings_element(element: ET.Element) -> ET.Element | None:
     return inner[0] if inner else None
 
 
-def settings_from_xml(element: ET.Element | str | bytes | None, base: GadgetSettings) -> GadgetSettings:
-    """Apply a Gadgetron ``<configuration>`` element: ``<property name="policy" value="random"/>``
-    children (Gadgetron's convention) or ``<policy>random</policy>`` children; or a whole
-    Gadgetron stream configuration, whose ``<stream><external><configuration>`` gives them.
-    An empty value is the empty string (``value=""``, ``<mar_checkpoint/>``)."""
+ALWAYS_ALLOWED = ("feedback", "zmq_address")
+"""What a client of ``masc serve`` may always set (its JSON parameters, a configuration script):
+how decisions reach it. The ZeroMQ address is still checked against ``feedback.zmq_allow``."""
+PROTOCOL = ("initial", "budget", "lines_per_decision")
+"""Settings that describe the scan's protocol: a client's value that differs from the server's
+(and is not allowed by ``server.client_overrides``) ends the connection with an error naming
+both, since serving another protocol than the scanner plays would break the scan."""
+
+
+def client_values(values: dict[str, Any], operator: GadgetSettings, allowed: Sequence[str], source: str,
+                  notes: list[str] | None = None) -> dict[str, Any]:
+    """The values a client may apply over the ``operator``'s settings: :data:`ALWAYS_ALLOWED`, the
+    keys of ``allowed`` (``server.client_overrides``; ``*``: every key) and values equal to the
+    operator's. A different protocol value (:data:`PROTOCOL`) raises ConfigError naming both; any
+    other refused value is left out, the operator's standing, with a message (logged at WARNING
+    and added to ``notes``, for the client). Applied changes are logged at WARNING too."""
+    asked = operator.updated(values, source)  # every value checked (unknown names, bad values) as sent
+    kept: dict[str, Any] = {}
+    for key, value in values.items():
+        if key in ALWAYS_ALLOWED or "*" in allowed or key in allowed:
+            kept[key] = value
+            continue
+        mine, theirs = getattr(operator, key), getattr(asked, key)
+        if theirs == mine:
+            continue
+        if key in PROTOCOL:
+            raise ConfigError(f"{source}.{key}: {quote(theirs)} differs from this server's {quote(mine)} "
+                              f"(it serves {operator.initial} + {operator.budget} lines, "
+                              f"{operator.lines_per_decision} per decision): scan with the server's protocol, or "
+                              f"ask its operator to allow {key} in server.client_overrides")
+        message = (f"{source}.{key}: {quote(theirs)} refused, this server serves {key} {quote(mine)}; "
+                   f"its operator lets clients change it with server.client_overrides: [{key}]")
+        log.warning("%s", message)
+        if notes is not None:
+            notes.append(message)
+    if kept:
+        applied = operator.updated(kept, source)
+        for key in kept:
+            if key in SETTINGS and key not in ALWAYS_ALLOWED and getattr(applied, key) != getattr(operator, key):
+                log.warning("%s.%s: client override applied, %s instead of the server's %s (server.client_overrides)",
+                            source, key, quote(getattr(applied, key)), quote(getattr(operator, key)))
+    return kept
+
+
+def _xml_values(element: ET.Element | str | bytes | None) -> dict[str, Any]:
+    """The settings of a ``<configuration>`` (:func:`settings_from_xml`) as a flat dict."""
     if element is None:
-        return base
+        return {}
     element = _as_element(element)
     element = None if element is None else _settings_element(element)
     if element is None:
-        return base
+        return {}
     values: dict[str, Any] = {}
     for child in element.iter():
         if child is element or not isinstance(child.tag, str):
@@ -243,7 +289,21 @@ def settings_from_xml(element: ET.Element | str | bytes | None, base: GadgetSett
             values[name] = _typed(name, child.attrib.get("value", child.text or ""))
         elif len(child) == 0 and child.tag != "property":
             values[child.tag] = _typed(child.tag, child.text or "")
-    return base.updated(values, "configuration")
+    return values
+
+
+def settings_from_xml(element: ET.Element | str | bytes | None, base: GadgetSettings,
+                      allowed: Sequence[str] | None = None, notes: list[str] | None = None) -> GadgetSettings:
+    """Apply a Gadgetron ``<configuration>`` element: ``<property name="policy" value="random"/>``
+    children (Gadgetron's convention) or ``<policy>random</policy>`` children; or a whole
+    Gadgetron stream configuration, whose ``<stream><external><configuration>`` gives them.
+    An empty value is the empty string (``value=""``, ``<mar_checkpoint/>``). ``allowed``: a
+    client's script, applied only as far as :func:`client_values` allows (None: the operator's
+    own configuration, applied whole)."""
+    values = _xml_values(element)
+    if allowed is not None:
+        values = client_values(values, base, allowed, "configuration", notes)
+    return base.updated(values, "configuration") if values else base
 
 
 def _depth_exceeds(value: Any, limit: int) -> bool:
@@ -283,9 +343,13 @@ def parameters_json(text: str) -> dict[str, Any]:
     return values
 
 
-def settings_from_json(text: str, base: GadgetSettings) -> GadgetSettings:
+def settings_from_json(text: str, base: GadgetSettings, allowed: Sequence[str] | None = None,
+                       notes: list[str] | None = None) -> GadgetSettings:
     """Apply JSON parameters (a text message right after the header, FIRE-client style). The key
-    ``token`` is the server's authentication (``masc serve`` checks it first), not a setting."""
+    ``token`` is the server's authentication (``masc serve`` checks it first), not a setting.
+    ``allowed``: as far as :func:`client_values` allows over ``base`` (None: everything)."""
     values = parameters_json(text)
     values.pop("token", None)
-    return base.updated(values, "parameters")
+    if allowed is not None:
+        values = client_values(values, base, allowed, "parameters", notes)
+    return base.updated(values, "parameters") if values else base

@@ -64,6 +64,8 @@ class Context:
     """Delivers images and in-band feedback to the client."""
     on_error: Callable[[str], None] | None = None
     """Also told about every rejected or ignored item (besides the log)."""
+    on_warning: Callable[[str], None] | None = None
+    """Also told about every client setting not applied (besides the log)."""
     host: Host = field(default_factory=Host)
     """What the process serving this stream holds (:class:`~masc_gadget.serving.host.Host`):
     its limits, memory budget, model cache, decision batcher, side-channel allow-list."""
@@ -217,7 +219,11 @@ def parameters(items: Iterable[Any], ctx: Context) -> Iterator[Any]:
         elif ctx.engine is not None:
             ctx.report("parameters text after the first acquisition is ignored")
         else:
-            ctx.settings = settings_from_json(item, ctx.settings)
+            notes: list[str] = []
+            ctx.settings = settings_from_json(item, ctx.settings, ctx.host.limits.client_overrides, notes)
+            for note in notes:  # refused: the operator's value stands (logged by client_values)
+                if ctx.on_warning is not None:
+                    ctx.on_warning(note)
             log.info("parameters: %s", json.dumps(ctx.settings.flat()))
 
 
@@ -410,7 +416,7 @@ def pipeline(items: Iterable[Any], ctx: Context) -> Iterable[Any]:
 def process(items: Iterable[Any], header: Any, settings: GadgetSettings, send: Callable[[Any], None],
             on_error: Callable[[str], None] | None = None, *, host: Host | None = None,
             trusted: GadgetSettings | None = None, eager: bool = False,
-            background_images: bool = False) -> dict[str, int]:
+            background_images: bool = False, on_warning: Callable[[str], None] | None = None) -> dict[str, int]:
     """The gadget loop, transport-free: ``items`` yields acquisitions (and, from a standalone
     client, JSON parameter strings before the first acquisition); ``send`` delivers images and
     in-band feedback. Bad acquisitions are reported through ``on_error`` and skipped;
@@ -426,9 +432,12 @@ def process(items: Iterable[Any], header: Any, settings: GadgetSettings, send: C
     ``background_images``: finished slices are reconstructed and sent on a worker thread
     (``send`` must be thread-safe), all of them before this returns (:attr:`Context.background_images`).
 
+    ``on_warning``: told what the stream did not apply (a client's setting the operator did not
+    allow, :func:`masc_gadget.serving.settings.client_values`).
+
     Returns counters (acquisitions, decisions, images, rejected)."""
     ctx = Context(header, settings, send, on_error=on_error, host=host or Host(), trusted=trusted,
-                  background_images=background_images)
+                  background_images=background_images, on_warning=on_warning)
     try:
         if eager:
             ctx.start()

@@ -26,6 +26,7 @@ _FLAGS = {
     "zmq_address": "zmq_address",
     "config_name": "config_name",
     "config_xml": "config_xml",
+    "policy": "policy",
     "max_subjects": "max_subjects",
     "max_slices": "max_slices",
 }
@@ -65,6 +66,9 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     scan.add_argument("--config-xml", metavar="FILE.xml",
                       help="send this stream configuration (e.g. configs/gadgetron/masc_external.xml) "
                       "as the configuration script instead of a name: Gadgetron runs it as is")
+    scan.add_argument("--policy", metavar="NAME",
+                      help="ask the server for this sampling policy (default: none, the server serves its "
+                      "operator's; it applies a client's only where server.client_overrides allows)")
     scan.add_argument("--max-subjects", type=int, metavar="N", help="scan at most N subjects (0 = all)")
     scan.add_argument("--max-slices", type=int, metavar="N", help="at most N slices per subject (0 = all)")
     scan.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -93,6 +97,10 @@ def cmd_scan(args: argparse.Namespace) -> int:
     report = run_scan(config, args.data, args.split, args.out, progress=not args.no_progress)
     print(report.summary())
     print(f"report written to {args.out}/report.json, images to {args.out}/images.h5")
+    warnings = [w for sub in report.subjects for w in sub.gadget_warnings]
+    if warnings:
+        print(f"masc scan: the gadget did not apply {len(set(warnings))} setting(s) as asked: "
+              f"{'; '.join(sorted(set(warnings)))}", file=sys.stderr)
     errors = [e for sub in report.subjects for e in sub.gadget_errors]
     if errors:  # the scan completed on the fallback order, but not as asked: say so and fail
         print(f"masc scan: error: the gadget reported {len(errors)} error(s), the first: {errors[0]} "

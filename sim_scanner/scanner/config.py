@@ -76,6 +76,11 @@ class ScannerConfig:
     zmq_address: str = "tcp://127.0.0.1:9003"
     """ZeroMQ PULL endpoint the scanner binds for ``feedback = "zmq"`` (``tcp://HOST:*`` picks
     a free port); sent to the gadget in the JSON parameters."""
+    policy: str = ""
+    """The sampling policy the scan asks the server for in its JSON parameters; "" (default):
+    none, the server serves its operator's. A server applies it only where its operator allows
+    (``server.client_overrides``), else it tells the scan (a ``MASC warning:`` text, in the
+    report's ``gadget_warnings``) and serves its own."""
     config_name: str = "default"
     """Stream configuration name sent as config-by-name (message id 1), e.g. "default" or a
     policy name (masc serve), or the name of an XML in Gadgetron's config folder."""

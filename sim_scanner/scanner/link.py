@@ -114,7 +114,8 @@ class GadgetLink:
     """One MRD connection to the gadget: sends from the caller, a reader thread for replies."""
 
     def __init__(
-        self, sock: socket.socket, mode: str, board: DecisionBoard, errors: list[str]
+        self, sock: socket.socket, mode: str, board: DecisionBoard, errors: list[str],
+        warnings: list[str] | None = None,
     ) -> None:
         from masc_gadget.mrd.protocol import MrdStream
 
@@ -125,6 +126,8 @@ class GadgetLink:
         self.mode = mode
         self.board = board
         self.errors = errors
+        self.warnings: list[str] = [] if warnings is None else warnings
+        """The gadget's ``MASC warning:`` texts (a setting it did not apply)."""
         self.images: list[ismrmrd.Image] = []
         self.lost_reason = ""
         self.server_closed = False
@@ -137,7 +140,7 @@ class GadgetLink:
 
     @classmethod
     def connect(
-        cls, scfg: ScannerConfig, board: DecisionBoard, errors: list[str]
+        cls, scfg: ScannerConfig, board: DecisionBoard, errors: list[str], warnings: list[str] | None = None,
     ) -> GadgetLink:
         host, port = scfg.host_port
         try:
@@ -154,7 +157,7 @@ class GadgetLink:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
         except (OSError, struct.error):
             log.debug("could not set SO_SNDTIMEO on the gadget socket")
-        link = cls(sock, scfg.feedback, board, errors)
+        link = cls(sock, scfg.feedback, board, errors, warnings)
         link._reader.start()
         return link
 
@@ -229,8 +232,12 @@ class GadgetLink:
                     self.images.append(payload)
                 elif mid in (protocol.ID_TEXT, protocol.ID_ERROR):
                     text = str(payload).strip("\x00").strip()
-                    self.errors.append(text)
-                    log.warning("gadget error: %s", text)
+                    if mid == protocol.ID_TEXT and text.startswith("MASC warning:"):
+                        self.warnings.append(text)  # a setting not applied: the scan goes on
+                        log.warning("gadget: %s", text)
+                    else:
+                        self.errors.append(text)
+                        log.warning("gadget error: %s", text)
                 else:
                     log.debug("ignoring message id %s from the gadget", mid)
         finally:

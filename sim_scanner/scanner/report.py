@@ -92,6 +92,8 @@ class SubjectReport:
     """Whether the gadget answered the scanner's close with its own close message (id 4)."""
     gadget_errors: list[str] = field(default_factory=list)
     """Text / error messages from the gadget and problems with what it sent."""
+    gadget_warnings: list[str] = field(default_factory=list)
+    """The gadget's ``MASC warning:`` texts: settings it did not apply as asked (the scan went on)."""
     images_returned: int = 0
     paced_late_ms: float = 0.0
     """Paced scans: how far behind its slot in the sequence the latest line went out (waiting

@@ -179,16 +179,20 @@ def gadget_parameters(
 
     ``feedback`` is the gadget's switch for decisions on the MRD connection: "inband" or "fire"
     (message 1028) in those modes. With the side channel it is "none" and ``zmq_address`` is the
-    endpoint the scanner bound (otherwise "", so that the gadget pushes to no one); ``token``
-    only when ``scanner.token`` is set.
+    endpoint the scanner bound (otherwise "", so that the gadget pushes to no one); ``initial``
+    and ``budget``, the protocol the scanner plays (a server serving another ends the connection
+    with an error naming both); ``policy`` only when ``scanner.policy`` asks for one (the server
+    serves its operator's otherwise, and applies a client's only where its operator allows it);
+    ``token`` only when ``scanner.token`` is set.
     """
     params = {
         "feedback": scfg.feedback if scfg.feedback in ("inband", "fire") else "none",
         "zmq_address": pump.endpoint if pump is not None else "",
         "initial": acq.initial,
         "budget": acq.budget,
-        "policy": acq.policy,
     }
+    if scfg.policy:  # asked for explicitly (masc scan --policy): the server's own otherwise
+        params["policy"] = scfg.policy
     if acq.lines_per_decision != 1:  # an echo train per decision (older gadgets never see the key)
         params["lines_per_decision"] = acq.lines_per_decision
     if scfg.token:
@@ -451,7 +455,7 @@ def _connect(
     """The connection to the gadget; None (the subject recorded as unreachable) when it cannot
     be reached and ``require_gadget`` is false."""
     try:
-        return GadgetLink.connect(scfg, board, report.gadget_errors)
+        return GadgetLink.connect(scfg, board, report.gadget_errors, report.gadget_warnings)
     except ConnectionError as err:
         if require_gadget:
             raise

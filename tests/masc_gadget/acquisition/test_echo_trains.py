@@ -93,7 +93,7 @@ def test_closed_loop_scan_with_echo_trains(tiny_dataset, tmp_path, interleave):
     try:
         config = load_config(CONFIGS / "tiny.yaml", [
             f"scanner.server=127.0.0.1:{port}", "scanner.feedback=inband", "scanner.deadline_ms=2000",
-            f"scanner.interleave={str(interleave).lower()}", "acquisition.policy=center-out",
+            f"scanner.interleave={str(interleave).lower()}", "acquisition.policy=center-out", "scanner.policy=center-out",
             "acquisition.budget=7", "acquisition.lines_per_decision=3"])
         report = run_scan(config, tiny_dataset, "test", tmp_path / "scan", progress=False)
     finally:

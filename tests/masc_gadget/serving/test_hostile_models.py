@@ -20,7 +20,7 @@ from masc_gadget.mrd import feedback
 from masc_gadget.mrd.feedback import FeedbackConfig, ZmqFeedback, ZmqFeedbackReceiver, endpoint_allowed
 from masc_gadget.mrd.header import parse_header
 from masc_gadget.serving.gadget import process
-from masc_gadget.serving.host import Host
+from masc_gadget.serving.host import Host, ServerConfig
 from masc_gadget.serving.models import ModelCache, ModelsConfig, load_models
 from masc_gadget.serving.settings import GadgetSettings
 from masc_gadget.serving.stages import make_image
@@ -64,7 +64,7 @@ def _run(items, settings=BASE, cache=None, params=None):
     if params is not None:
         items.insert(0, json.dumps(params))
     process(iter(items), _header(), settings, sent.append, on_error=errors.append,
-            host=Host(cache=ModelCache() if cache is None else cache))
+            host=Host(limits=ServerConfig(client_overrides=("*",)), cache=ModelCache() if cache is None else cache))
     return [x for x in sent if isinstance(x, ismrmrd.Image) and x.image_series_index == 1], errors
 
 
@@ -279,7 +279,7 @@ def test_a_scanner_following_zmq_decisions_gets_each_image_once_its_budget_is_sp
                     yield _line(s, decision.line)
 
         process(scanner(), _header(), BASE, lambda item: order.append(("image", item.slice))
-                if isinstance(item, ismrmrd.Image) else None, host=Host(cache=ModelCache()))
+                if isinstance(item, ismrmrd.Image) else None, host=Host(limits=ServerConfig(client_overrides=("*",)), cache=ModelCache()))
     # each slice's two series (MAR, zero-filled) as soon as its budget is spent
     assert order == [*[("line", 0)] * BUDGET, *[("image", 0)] * 2, *[("line", 1)] * BUDGET, *[("image", 1)] * 2]
 

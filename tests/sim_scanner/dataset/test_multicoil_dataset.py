@@ -61,7 +61,7 @@ def test_multi_coil_test_split_scans_in_closed_loop(multicoil, tmp_path, combine
     _, port = server.start()
     try:
         scan_config = load_config(CONFIGS / "tiny.yaml", [f"scanner.server=127.0.0.1:{port}", "scanner.feedback=inband",
-                                                          "scanner.deadline_ms=2000", "acquisition.policy=equispaced"])
+                                                          "scanner.deadline_ms=2000", "acquisition.policy=equispaced", "scanner.policy=equispaced"])
         report = run_scan(scan_config, array, "test", tmp_path / "scan", progress=False)
     finally:
         server.shutdown()

@@ -48,7 +48,7 @@ def test_masc_scan_closed_loop_equals_offline(tiny_dataset, tmp_path, interleave
     try:
         scan_config = load_config(CONFIGS / "tiny.yaml", [
             f"scanner.server=127.0.0.1:{port}", f"scanner.feedback={feedback}", "scanner.deadline_ms=2000",
-            f"scanner.interleave={str(interleave).lower()}", "acquisition.policy=equispaced",
+            f"scanner.interleave={str(interleave).lower()}", "acquisition.policy=equispaced", "scanner.policy=equispaced",
         ])
         report = run_scan(scan_config, tiny_dataset, "test", tmp_path / "scan", progress=False)
     finally:
@@ -139,7 +139,7 @@ def test_masc_scan_fails_when_the_gadget_refused_what_it_asked(tiny_dataset, tmp
     try:
         code = main(["scan", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset), "--server",
                      f"127.0.0.1:{port}", "--out", str(tmp_path / "scan"), "--no-progress",
-                     "--set", "acquisition.policy=mascc"])
+                     "--policy", "mascc"])
     finally:
         server.shutdown()
     err = capsys.readouterr().err

@@ -26,7 +26,7 @@ STYLES = {
 @pytest.mark.parametrize("style", list(STYLES))
 def test_masc_scan_sends_scanner_like_streams(tiny_dataset, tmp_path, style, feedback):
     report, scan_config = scan_against_serve(
-        tiny_dataset, tmp_path / "scan", scan=[f"scanner.feedback={feedback}", "acquisition.policy=equispaced",
+        tiny_dataset, tmp_path / "scan", scan=[f"scanner.feedback={feedback}", "acquisition.policy=equispaced", "scanner.policy=equispaced",
                                                *STYLES[style]])
     acq = scan_config["acquisition"]
     assert report.totals.fallbacks == (0 if feedback == "inband" else report.totals.fallbacks)

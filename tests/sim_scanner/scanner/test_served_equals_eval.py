@@ -69,7 +69,7 @@ def learned_checkpoints(tmp_path_factory, masc_checkpoint):
 
 def _scan(tiny_dataset, out, policy, gadget):
     report, _ = scan_against_serve(tiny_dataset, out, gadget, [
-        "scanner.feedback=inband", f"acquisition.policy={policy}", f"acquisition.initial={INITIAL}",
+        "scanner.feedback=inband", f"acquisition.policy={policy}", f"scanner.policy={policy}", f"acquisition.initial={INITIAL}",
         f"acquisition.budget={BUDGET}"])
     assert report.totals.fallbacks == 0 and report.totals.connections_lost == 0
     return {f"{sub.subject}/{sl.slice}": sl for sub in report.subjects for sl in sub.slices}
