@@ -44,21 +44,23 @@ demo: install
 	$(MASC) simulate dataset --config configs/small.yaml --out $(DEMO_DATA) --subjects $(DEMO_SUBJECTS) \
 	    --set dataset.seed=$(DEMO_SEED) --set "dataset.split_fractions=[0, 0, 1]"
 	$(MASC) simulate preview $(DEMO_DATA) --out $(DEMO_DATA)/preview.png
-	@# closed loop: masc serve in the background, masc scan against it, then stop the server
-	@$(MASC) serve --config configs/small.yaml --port $(PORT) --log-level WARNING & pid=$$!; \
-	for i in $$(seq 120); do $(PY) -c "import socket; socket.create_connection(('127.0.0.1', $(PORT)), 0.2)" 2>/dev/null && break; sleep 0.25; done; \
-	rc=0; for policy in masc center-out; do \
-	    echo "== closed-loop scan, policy $$policy"; \
+	@# closed loop: masc serve in the background (the recommended model as it starts without a config,
+	@# then MASC as configs/small.yaml serves it), masc scan against it, then stop the server
+	@rc=0; for model in fixed_small masc_small; do \
+	    if [ $$model = masc_small ]; then serve_config="--config configs/small.yaml"; else serve_config=""; fi; \
+	    $(MASC) serve $$serve_config --port $(PORT) --log-level WARNING & pid=$$!; \
+	    for i in $$(seq 120); do $(PY) -c "import socket; socket.create_connection(('127.0.0.1', $(PORT)), 0.2)" 2>/dev/null && break; sleep 0.25; done; \
+	    echo "== closed-loop scan against masc serve $$serve_config (shipped:$$model)"; \
 	    $(MASC) scan --config configs/small.yaml --data $(DEMO_DATA) --split test --server 127.0.0.1:$(PORT) \
-	        --feedback inband --deadline-ms 200 --fallback center-out --out $(SCAN)/$$policy \
-	        --set scanner.max_subjects=2 --set acquisition.policy=$$policy --log-level WARNING || rc=$$?; \
-	done; \
-	kill -TERM $$pid; wait $$pid; exit $$rc
+	        --feedback inband --deadline-ms 200 --fallback center-out --out $(SCAN)/$$model \
+	        --set scanner.max_subjects=2 --log-level WARNING || rc=$$?; \
+	    kill -TERM $$pid; wait $$pid; \
+	done; exit $$rc
 	@echo "== MASC against the shipped fixed order and the conventional orders, each under its MAR network"
 	$(MASC) eval --config configs/small.yaml --data $(DEMO_DATA) --split test --mar shipped:masc_small \
 	    --checkpoint shipped:masc_small,shipped:fixed_small --methods random,center-out,fixed-order,masc \
 	    --reference center-out --out $(SCAN)/eval --log-level WARNING
-	@echo "demo done: dataset $(DEMO_DATA), preview $(DEMO_DATA)/preview.png, closed-loop scans $(SCAN)/{masc,center-out}/ (report.json, images.h5, scan.png), comparison $(SCAN)/eval/ (table.md with its summary, curves.png, examples.png)"
+	@echo "demo done: dataset $(DEMO_DATA), preview $(DEMO_DATA)/preview.png, closed-loop scans $(SCAN)/{fixed_small,masc_small}/ (report.json, images.h5, scan.png), comparison $(SCAN)/eval/ (table.md with its summary, curves.png, examples.png)"
 
 # The benchmarks behind docs/benchmarks.md's figures (on the small data set; the MaskablePPO comparison
 # needs the optional `bench` extra, sb3-contrib). DEVICE=cuda on a GPU machine.

@@ -26,7 +26,9 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
     serve = subparsers.add_parser(
         "serve", parents=[common], help="run the MASC gadget as a standalone MRD server",
         description="Standalone MRD server running the MASC gadget (gadgetron_ismrmrd_client and "
-        "python-ismrmrd-server client dialects). Stops on SIGTERM / Ctrl-C.",
+        "python-ismrmrd-server client dialects). Without --config it serves the recommended shipped "
+        "model (masc_gadget.models.shipped.RECOMMENDED). Clients change only what server.client_overrides "
+        "allows. Stops on SIGTERM / Ctrl-C.",
     )
     serve.add_argument("--host", help="address to listen on (default: server.host, 127.0.0.1)")
     serve.add_argument("--port", type=port_number, help="port, 0 (any free port) to 65535 (default: server.port, 9002)")
@@ -34,10 +36,10 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from masc_gadget.cli import config_from_args
+    from masc_gadget.serving.host import serving_config
     from masc_gadget.serving.server import MascServer
 
-    config = config_from_args(args)
+    config = serving_config(getattr(args, "config", None), getattr(args, "overrides", []))
     server = MascServer(config, host=args.host, port=args.port)
     settings = server.serving.default
     log.info("default settings: policy %s, %d + %d lines, MAR %s, device %s", settings.policy,

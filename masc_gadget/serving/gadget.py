@@ -27,7 +27,7 @@ from masc_gadget import __version__
 from masc_gadget.config import ConfigError
 from masc_gadget.mrd import tcp
 from masc_gadget.serving.connection import check_header
-from masc_gadget.serving.host import Host
+from masc_gadget.serving.host import Host, serving_config
 from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache, build_engine, load_models, warm_up
 from masc_gadget.serving.server import serve_connect_mode
 from masc_gadget.serving.settings import GadgetSettings, settings_from_json, settings_from_xml
@@ -61,13 +61,14 @@ _EXECUTE_HOST: Host | None = None
 
 
 def execute_host() -> Host:
-    """The host of execute mode: one per module process, with the defaults of every section
-    (Gadgetron starts the module without a config file)."""
+    """The host of execute mode: one per module process, serving the recommended shipped model
+    under the defaults of every other section (Gadgetron starts the module without a config file;
+    the stream XML's properties choose otherwise)."""
     global _EXECUTE_HOST
     if _EXECUTE_HOST is None:
-        from masc_gadget.config import load_config
+        from masc_gadget.serving.host import serving_config
 
-        _EXECUTE_HOST = Host.from_config(load_config(None), batch=False)
+        _EXECUTE_HOST = Host.from_config(serving_config(None), batch=False)
     return _EXECUTE_HOST
 
 
@@ -99,14 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     SIGTERM / SIGINT after sending every open stream its slices."""
     import argparse
 
-    from masc_gadget.config import load_config
-
     parser = argparse.ArgumentParser(prog="python -m masc_gadget.serving.gadget",
                                      description="Serve Gadgetron streams in connect mode.")
     parser.add_argument("port", type=int)
     parser.add_argument("--config", help="YAML config: its acquisition / gadget sections are the "
                         "defaults under each stream's <configuration> properties, its server section "
-                        "the limits (but host and port)")
+                        "the limits (but host and port); default: the recommended shipped model")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = parser.parse_args(argv)
@@ -114,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port < 65536:
         parser.error(f"port must be in [0, 65535], got {args.port}")
     try:
-        config = load_config(args.config)
+        config = serving_config(args.config)
     except (ConfigError, OSError) as err:
         parser.error(str(err))
     serve_connect_mode(config, args.port, args.host)

@@ -25,7 +25,7 @@ from masc_gadget.mrd.feedback import DEFAULT_ZMQ_ALLOW, tcp_port
 from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache
 from masc_gadget.serving.settings import SETTINGS, GadgetSettings
 
-__all__ = ["ClientError", "Host", "MemoryBudget", "NamedConfigs", "ServerConfig", "allowed_networks",
+__all__ = ["ClientError", "Host", "MemoryBudget", "NamedConfigs", "ServerConfig", "allowed_networks", "serving_config",
            "clip", "is_loopback", "peer_allowed", "MAX_CONFIG_NAME_CHARS", "MAX_ERROR_CHARS"]
 
 log = logging.getLogger(__name__)
@@ -168,6 +168,27 @@ def peer_allowed(address: str, networks: list) -> bool:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     return any(ip.version == net.version and ip in net for net in networks)
+
+
+def serving_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The configuration a serving entry point runs: ``path`` with ``overrides``; without a
+    file, the recommended shipped model (:data:`masc_gadget.models.shipped.RECOMMENDED`) under
+    ``overrides``. A configuration that names no trained model (no policy or MAR checkpoint) is
+    served as it says, with a warning."""
+    from masc_gadget.models.shipped import RECOMMENDED, recommended_overrides
+
+    if path is None:
+        config = load_config(None, [*recommended_overrides(), *overrides])
+        log.info("no configuration file: serving the recommended shipped model %s", RECOMMENDED)
+    else:
+        config = load_config(path, overrides)
+    settings = GadgetSettings.from_config(config)
+    if not settings.policy_checkpoint and not settings.mar_checkpoint:
+        log.warning("serving policy %s, %d + %d lines, with no trained model (gadget.policy_checkpoint and "
+                    "gadget.mar_checkpoint are empty: MAR off, images zero-filled); the recommended model is "
+                    "shipped:%s (start without --config, or --set %s)", settings.policy, settings.initial,
+                    settings.budget, RECOMMENDED, " --set ".join(recommended_overrides()))
+    return config
 
 
 class MemoryBudget:

@@ -2,14 +2,18 @@
 ``gadgetron_ismrmrd_client`` and with ``masc scan`` in closed loop.
 
 Runs when ``gadgetron`` and ``gadgetron_ismrmrd_client`` are on PATH (their libraries on
-LD_LIBRARY_PATH); skipped otherwise, so CI stays fast. The XMLs are sent as they ship, with the
-client's local-config option (-C), so nothing is installed into Gadgetron's config folder.
+LD_LIBRARY_PATH); skipped otherwise, so CI stays fast. The XMLs are sent with the client's
+local-config option (-C), so nothing is installed into Gadgetron's config folder. They ship
+naming the recommended model on its 128-line protocol; for the tiny data here they are sent with
+that model's properties replaced by centre-out on 2 + 18 lines (:func:`_variant`), everything
+else as shipped.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -36,7 +40,29 @@ pytestmark = [
                        reason="needs gadgetron and gadgetron_ismrmrd_client on PATH"),
 ]
 
-XMLS = CONFIGS / "gadgetron"
+SHIPPED_XMLS = CONFIGS / "gadgetron"
+TINY_PROPERTIES = {"policy": "center-out", "initial": "2", "budget": "18", "policy_checkpoint": "",
+                   "mar_checkpoint": ""}
+"""What the tiny data's scans play instead of the shipped model's properties."""
+
+
+def _variant(name: str, folder: Path) -> Path:
+    """The shipped XML ``name`` with :data:`TINY_PROPERTIES` in place of its model properties."""
+    text = (SHIPPED_XMLS / name).read_text()
+    for key, value in TINY_PROPERTIES.items():
+        text, n = re.subn(rf'<property name="{key}" value="[^"]*"/>', f'<property name="{key}" value="{value}"/>', text)
+        assert n == 1, f"{name} has no {key} property"
+    out = folder / name
+    out.write_text(text)
+    return out
+
+
+@pytest.fixture(scope="module")
+def XMLS(tmp_path_factory):  # noqa: N802 - the folder of the XMLs the tests send
+    folder = tmp_path_factory.mktemp("xmls")
+    for xml in SHIPPED_XMLS.glob("*.xml"):
+        _variant(xml.name, folder)
+    return folder
 CONNECT_PORT = 18000  # as configs/gadgetron/masc_connect.xml ships
 
 
@@ -136,7 +162,7 @@ def _offline(subject: Path, xml: Path, lines: dict[int, list[int]] | None = None
 
 
 @pytest.mark.parametrize("xml", ["masc_external.xml", "masc_connect.xml"])
-def test_stock_client_gets_one_image_per_slice(gadgetron, connect_module, subject, xml, tmp_path):
+def test_stock_client_gets_one_image_per_slice(gadgetron, connect_module, subject, xml, tmp_path, XMLS):
     out = tmp_path / "out.h5"
     done = _stock_client(gadgetron, subject, XMLS / xml, out)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -150,7 +176,7 @@ def test_stock_client_gets_one_image_per_slice(gadgetron, connect_module, subjec
 @pytest.mark.parametrize("xml, feedback", [("masc_external.xml", "zmq"), ("masc_connect.xml", "zmq"),
                                            ("masc_external_inband.xml", "inband")])
 def test_closed_loop_scan_through_gadgetron(gadgetron, connect_module, tiny_dataset, xml, feedback,
-                                            tmp_path):
+                                            tmp_path, XMLS):
     out = tmp_path / "scan"
     cmd = [sys.executable, "-m", "masc_gadget.cli", "scan", "--config", str(CONFIGS / "tiny.yaml"),
            "--data", str(tiny_dataset), "--split", "test", "--server", f"127.0.0.1:{gadgetron}",
@@ -186,7 +212,7 @@ def _client_images(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return np.abs(data[order, 0, 0]).astype(np.float64), header[order]
 
 
-def test_a_siemens_like_stream_matches_gadgetrons_default_recon(gadgetron, tmp_path):
+def test_a_siemens_like_stream_matches_gadgetrons_default_recon(gadgetron, tmp_path, XMLS):
     """The anchor: a fully sampled 2-coil stream with 2x readout oversampling (encoded 320 x 160,
     recon 160 x 160, FOV 200 x 200 mm) through Gadgetron's own default.xml and through MASC's
     gadget in the same Gadgetron: the same shape and header geometry, and after one scale factor

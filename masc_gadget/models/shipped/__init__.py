@@ -15,6 +15,11 @@ from typing import Any
 
 PREFIX = "shipped:"
 
+RECOMMENDED = "fixed_small"
+"""The shipped model the serving entry points serve when no configuration is given (``masc
+serve`` and Gadgetron's connect mode without ``--config``, execute mode): the one the README's
+results recommend on this protocol (docs/results.md)."""
+
 
 def available() -> list[str]:
     """Names of the shipped checkpoints."""
@@ -50,3 +55,17 @@ def provenance(name: str) -> dict[str, Any]:
         return {}
     path = Path(str(resources.files(__name__).joinpath(f"{name}.json")))
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def recommended_overrides(name: str = RECOMMENDED) -> list[str]:
+    """``--set`` overrides that serve shipped model ``name``: its policy (the checkpoint's kind),
+    the protocol it was trained on (initial, budget, lines per decision), its policy and MAR
+    checkpoints. Read from its provenance record (no weights loaded)."""
+    record = provenance(name)
+    if not record:
+        raise FileNotFoundError(f"no shipped checkpoint {name!r}; shipped checkpoints: "
+                                f"{', '.join(PREFIX + n for n in available())}")
+    acq = (record.get("config") or {}).get("acquisition") or {}
+    out = [f"acquisition.policy={record['kind']}"]
+    out += [f"acquisition.{key}={acq[key]}" for key in ("initial", "budget", "lines_per_decision") if key in acq]
+    return out + [f"gadget.policy_checkpoint={PREFIX}{name}", f"gadget.mar_checkpoint={PREFIX}{name}"]
