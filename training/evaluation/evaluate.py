@@ -30,7 +30,7 @@ from training.oracle import NAME as ORACLE
 from training.oracle import GreedyOracle
 from training.population import NAME as POPULATION
 from training.population import population_order
-from training.scoring import score_batch
+from training.scoring import do_nothing, score_batch
 from training.evaluation.figures import plot_curves, plot_examples
 from training.evaluation.stats import mean_std
 from training.evaluation.tables import add_tests, render_table
@@ -92,6 +92,7 @@ class Trajectories:
     lines: np.ndarray  # (N, initial + budget) acquisition order
     curves: dict[bool, dict[str, np.ndarray]]  # mar? -> metric -> (N, T)
     finals: dict[bool, torch.Tensor] = field(default_factory=dict)  # mar? -> (E, H, W) example images
+    served_mar: np.ndarray | None = None  # (N,) bool: the final image served is the MAR network's
 
 
 def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: int, budget: int,
@@ -126,6 +127,7 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
     curves = {m: {k: np.zeros((n, steps)) for k in METRICS} for m in settings}
     finals: dict[bool, list[tuple[int, torch.Tensor]]] = {m: [] for m in settings}
     wanted = {int(i): j for j, i in enumerate(example_index)}
+    served_mar = np.zeros(n, dtype=bool)
     bar = tqdm(total=n, desc=getattr(policy, "name", "method"), unit="slice", leave=False, disable=not progress)
     for start in range(0, n, batch_size):
         index = list(range(start, min(start + batch_size, n)))
@@ -152,6 +154,8 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
                     for key, value in (scores.image if m else scores.zero_filled).items():
                         curves[m][key][index, t] = value.double().cpu().numpy()
             if t == budget:
+                if mar is not None:
+                    served_mar[index] = scores.served.mar_used.cpu().numpy()
                 for b, i in enumerate(index):
                     if i in wanted:
                         for m in settings:
@@ -173,7 +177,8 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
         bar.update(len(index))
     bar.close()
     return Trajectories(lines, curves, {m: torch.stack([img for _, img in sorted(v, key=lambda x: x[0])])
-                                        for m, v in finals.items() if v})
+                                        for m, v in finals.items() if v},
+                        served_mar if mar is not None and score else None)
 
 
 def pick_examples(data: SliceSet, count: int) -> list[int]:
@@ -276,6 +281,8 @@ def result_rows(method: str, traj: Trajectories, initial: int, budget: int) -> l
                           for k, v in curves.items()}},
             "lines": traj.lines.tolist(),
         })
+        if use_mar and traj.served_mar is not None:  # slices served through the fallback (zero-filled)
+            rows[-1]["fallback"] = int((~traj.served_mar).sum())
     return rows
 
 
@@ -368,10 +375,13 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
                               ood=fallback_rule(method_mar[method], config["gadget"].mar_fallback,
                                                 reads_image=not isinstance(policy, GreedyOracle)
                                                 and policy.sees_mar(method_mar[method] is not None)))
+            if acc not in results["accelerations"]:  # doing nothing: the reference of harm
+                nothing = do_nothing(data, initial, budget, batch_size=ecfg.batch_size)
             block = results["accelerations"].setdefault(acc, {
                 "initial": initial, "budget": budget, "n_pe": data.n_pe,
                 "lines_per_decision": config["acquisition"].lines_per_decision,
                 "factor": data.n_pe / (initial + budget), "rows": [],
+                "nothing": {k: v.tolist() for k, v in nothing.items()},
             })
             for row in result_rows(method, traj, initial, budget):
                 block["rows"].append(row)

@@ -119,7 +119,7 @@ def render_table(results: dict[str, Any]) -> str:
         shown = [over for over, v in captured.items() if any(x is not None for x in v.values())]
         header += [f"oracle gain captured over {'Random' if over == 'random' else 'the best baseline'} (SSIM)"
                    for over in shown]
-        header += ["line sets"]
+        header += ["line sets", "fallback"]
         out.append("| " + " | ".join(header) + " |")
         out.append("|" + "|".join(["---"] * 2 + ["---:"] * (len(header) - 2)) + "|")
         best = {}
@@ -143,11 +143,13 @@ def render_table(results: dict[str, Any]) -> str:
                 share = captured[over].get(row["key"])
                 cells.append("–" if share is None else f"{100 * share:.0f} %")
             cells.append(str(line_sets(row)) if "lines" in row else "–")
+            cells.append(f"{row['fallback']} / {len(row['per_slice']['ssim'])}" if "fallback" in row else "–")
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     n_subjects = len(set(result_subjects(results)))
     note = (f"Line sets: how many distinct sets of lines the method plays over the {results['n_slices']} "
-            f"slices (1: one line set for every slice, however it was chosen). Mean ± std over slices; metrics per slice against the clean fully sampled image, both "
+            f"slices (1: one line set for every slice, however it was chosen). Fallback: slices whose MAR "
+            f"image the OOD rule replaced by the zero-filled one (docs/mar-safety.md). Mean ± std over slices; metrics per slice against the clean fully sampled image, both "
             f"scaled by its maximum, on the image the gadget serves. Best in bold. p-values: paired "
             f"two-sided tests of SSIM against the reference row `{ref}`, over the subjects' mean SSIM "
             f"({n_subjects} {'subject: no test' if n_subjects == 1 else 'subjects'}; these decide: slices of "
@@ -176,6 +178,7 @@ def closing_summary(results: dict[str, Any]) -> list[str]:
         name = {r["key"]: DISPLAY_NAMES.get(r["method"], r["method"]).split(" (")[0] for r in rows}
         ranking = ", ".join(f"{name[r['key']]} {r['summary']['ssim']['mean']:.4f}" for r in rows)
         lines.append(f"- **{acc}**, SSIM of the served images{' (MAR)' if with_mar else ''}, best first: {ranking}.")
+        lines += harm_lines(block, subjects, name) + same_lines(block, name)
         baselines = [r for r in rows if r["method"] in BASELINES]
         if not baselines:
             continue
@@ -199,6 +202,11 @@ def closing_summary(results: dict[str, Any]) -> list[str]:
             test = subject_tests(np.asarray(r["per_slice"]["ssim"]), np.asarray(fixed["per_slice"]["ssim"]), subjects)
             vs = _verdict(test["diff"], test["p_ttest"], n_subjects)
             lines.append(f"  - MASC against the fixed order: {test['diff']:+.4f} SSIM (p {_fmt_p(test['p_ttest'])}): {vs}.")
+            shared = _shared_lines(r, fixed)
+            if shared is not None and shared * 2 >= len(r["lines"]):
+                lines.append(f"  - In one sentence: MASC plays the fixed order's lines on {shared} of {len(r['lines'])} "
+                             f"slices, so the difference ({vs}) is their MAR networks', not a per-slice choice of lines.")
+                continue
             if vs == "worse":
                 lines.append("  - In one sentence: here the fixed order serves better images than MASC's per-slice "
                              "choice: deploy the fixed order for this protocol.")
@@ -217,6 +225,54 @@ def closing_summary(results: dict[str, Any]) -> list[str]:
                    "too few subjects to test": "scan more subjects before reading anything into the gap"}[word]
         lines.append(f"  - In one sentence: {meaning}.")
     return lines
+
+
+def harm_lines(block: dict[str, Any], subjects: list[str], name: dict[str, str]) -> list[str]:
+    """One line per MAR row that harms the image, by the one definition of harm (served below
+    doing nothing, centre-out's zero-filled image with as many lines: ``block["nothing"]``), and
+    one per row whose fallback fired."""
+    if "nothing" not in block:
+        return []
+    nothing = np.asarray(block["nothing"]["ssim"])
+    out = []
+    for row in block["rows"]:
+        if not row["mar"]:
+            continue
+        served = np.asarray(row["per_slice"]["ssim"])
+        harmed = int((served < nothing).sum())
+        label = name.get(row["key"], row["method"])
+        fell_back = row.get("fallback", 0)
+        fallback = f"; its fallback served {fell_back} of {len(served)} slices zero-filled" if fell_back else ""
+        if served.mean() < nothing.mean():
+            test = subject_tests(served, nothing, subjects)
+            out.append(f"  - **{label} harms the image here**: its served image is below doing nothing "
+                       f"(centre-out's zero-filled image with as many lines) by {test['diff']:+.4f} SSIM on average "
+                       f"(p {_fmt_p(test['p_ttest'])} over subjects), on {harmed} of {len(served)} slices{fallback}; "
+                       "check the network on this data with masc mar-check.")
+        elif harmed or fell_back:
+            out.append(f"  - {label}: below doing nothing on {harmed} of {len(served)} slices{fallback}.")
+    return out
+
+
+def _shared_lines(a: dict[str, Any], b: dict[str, Any]) -> int | None:
+    """On how many slices two rows play the same set of lines (None without their lines)."""
+    if "lines" not in a or "lines" not in b:
+        return None
+    return sum(sorted(x) == sorted(y) for x, y in zip(a["lines"], b["lines"]))
+
+
+def same_lines(block: dict[str, Any], name: dict[str, str]) -> list[str]:
+    """A line for each pair of methods that play the same lines on most slices: their gap is the
+    networks', not the line choice."""
+    rows = [r for r in block["rows"] if r["mar"] and "lines" in r] or [r for r in block["rows"] if "lines" in r]
+    out = []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            same = _shared_lines(a, b)
+            if same * 2 >= len(a["lines"]) > 0:
+                out.append(f"  - {name.get(a['key'], a['method'])} plays the same lines as {name.get(b['key'], b['method'])} "
+                           f"on {same} of {len(a['lines'])} slices: the gap between them is the networks', not the line choice.")
+    return out
 
 
 def _verdict(diff: float, p: float, n_subjects: int) -> str:

@@ -231,3 +231,37 @@ def test_the_summary_puts_masc_beside_the_fixed_order():
     rows[2] = _row("fixed-order", True, rows[1]["per_slice"]["ssim"] + 0.0005 * rng.standard_normal(12))
     text = "\n".join(closing_summary(results))
     assert "adds nothing a fixed order does not" in text
+
+
+def test_the_summary_says_when_a_network_harms_and_when_two_methods_play_the_same_lines():
+    from training.evaluation.tables import closing_summary
+
+    rng = np.random.default_rng(2)
+    nothing = 0.66 + 0.02 * rng.standard_normal(12)
+    harmful = _row("fixed-order", True, nothing - 0.12 + 0.01 * rng.standard_normal(12))
+    harmful["fallback"] = 2
+    masc = _row("masc", True, nothing - 0.01 + 0.02 * rng.standard_normal(12))
+    same = [[7, 8, 3, 20]] * 12
+    harmful["lines"], masc["lines"] = same, same[:10] + [[7, 8, 4, 21]] * 2
+    block = {"rows": [_row("center-out", True, nothing + 0.05), harmful, masc], "nothing": {"ssim": nothing.tolist()}}
+    results = {"slices": [f"sub-{i // 2}/{i % 2}" for i in range(12)], "accelerations": {"10x": block}}
+    text = "\n".join(closing_summary(results))
+    assert "**Fixed order harms the image here**" in text and "by -0.1" in text
+    assert "on 12 of 12 slices; its fallback served 2 of 12 slices zero-filled" in text
+    assert "masc mar-check" in text
+    assert "plays the same lines as MASC on 10 of 12 slices: the gap between them is the networks'" in text
+    assert "Center-out harms" not in text  # centre-out's network helps: no harm line
+    # the same lines: the gap is not credited to MASC's per-slice choice
+    assert "MASC plays the fixed order's lines on 10 of 12 slices" in text and "per-slice choice of lines beats" not in text
+
+
+def test_the_table_counts_the_slices_served_through_the_fallback(eval_run):
+    from training.evaluation.tables import render_table
+
+    results = json.loads((eval_run / "results.json").read_text())
+    for block in results["accelerations"].values():
+        assert len(block["nothing"]["ssim"]) == results["n_slices"]
+        for row in block["rows"]:
+            assert ("fallback" in row) == row["mar"]
+    table = render_table(results)
+    assert "| line sets | fallback |" in table and f"| 0 / {results['n_slices']} |" in table
