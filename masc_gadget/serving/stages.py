@@ -471,7 +471,12 @@ def _meta(result: SliceResult, zero_filled: bool, pe_offset: int = 0) -> ismrmrd
         meta["MASC.ood_score"] = f"{result.ood_score:.4g}"
     meta["MASC.version"] = _meta_text(__version__)
     meta["DataRole"] = "Image"
-    meta["ImageComments"] = "MASC zero-filled" if zero_filled else "MASC MAR-corrected"
+    if zero_filled:
+        meta["ImageComments"] = "MASC zero-filled"
+    elif str(result.mar).startswith("none"):  # the MAR series served zero-filled: say so where viewers look
+        meta["ImageComments"] = _meta_text(f"MASC zero-filled, MAR fallback: {str(result.mar)[len('none'):].strip(' ()')}")
+    else:
+        meta["ImageComments"] = "MASC MAR-corrected"
     return meta
 
 

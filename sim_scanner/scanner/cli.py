@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -106,4 +107,83 @@ def cmd_scan(args: argparse.Namespace) -> int:
         print(f"masc scan: error: the gadget reported {len(errors)} error(s), the first: {errors[0]} "
               f"(every line was still acquired; see {args.out}/report.json)", file=sys.stderr)
         return 1
+    return 0
+
+
+def register_send(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    send = subparsers.add_parser(
+        "send", parents=[common], help="send an MRD file to a server (open loop) and keep what comes back",
+        description="Send the acquisitions of an ISMRMRD file (e.g. masc simulate stream's output, or a "
+        "scanner's converted raw data) to an MRD server (masc serve, Gadgetron, python-ismrmrd-server) in "
+        "their order, as python-ismrmrd-server's client.py does, and write the images it returns to an "
+        "ISMRMRD file (group 'out', one image variable per series) for masc view. Exit 1 when the server "
+        "reported an error.",
+    )
+    send.add_argument("file", metavar="FILE.h5", help="ISMRMRD file to send")
+    send.add_argument("--group", default="dataset", help="its group (default dataset)")
+    send.add_argument("--server", default="127.0.0.1:9002", metavar="HOST:PORT", help="default 127.0.0.1:9002")
+    send.add_argument("--out", required=True, metavar="OUT.h5", help="ISMRMRD file for the returned images")
+    send.add_argument("--config-name", default="default", metavar="NAME",
+                      help="configuration name sent (default: default, the server's own)")
+    send.add_argument("--config-xml", metavar="FILE.xml", help="send this configuration script instead of a name "
+                      "(e.g. configs/gadgetron/masc_external.xml for Gadgetron)")
+    send.add_argument("--params", metavar="JSON", help='JSON parameters sent after the header, e.g. \'{"token": "..."}\'')
+    send.add_argument("--timeout-s", type=float, default=120.0, metavar="S",
+                      help="give up when the server is silent this long (default 120)")
+    send.set_defaults(func=cmd_send)
+
+
+def cmd_send(args: argparse.Namespace) -> int:
+    import json
+
+    from sim_scanner.scanner.send import send_file, write_images
+
+    params = None
+    if args.params:
+        try:
+            params = json.loads(args.params)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--params is not valid JSON: {err}") from None
+        if not isinstance(params, dict):
+            raise ValueError("--params must be a JSON object")
+    result = send_file(args.file, args.server, args.group, args.config_name, args.config_xml or "", params,
+                       timeout_s=args.timeout_s)
+    out = write_images(args.out, result.images, result.header)
+    series = ", ".join(f"series {s}: {n}" for s, n in result.by_series().items()) or "none"
+    print(f"sent {result.sent} acquisitions of {args.file} to {args.server}; {len(result.images)} images back "
+          f"({series}), written to {out} (group 'out'); server closed the stream: {'yes' if result.closed else 'no'}")
+    for warning in result.warnings:
+        print(f"masc send: {warning}", file=sys.stderr)
+    if result.errors:
+        print(f"masc send: error: the server reported {len(result.errors)} error(s), the first: {result.errors[0]}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def register_view(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    view = subparsers.add_parser(
+        "view", parents=[common], help="returned images as PNG (and DICOM)",
+        description="Turn the images of an ISMRMRD file (masc send's output) into a PNG (a row per series, a "
+        "column per slice; the policy, what was served and any OOD fallback in each title, a mm scale bar and "
+        "the patient directions) and, with --dicom, into DICOM files carrying the images' geometry.",
+    )
+    view.add_argument("file", metavar="FILE.h5", help="ISMRMRD file of images")
+    view.add_argument("--group", default="out", help="its group (default out, as masc send writes)")
+    view.add_argument("--out", required=True, metavar="OUT.png", help="the PNG to write")
+    view.add_argument("--dicom", metavar="DIR", help="also write one DICOM file per image into DIR")
+    view.set_defaults(func=cmd_view)
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    from sim_scanner.scanner.view import read_images, write_dicom, write_png
+
+    images = read_images(args.file, args.group)
+    fallbacks = sum(im.fallback for im in images)
+    png = write_png(images, args.out, title=f"{Path(args.file).name} ({args.group}): {len(images)} images"
+                    + (f", {fallbacks} served through the MAR fallback" if fallbacks else ""))
+    print(f"{len(images)} images ({fallbacks} MAR fallback) drawn in {png}")
+    if args.dicom:
+        files = write_dicom(images, args.dicom)
+        print(f"{len(files)} DICOM files written to {args.dicom}")
     return 0
