@@ -551,9 +551,12 @@ def register_export(subparsers: argparse._SubParsersAction, common: argparse.Arg
                                description="Write a trained checkpoint as a shipped one: float16 weights, no "
                                "optimizer state, a provenance json beside it; --ood stores the OOD calibration "
                                "of masc mar-check --calibrate in it.")
-    ex.add_argument("checkpoint", metavar="CKPT", help="trained checkpoint (.pt)")
-    ex.add_argument("--out", required=True, metavar="PT", help="the shipped checkpoint (.pt; .json beside it)")
-    ex.add_argument("--command", default="", help="the commands that trained it, for the provenance record")
+    ex.add_argument("checkpoint", metavar="CKPT", help="trained checkpoint (.pt, or shipped:NAME with --lines)")
+    ex.add_argument("--out", metavar="PT", help="the shipped checkpoint (.pt; .json beside it)")
+    ex.add_argument("--lines", metavar="FILE.txt", help="also (or only) write a fixed order's phase-encoding lines "
+                    "as a ky list in acquisition order, for a sequence to play with no round trip to the gadget")
+    ex.add_argument("--command", dest="trained_with", default="",
+                    help="the commands that trained it, for the provenance record")
     ex.add_argument("--ood", metavar="OOD.json[:NAME]", help="the calibration to store (the entry NAME of "
                     "ood.json; default: its only entry)")
     ex.set_defaults(func=cmd_export)
@@ -563,8 +566,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     import json
 
     from masc_gadget.cli import CommandError
-    from training.export import export_checkpoint
+    from training.export import export_checkpoint, export_lines
 
+    if not args.out and not args.lines:
+        raise CommandError("give --out (the shipped checkpoint), --lines (a fixed order's ky list), or both")
+    if args.lines:
+        lines = export_lines(args.checkpoint, args.lines)
+        print(f"{len(lines)} phase-encoding lines of {args.checkpoint} written to {args.lines}")
+        if not args.out:
+            return 0
     ood = None
     if args.ood:
         path, _, name = args.ood.partition(":")
@@ -575,7 +585,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     import shlex
     import sys
 
-    record = export_checkpoint(args.checkpoint, args.out, command=args.command, ood=ood,
+    record = export_checkpoint(args.checkpoint, args.out, command=args.trained_with, ood=ood,
                                export_command=shlex.join(["masc", *sys.argv[1:]]))
     print(f"shipped model written to {args.out} ({record['size_bytes']} bytes) with {Path(args.out).with_suffix('.json')}")
     return 0

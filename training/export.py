@@ -104,3 +104,31 @@ def _mar_pretraining(metadata: dict[str, Any]) -> dict[str, Any] | None:
     return {"checkpoint": Path(path).name, "epoch": pre.get("epoch"), "data": pre.get("data"),
             "provenance": pre.get("provenance"),
             **{k: pre[k] for k in ("mar_model", "mar_train", "acquisition") if k in pre}}
+
+
+def export_lines(checkpoint: str | Path, out: str | Path) -> list[int]:
+    """A fixed order's phase-encoding lines (``kspace_encode_step_1``) in acquisition order, the
+    protocol's initial centre lines first, written as a text ky list with a commented header (name,
+    kind, matrix, counts): what a sequence plays without asking the gadget. ValueError for a
+    checkpoint whose lines depend on the image (MASC, DQN)."""
+    from masc_gadget.acquisition.episode import initial_lines
+    from masc_gadget.models.shipped import resolve
+
+    ck = load_checkpoint(resolve(checkpoint))
+    meta = ck.metadata
+    kind = meta.get("kind")
+    if "order" not in meta:
+        raise ValueError(f"{checkpoint} is a {kind or 'MAR'} checkpoint: its lines depend on each slice's image "
+                         "(or it has none); only a fixed order (masc train fixed-order, loupe) plays without the gadget")
+    n_pe = int(meta["n_pe"])
+    initial = int(meta.get("initial") or ((meta.get("config") or {}).get("acquisition") or {}).get("initial", 2))
+    first = [int(x) for x in initial_lines(n_pe, initial)]
+    lines = first + [int(x) for x in meta["order"] if int(x) not in first]
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    mask = "".join("1" if i in set(lines) else "0" for i in range(n_pe))
+    out.write_text(f"# MASC fixed order {Path(str(checkpoint)).name} ({kind}): {n_pe} phase-encoding lines, "
+                   f"{len(first)} initial centre lines + {len(lines) - len(first)} chosen, in acquisition order\n"
+                   f"# ky = kspace_encode_step_1 in 0..{n_pe - 1} (centre {n_pe // 2}); mask {mask}\n"
+                   + "".join(f"{ky}\n" for ky in lines))
+    return lines

@@ -97,3 +97,24 @@ def test_order_from_an_earlier_checkpoint_skips_learning_it(tiny_dataset, pertur
     assert main(["train", "fixed-order", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset),
                  "--mar", str(perturbed_mar), "--out", str(tmp_path / "x.pt"), *FAST, "--order-from", str(first),
                  "--set", "acquisition.budget=1"]) == 2  # an order of another protocol is refused
+
+
+def test_a_fixed_order_exports_as_the_ky_list_a_sequence_plays(tmp_path, capsys):
+    """masc export --lines: the shipped fixed order's lines, initial centre lines first, as the
+    closed loop plays them; a checkpoint whose lines depend on the image is refused by name."""
+    from masc_gadget.acquisition.learned import load_learned
+    from masc_gadget.acquisition.policies import run_episode
+    from masc_gadget.cli import main
+    from masc_gadget.models.shipped import resolve
+
+    assert main(["export", "shipped:fixed_small", "--lines", str(tmp_path / "order.txt")]) == 0
+    text = (tmp_path / "order.txt").read_text().splitlines()
+    lines = [int(x) for x in text if not x.startswith("#")]
+    policy, _, meta = load_learned(resolve("shipped:fixed_small"), "cpu")
+    played = run_episode(policy, meta["n_pe"], 2, len(meta["order"]))
+    assert lines == [int(x) for x in played]
+    mask = text[1].split("mask ")[1]
+    assert len(mask) == meta["n_pe"] and mask.count("1") == len(lines) and all(mask[k] == "1" for k in lines)
+    assert main(["export", "shipped:masc_small", "--lines", str(tmp_path / "x.txt")]) == 2
+    assert "masc export: error: shipped:masc_small is a masc checkpoint" in capsys.readouterr().err
+    assert main(["export", "shipped:fixed_small"]) == 2
