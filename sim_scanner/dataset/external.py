@@ -676,7 +676,8 @@ def simulate_external(config: Config, volumes: list[Volume], out: str | Path, dr
             images_clean=magnitude(torch.from_numpy(k_clean)).numpy().astype(np.float32),
             implant_mask=np.stack(implant).astype(np.uint8), field_map_hz=np.stack(field).astype(np.float32),
             slice_centres_mm=centres, fov_centre_mm=(0.0, 0.0),
-            anatomy={"external": {"name": volume.name, "source": volume.source}},
+            anatomy={"external": {"name": volume.name, "source": volume.source,
+                                  "positions": volume.positions_mm is not None}},
             implant={"model": "artifact2d", "draws": draws_meta, "config": to_dict(acfg)},
             scanner={"sequence": {"n_slices": n, "b0_t": acfg.b0_t, "readout_bw_hz_per_px": acfg.readout_bw_hz_per_px}},
         )

@@ -60,6 +60,8 @@ def write_preview(folder: str | Path, subject: str | None, out: str | Path, n_sl
     bw = float(sub.attrs.get(sequence_attr("readout_bw_hz_per_px"), 710.0))
     b0 = float(sub.attrs.get(sequence_attr("b0_t"), 3.0))
     centres = np.asarray(sub.slice_centres_mm)
+    external = sub.anatomy.get("external")
+    has_z = not external or bool(external.get("positions"))  # imported images carry z only from DICOM geometry
     materials = sub.attrs.get(implant_material_attr("stem"), "?")
     slices = pick_slices(mask, n_slices)
     vmax = float(np.percentile(clean, 99.5)) or 1.0
@@ -83,12 +85,19 @@ def write_preview(folder: str | Path, subject: str | None, out: str | Path, n_sl
             if row == 0:
                 ax.set_title(cols[col], fontsize=10)
             if col == 0:
-                ax.set_ylabel(f"slice {k}  z={centres[k]:+.0f} mm", fontsize=9)
+                ax.set_ylabel(f"slice {k}  z={centres[k]:+.0f} mm" if has_z else f"slice {k}", fontsize=9)
             if col == 4 and row == len(slices) - 1:
                 fig.colorbar(im, ax=axes[:, 4], shrink=0.6, label=f"Hz (±5 px at {bw:.0f} Hz/px)")
-    title = (f"{manifest.get('name', '')} {subject}: {b0:g} T, {bw:.0f} Hz/px, {materials} implant, "
-             f"readout L-R (x), phase encoding A-P (y)")
-    scan = scan_summary(sub.scanner)
+    if external:  # an imported image with the 2D artifact model: none of the hip simulation's fields
+        implant = sub.implant.get("config", {})
+        title = (f"{manifest.get('name', '')} {subject}: {external.get('name', '?')} ({external.get('source', '?')}), "
+                 f"2D artifact model, {b0:g} T, {bw:.0f} Hz/px, chi {implant.get('chi_ppm', '?')} ppm"
+                 + ("" if has_z else "; slice positions unknown (z not shown)"))
+        scan = ""
+    else:
+        title = (f"{manifest.get('name', '')} {subject}: {b0:g} T, {bw:.0f} Hz/px, {materials} implant, "
+                 f"readout L-R (x), phase encoding A-P (y)")
+        scan = scan_summary(sub.scanner)
     fig.suptitle(title + (f"\n{scan}" if scan else ""), fontsize=11)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

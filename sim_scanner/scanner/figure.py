@@ -42,22 +42,42 @@ def plot_scan_subject(report: SubjectReport, served: np.ndarray, targets: np.nda
         row[0].set_ylabel(f"slice {s}", fontsize=9)
         row[0].set_title(f"{len(rep.lines)} lines: {rep.from_gadget} from the gadget, {rep.fallbacks} fallback",
                          fontsize=8)
+        ticks = sorted(set(rep.lines))  # the ky of every acquired line
+        row[0].set_yticks(ticks[:: max(1, len(ticks) // 6)])
+        row[0].tick_params(axis="y", labelsize=5, length=1, pad=1)
         row[1].imshow(served[s] / scale, cmap="gray", vmin=0, vmax=1)
         ssim = rep.metrics.get("ssim", float("nan"))
-        row[1].set_title(f"served ({rep.image_source or 'none'}), SSIM {ssim:.3f}", fontsize=8)
+        fell_back = rep.served.startswith("none")
+        what = ("MAR FALLBACK: zero-filled" if fell_back and "OOD" in rep.served
+                else rep.served or rep.image_source or "none")
+        row[1].set_title(f"served: {what[:40]}, SSIM {ssim:.3f}", fontsize=7, color="red" if fell_back else "black")
+        if fell_back:
+            for spine in row[1].spines.values():
+                spine.set_edgecolor("red")
+                spine.set_linewidth(2)
+        if report.fov_mm:  # a scale bar of a round length
+            cols = served[s].shape[1]
+            pixel = report.fov_mm / cols
+            length = next((v for v in (100, 50, 20, 10, 5) if v / pixel <= cols / 3), 5)
+            y0 = served[s].shape[0] * 0.93
+            row[1].plot([cols * 0.05, cols * 0.05 + length / pixel], [y0, y0], color="yellow", lw=1.5)
+            row[1].text(cols * 0.05, y0 - served[s].shape[0] * 0.04, f"{length} mm", color="yellow", fontsize=6)
         row[2].imshow(targets[s] / scale, cmap="gray", vmin=0, vmax=1)
         row[2].set_title("ground truth (clean, every line)", fontsize=8)
         error = row[3].imshow(np.abs(served[s] - targets[s]) / scale, cmap="magma", vmin=0, vmax=ERROR_RANGE)
         row[3].set_title("|served - truth|", fontsize=8)
-        for ax in row:
+        for ax in row[1:]:
             ax.set_xticks([])
             ax.set_yticks([])
+        row[0].set_xticks([])
     if error is not None:
         bar = fig.colorbar(error, ax=axes[:, 3].tolist(), shrink=0.6)
         bar.set_label("|error| / max of the clean image", fontsize=8)
     fig.legend(handles=[Patch(color=c, label=k) for k, c in SOURCE_COLOURS.items()], loc="outside lower center",
                ncol=3, fontsize=8, title="lines (phase encoding, top to bottom)", title_fontsize=8)
-    fig.suptitle(f"masc scan: subject {report.subject}", fontsize=11)
+    policies = sorted({r.policy for r in slices if r.policy})
+    fig.suptitle(f"masc scan: subject {report.subject}, policy {', '.join(policies) or 'unknown (no image came back)'}",
+                 fontsize=11)
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return Path(out)

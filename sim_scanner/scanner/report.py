@@ -66,6 +66,11 @@ class SliceReport:
     image_lines: list[int] | None = None
     """The lines the returned image says it was built from (meta ``MASC.lines``), if any; a
     mismatch with ``lines`` is reported as a gadget error."""
+    policy: str = ""
+    """The policy the returned image says chose its lines (meta ``MASC.policy``), "" when none came back."""
+    served: str = ""
+    """What the returned image is (meta ``MASC.mar``): the MAR network, or ``none (...)`` when the
+    gadget served it zero-filled (MAR off, the OOD fallback, a non-finite output)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """ssim, psnr, mse, nmse, mae of the scored image vs the clean fully sampled image."""
     zero_filled_metrics: dict[str, float] = field(default_factory=dict)
@@ -81,6 +86,9 @@ class SubjectReport:
     n_slices: int
     """Slices scanned (``max_slices`` may be fewer than the file holds)."""
     n_pe: int
+    fov_mm: float = 0.0
+    """The images' field of view along the readout (the header's recon space), mm; 0 when unknown.
+    For the figure's scale bar."""
     slices: list[SliceReport] = field(default_factory=list)
     connection: str = "ok"
     """"ok", "lost" (the gadget went away mid-scan: the rest was acquired on the fallback

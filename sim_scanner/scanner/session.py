@@ -151,6 +151,25 @@ def _image_array(image: ismrmrd.Image, shape: tuple[int, int]) -> np.ndarray:
     raise ValueError(f"returned image of shape {data.shape} does not match the slice {shape}")
 
 
+def _fov_mm(header_xml: str) -> float:
+    """The recon space's field of view along the readout in mm, 0 when the header does not say."""
+    try:
+        return float(ismrmrd.xsd.CreateFromDocument(header_xml).encoding[0].reconSpace.fieldOfView_mm.x)
+    except Exception:  # noqa: BLE001 - a header without a recon space: no scale bar
+        return 0.0
+
+
+def _image_text(image: ismrmrd.Image, key: str) -> str:
+    """A text meta attribute of a returned image (``MASC.policy``, ``MASC.mar``), "" when absent."""
+    try:
+        value = image.meta.get(key)
+    except (ValueError, SyntaxError, AttributeError):
+        return ""
+    if value is None:
+        return ""
+    return str(value if isinstance(value, str) else " ".join(str(v) for v in value))[:128]
+
+
 def _image_lines(image: ismrmrd.Image) -> list[int] | None:
     """The acquired lines a returned image lists in its meta attribute ``MASC.lines``."""
     try:
@@ -324,7 +343,7 @@ def scan_subject(
     n_total_slices, _, n_pe, _ = data.kspace.shape
     acq.check(n_pe)
     n_slices = min(n_total_slices, scfg.max_slices or n_total_slices)
-    report = SubjectReport(str(subject_id), str(path), n_slices, int(n_pe))
+    report = SubjectReport(str(subject_id), str(path), n_slices, int(n_pe), fov_mm=_fov_mm(data.header_xml))
     run = _Subject(
         data, scfg, acq, report,
         EpisodeBatch(n_pe, acq.initial, acq.budget, n_slices, start=False, name="slice"),
@@ -534,6 +553,7 @@ def _pick_images(
         image = by_slice.get(s)
         if image is not None:
             st.report.image_lines = _image_lines(image)
+            st.report.policy, st.report.served = _image_text(image, "MASC.policy"), _image_text(image, "MASC.mar")
             if st.report.image_lines is not None and sorted(st.report.image_lines) != sorted(
                 st.report.lines
             ):
