@@ -156,6 +156,23 @@ def test_external_dataset_loads_as_a_test_split(tmp_path):
     assert prepare_slice(_phantom(40), (32, 32)).shape == (32, 32)
 
 
+def test_an_imported_volume_keeps_its_own_slice_positions_and_its_preview_says_so(tmp_path):
+    from sim_scanner.dataset.layout import read_manifest, read_subject, subject_path
+    from sim_scanner.dataset.preview import write_preview
+
+    config = load_config(CONFIGS / "tiny.yaml")
+    volumes = [Volume("dicom", np.stack([_phantom(40, s) for s in range(3)]), "dicom", np.array([0.0, 4.0, 12.0])),
+               Volume("nifti", np.stack([_phantom(40, s) for s in range(2)]), "nifti")]
+    simulate_external(config, volumes, tmp_path / "ext", progress=False)
+    manifest = read_manifest(tmp_path / "ext")
+    first, second = manifest["splits"]["test"]
+    dicom = read_subject(subject_path(tmp_path / "ext", first, manifest))
+    assert list(dicom.slice_centres_mm) == [0.0, 4.0, 12.0] and dicom.anatomy["external"]["positions"] is True
+    assert read_subject(subject_path(tmp_path / "ext", second, manifest)).anatomy["external"]["positions"] is False
+    for subject in (first, second):
+        assert write_preview(tmp_path / "ext", subject, tmp_path / f"{subject}.png").stat().st_size > 5000
+
+
 def test_a_held_out_set_is_evaluated_with_the_population_order_of_the_training_set(tmp_path, tiny_dataset):
     from training.evaluation.evaluate import evaluate
 
