@@ -53,13 +53,13 @@ demo: install
 	    echo "== closed-loop scan against masc serve $$serve_config (shipped:$$model)"; \
 	    $(MASC) scan --config configs/small.yaml --data $(DEMO_DATA) --split test --server 127.0.0.1:$(PORT) \
 	        --feedback inband --deadline-ms 200 --fallback center-out --out $(SCAN)/$$model \
-	        --set scanner.max_subjects=2 --log-level WARNING || rc=$$?; \
+	        --no-progress --log-level WARNING || rc=$$?; \
 	    kill -TERM $$pid; wait $$pid; \
 	done; exit $$rc
 	@echo "== MASC against the shipped fixed order and the conventional orders, each under its MAR network"
 	$(MASC) eval --config configs/small.yaml --data $(DEMO_DATA) --split test --mar shipped:masc_small \
 	    --checkpoint shipped:masc_small,shipped:fixed_small --methods random,center-out,fixed-order,masc \
-	    --reference center-out --out $(SCAN)/eval --log-level WARNING
+	    --reference center-out --scans $(SCAN)/fixed_small,$(SCAN)/masc_small --out $(SCAN)/eval --log-level WARNING
 	@echo "demo done: dataset $(DEMO_DATA), preview $(DEMO_DATA)/preview.png, closed-loop scans $(SCAN)/{fixed_small,masc_small}/ (report.json, images.h5, scan.png), comparison $(SCAN)/eval/ (table.md with its summary, curves.png, examples.png)"
 
 # The benchmarks behind docs/benchmarks.md's figures (on the small data set; the MaskablePPO comparison

@@ -127,6 +127,9 @@ def register_eval(subparsers: argparse._SubParsersAction, common: argparse.Argum
     ev.add_argument("--headroom", action="store_true", help="also measure the oracle's lead over a fixed order "
                     "cross-fitted on each --data folder, under --mar (section headroom; slow: the oracle scores every "
                     "free line); written to OUT[/NAME]/headroom.md")
+    ev.add_argument("--scans", metavar="DIR[,DIR...]", help="closed-loop scans (masc scan output folders) of the "
+                    "same slices, shown beside the evaluated rows of the policy each was served (table.md, "
+                    "results.json closed_loop): the gadget serves what masc eval scores")
     ev.add_argument("--out", metavar="OUTDIR", help="folder to write (required unless --retest)")
     ev.set_defaults(func=cmd_eval)
 
@@ -429,6 +432,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     folders = [d.strip() for d in args.data.split(",") if d.strip()]
     if len(folders) == 1:
         results, figures = evaluate(config, folders[0], args.split, methods, args.mar, checkpoint=args.checkpoint)
+        if args.scans:
+            from training.evaluation.tables import closed_loop
+
+            results["closed_loop"] = closed_loop(results, [d.strip() for d in args.scans.split(",") if d.strip()])
         paths = write_outputs(results, figures, args.out)
         print(render_table(results))
         paths.update(_eval_headroom(args, config, folders[0], args.out))

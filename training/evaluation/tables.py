@@ -160,6 +160,7 @@ def render_table(results: dict[str, Any]) -> str:
                  f"the setting the oracle chose its lines in (with MAR when evaluated with a MAR network).")
     out.append(note)
     out += ["", "## Summary", ""] + closing_summary(results)
+    out += render_closed_loop(results.get("closed_loop", []))
     return "\n".join(out) + "\n"
 
 
@@ -301,3 +302,63 @@ def render_summary(every: dict[str, dict[str, Any]]) -> str:
                            f"{'✓' if row['mar'] else '✗'} | {results['n_slices']} | {n_subjects} | "
                            f"{_fmt('ssim', row['summary']['ssim'])} | {_fmt('psnr', row['summary']['psnr'])} | {p} |")
     return "\n".join(out) + "\n"
+
+
+def closed_loop(results: dict[str, Any], scan_dirs: list[str]) -> list[dict[str, Any]]:
+    """Closed-loop scans (``masc scan`` output folders) beside the evaluated rows: per scan, the
+    policy and network the gadget served (from the returned images), the row of that method with
+    MAR at the scan's acceleration, and per slice the scan's SSIM against the row's on the same
+    slice: the gadget serves what ``masc eval`` scores when the gap is 0."""
+    import json
+    from collections import Counter
+    from pathlib import Path
+
+    out = []
+    for folder in scan_dirs:
+        report = json.loads((Path(folder) / "report.json").read_text())
+        slices = [(f"{sub['subject']}/{sl['slice']}", sl) for sub in report["subjects"] for sl in sub["slices"]]
+        policy = Counter(sl.get("policy", "") for _, sl in slices).most_common(1)[0][0]
+        served = Counter(sl.get("served", "") for _, sl in slices).most_common(1)[0][0]
+        acq = report.get("acquisition", {})
+        entry: dict[str, Any] = {"scan": str(folder), "policy": policy, "served": served, "n_slices": len(slices),
+                                 "scan_ssim": float(np.mean([sl["metrics"]["ssim"] for _, sl in slices])),
+                                 "line_sets": len({tuple(sorted(sl["lines"])) for _, sl in slices}),
+                                 "fallbacks": int(sum(sl.get("fallbacks", 0) for _, sl in slices))}
+        for acc, block in results["accelerations"].items():
+            if (block["initial"], block["budget"]) != (acq.get("initial"), acq.get("budget")):
+                continue
+            row = next((r for r in block["rows"] if r["method"] == policy and r["mar"]), None)
+            if row is None:
+                continue
+            index = {label: i for i, label in enumerate(results["slices"])}
+            pairs = [(sl, index[label]) for label, sl in slices if label in index]
+            gaps = [sl["metrics"]["ssim"] - row["per_slice"]["ssim"][i] for sl, i in pairs]
+            entry.update({"acceleration": acc, "row": row["key"], "matched": len(pairs),
+                          "eval_ssim": float(np.mean([row["per_slice"]["ssim"][i] for _, i in pairs])) if pairs else None,
+                          "max_abs_gap": float(np.max(np.abs(gaps))) if gaps else None,
+                          "same_lines": int(sum(sorted(sl["lines"]) == sorted(row["lines"][i]) for sl, i in pairs))})
+            break
+        out.append(entry)
+    return out
+
+
+def render_closed_loop(entries: list[dict[str, Any]]) -> list[str]:
+    """The closed-loop section of ``table.md``."""
+    if not entries:
+        return []
+    lines = ["", "## Closed loop against masc serve", "",
+             "Each scan's policy and network as the gadget served them (its images' meta), beside this evaluation's "
+             "row of that method with MAR on the same slices.", "",
+             "| scan | policy | served by | slices | scan SSIM | eval SSIM (row) | largest slice gap | same lines | "
+             "line sets | fallback lines |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for e in entries:
+        if e.get("row") is None:
+            lines.append(f"| {e['scan']} | {e['policy']} | {e['served']} | {e['n_slices']} | {e['scan_ssim']:.4f} | "
+                         f"no evaluated row of {e['policy']} at the scan's acceleration | – | – | {e['line_sets']} | "
+                         f"{e['fallbacks']} |")
+            continue
+        gap = "–" if e["max_abs_gap"] is None else f"{e['max_abs_gap']:.1e}"
+        lines.append(f"| {e['scan']} | {e['policy']} | {e['served']} | {e['matched']} of {e['n_slices']} | "
+                     f"{e['scan_ssim']:.4f} | {e['eval_ssim']:.4f} (`{e['row']}`) | {gap} | {e['same_lines']} | "
+                     f"{e['line_sets']} | {e['fallbacks']} |")
+    return lines

@@ -265,3 +265,28 @@ def test_the_table_counts_the_slices_served_through_the_fallback(eval_run):
             assert ("fallback" in row) == row["mar"]
     table = render_table(results)
     assert "| line sets | fallback |" in table and f"| 0 / {results['n_slices']} |" in table
+
+
+def test_closed_loop_scans_are_shown_beside_the_row_of_the_policy_they_were_served(tmp_path):
+    from training.evaluation.tables import closed_loop, render_table
+
+    ssim = [0.7, 0.6, 0.65, 0.5]
+    row = {**_row("fixed-order", True, ssim), "lines": [[1, 2, 5]] * 4}
+    results = {"split": "test", "n_slices": 4, "reference": "fixed-order", "slices": ["s0/0", "s0/1", "s1/0", "s1/1"],
+               "accelerations": {"10x": {"initial": 2, "budget": 1, "n_pe": 8, "factor": 2.7, "rows": [row]}}}
+    row["summary"].update({m: {"mean": 0.0, "std": 0.0} for m in ("psnr", "nmse")})
+    scan = tmp_path / "scan"
+    scan.mkdir()
+    subjects = [{"subject": f"s{j}", "slices": [{"slice": k, "lines": [1, 2, 5] if (j, k) != (1, 1) else [1, 2, 6],
+                                                 "policy": "fixed-order", "served": "shipped:fixed_small",
+                                                 "fallbacks": 0, "metrics": {"ssim": ssim[2 * j + k] + (0.01 if j else 0)}}
+                                                for k in range(2)]} for j in range(2)]
+    (scan / "report.json").write_text(json.dumps({"acquisition": {"initial": 2, "budget": 1}, "subjects": subjects}))
+    (entry,) = closed_loop(results, [str(scan)])
+    assert entry["row"] == "fixed-order" and entry["matched"] == 4 and entry["same_lines"] == 3
+    assert entry["max_abs_gap"] == pytest.approx(0.01) and entry["line_sets"] == 2
+    results["closed_loop"] = [entry]
+    assert "## Closed loop against masc serve" in render_table(results)
+    (other,) = closed_loop({**results, "accelerations": {"5x": {**results["accelerations"]["10x"], "budget": 9}}},
+                           [str(scan)])
+    assert "row" not in other
