@@ -312,6 +312,11 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
     data = full.subset(measured_slices(full, hcfg.slices_per_subject))
     roi = data.periprosthetic_roi(hcfg.margin)
     fit_data = fit_roi = None
+    if not hcfg.fit_split and len(set(data.subjects)) < hcfg.folds and split != "train":
+        log.warning("%s/%s has %d subject(s), fewer than the %d folds the cross-fitted order needs: the fixed order "
+                    "is fitted on the train split instead (headroom.fit_split=train)", data_dir, split,
+                    len(set(data.subjects)), hcfg.folds)
+        hcfg = dataclasses.replace(hcfg, fit_split="train")
     if hcfg.fit_split:
         if hcfg.fit_split == split:
             raise ValueError(f"headroom.fit_split {split!r} is the measured split: fit the fixed order on another "
@@ -531,6 +536,9 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
     passes = bool(lead_best["mean"] >= hcfg["gate"])
     verdict = ("adaptive line choice can pay here: train MASC for it" if passes
                else "a fixed order refit on this population is the method to deploy here")
+    if len(set(subjects)) < 3:  # no test over subjects: say what the number is
+        verdict = (f"{len(set(subjects))} subject(s): too few to decide (the lead is "
+                   f"{'above' if passes else 'below'} the gate here; measure at least 3 subjects)")
     out: dict[str, Any] = {}
     if runs and all("gated" in r["means"] for r in runs):  # corruption: the fitted order with navigator gating
         gated_gain = np.array([r["means"]["gated"][key] - r["means"][b][key] for r, b in zip(runs, best_fixed)])

@@ -354,10 +354,11 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
                 log.info("mar-check: %s on the lines its own policy plays", name)
                 own = slice_rows(mar, sliceset, own_masks(policies[name], mar, sliceset, initial, budget,
                                                           batch_size), nothing, batch_size)
-                own.update(early_rows(mar, sliceset, initial, batch_size))
                 own_rows[folder.name][name] = own
-                for key, value in own.items():
-                    pooled_own[name].setdefault(key, []).append(value)
+                if policies[name].sees_mar(True):  # the early switch: only for a policy that reads the MAR image
+                    own.update(early_rows(mar, sliceset, initial, batch_size))
+                    for key, value in own.items():
+                        pooled_own[name].setdefault(key, []).append(value)
                 for key, value in own.items():
                     if not key.startswith("early_"):
                         pooled[name].setdefault(key, []).append(value)
@@ -394,13 +395,15 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
                 results["folders"][folder][name]["summary"]["cross_validated"] = {
                     "lines": "own" if name in own_rows[folder] else policy,
                     **cross_validated(served_rows, subjects, folds)}
-                if name in own_rows[folder]:
+                if "early_score_flip" in own_rows[folder].get(name, {}):
                     results["folders"][folder][name]["summary"]["cross_validated_early"] = {
                         "lines": "own, switched", **cross_validated(served_rows, subjects, folds, "early")}
         elif folds > 1:
             log.warning("mar-check: %s has %d subjects, fewer than %d folds: not cross-validated", folder,
                         len(set(subjects)), folds)
         for name, own in own_rows[folder].items():  # within this domain: do the early scores find the harm?
+            if "early_score_flip" not in own:
+                continue
             harm = harmed(own["mar_ssim"], own["nothing_ssim"])
             results["folders"][folder][name]["summary"]["early_roc"] = {
                 kind: {**roc(own[f"early_score_{kind}"], harm),

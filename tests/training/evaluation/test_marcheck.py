@@ -154,11 +154,20 @@ def test_a_network_with_its_own_policy_is_calibrated_on_its_lines_too(tiny_datas
     both = mar_check({"p": mar}, str(tiny_dataset), "val", 1, 2, tmp_path / "b", do_calibrate=True,
                      policies={"p": make_policy("equispaced")})
     assert both["calibration"]["p"]["n_slices"] == 2 * alone["calibration"]["p"]["n_slices"] == 2 * len(data)
-    # the policy's own lines also get the early switch's calibration (switched to centre-out)
-    early = both["calibration"]["p"]["early"]
+    # a policy that reads no image keeps its lines decidable ahead: no early switch for it
+    assert "early" not in alone["calibration"]["p"] and "early" not in both["calibration"]["p"]
+    # one that reads the MAR image gets the early switch's calibration on its own lines
+    from masc_gadget.acquisition.learned import LearnedPolicy
+    from masc_gadget.models.policy_net import PolicyNet, PolicyNetConfig
+
+    net = PolicyNet(data.n_pe, data.n_pe, data.n_pe, PolicyNetConfig(channels=(4, 8), hidden=16, pool_size=4),
+                    generator=torch.Generator().manual_seed(3))
+    reads = mar_check({"p": mar}, str(tiny_dataset), "val", 1, 2, tmp_path / "c", do_calibrate=True,
+                      policies={"p": LearnedPolicy(net.eval(), observes_mar=True)}, folds=2)
+    early = reads["calibration"]["p"]["early"]
     assert early["stage"] == "early" and early["n_slices"] == len(data)
-    assert "early" not in alone["calibration"]["p"]
-    assert set(both["folders"][tiny_dataset.name]["p"]["summary"]["early_roc"]) == {"consistency", "residual", "flip"}
+    summary = reads["folders"][tiny_dataset.name]["p"]["summary"]
+    assert set(summary["early_roc"]) == {"consistency", "residual", "flip"}
 
 
 def test_the_early_switch_serves_doing_nothing_and_never_harms():
