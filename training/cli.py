@@ -85,6 +85,26 @@ def register_train(subparsers: argparse._SubParsersAction, common: argparse.Argu
     tune.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     tune.add_argument("--out", required=True, metavar="CKPT", help="best checkpoint (.pt); .last.pt and .csv beside it")
     tune.set_defaults(func=cmd_train_finetune)
+    adapt = actions.add_parser("adapt", parents=[common],
+                               help="adapt a model to a site's own metal-free images and judge it on held-out volumes",
+                               description="Import a site's metal-free volumes (DICOM folders, NIfTI, fastMRI / "
+                               "ISMRMRD), simulate implants into them, fine-tune the base model's MAR network to its "
+                               "policy's lines by the shared recipe (section finetune), calibrate and check it on the "
+                               "validation volumes, export it, and say whether it does no harm on the held-out "
+                               "volumes, each against doing nothing and the base model (OUT/report.md).")
+    adapt.add_argument("--source", required=True, metavar="DIR|FILE|builtin[:PKG]", help="the site's images")
+    adapt.add_argument("--base", default="shipped:fixed_small", metavar="CKPT",
+                       help="the model to adapt: a checkpoint with its policy and MAR network (default "
+                       "shipped:fixed_small, the recommended one)")
+    for split in ("train", "val", "test"):
+        adapt.add_argument(f"--{split}", metavar="NAMES", help=f"volumes for {split} (names or prefixes, comma-"
+                           "separated); without any: the last volume by name validates, the quarter before it is "
+                           "held out, the rest trains")
+    adapt.add_argument("--draws", type=int, default=3, metavar="N", help="implant poses per validation / test slice")
+    adapt.add_argument("--train-draws", type=int, default=8, metavar="N", help="implant poses per training slice")
+    adapt.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    adapt.add_argument("--out", required=True, metavar="DIR", help="folder for the data, the model and report.md")
+    adapt.set_defaults(func=cmd_train_adapt)
 
 
 def register_eval(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -316,6 +336,17 @@ def cmd_train_finetune(args: argparse.Namespace) -> int:
                            args.device)
     _report_best("fine-tuned", args.out, best, "step")
     return 0
+
+
+def cmd_train_adapt(args: argparse.Namespace) -> int:
+    from masc_gadget.cli import config_from_args
+    from training.adapt import adapt
+
+    names = {k: [n.strip() for n in (getattr(args, k) or "").split(",") if n.strip()] for k in ("train", "val", "test")}
+    report = adapt(config_from_args(args), args.source, args.base, args.out, names["train"], names["val"],
+                   names["test"], args.draws, args.train_draws, args.device)
+    print((Path(args.out) / "report.md").read_text())
+    return 0 if report["held_out"]["models"]["adapted"]["no_harm"] else 1
 
 
 def register_refit(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
