@@ -3,4 +3,4 @@
 This package imports neither ``sim_scanner`` nor ``training``; they build on it.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -88,8 +88,46 @@ def _register_unavailable(subparsers: argparse._SubParsersAction, name: str,
     p.set_defaults(func=fail, log_level="WARNING", debug=False)
 
 
+RENAMED = {"mar-check": ["check", "mar"], "headroom": ["check", "headroom"], "diversity": ["check", "diversity"],
+           "export": ["models", "export"], "refit": ["train", "refit"], "study": ["check"]}
+"""Old command names -> the command tree's (CHANGELOG 0.2.0); the old ones work until 0.3."""
+MODES = {("eval",): {"run": [], "combine": ["--combine"], "suite": ["--suite", "paper"], "retest": ["--retest"]},
+         ("check", "headroom"): {"run": [], "combine": ["--combine"], "from": ["--from"]}}
+"""Commands whose modes are subcommands: ``masc eval combine DIR,DIR`` is the mode flag ``--combine DIR,DIR``
+of the one parser underneath."""
+OLD_FLAGS = {("eval",): {"--combine": "masc eval combine DIR,DIR", "--suite": "masc eval suite",
+                         "--retest": "masc eval retest DIR,DIR", "--headroom": "masc check headroom"},
+             ("check", "headroom"): {"--combine": "masc check headroom combine DIR,DIR",
+                                     "--from": "masc check headroom from DIR"}}
+"""Mode flags written the old way, and the spelling that replaces each."""
+DEPRECATED_UNTIL = "0.3"
+
+
+def spelled(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` in the command tree's own spelling, and a note for each old spelling it used (old
+    command names, mode flags); the old spellings keep working until version :data:`DEPRECATED_UNTIL`."""
+    argv, notes = list(argv), []
+    if argv and argv[0] in RENAMED:
+        new = RENAMED[argv[0]]
+        notes.append(f"'masc {argv[0]}' is now 'masc {' '.join(new)}'")
+        argv = [*new, *argv[1:]]
+    for prefix, modes in MODES.items():
+        n = len(prefix)
+        if tuple(argv[:n]) != prefix:
+            continue
+        if len(argv) > n and argv[n] in modes:
+            argv = [*argv[:n], *modes[argv[n]], *argv[n + 1:]]
+        else:
+            notes += [f"'masc {' '.join(prefix)} {flag}' is now '{new}'" for flag, new in OLD_FLAGS[prefix].items()
+                      if flag in argv]
+    return argv, notes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv, notes = spelled(sys.argv[1:] if argv is None else argv)
+    for note in notes:
+        print(f"masc: note: {note}; the old spelling works until version {DEPRECATED_UNTIL}", file=sys.stderr)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

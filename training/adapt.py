@@ -12,8 +12,8 @@ One command for the whole path, each step the project's own:
 3. **fine-tune** the base model's MAR network to the lines its policy plays on those images, by the
    shared recipe (:func:`training.finetune_policy.finetune_policy`, section ``finetune``), selecting
    on the validation volumes;
-4. **calibrate** its OOD rule on the validation volumes and check its promises (``masc mar-check
-   --calibrate``), and **export** it with the calibration and provenance (``masc export``);
+4. **calibrate** its OOD rule on the validation volumes and check its promises (``masc check mar
+   --calibrate``), and **export** it with the calibration and provenance (``masc models export``);
 5. **judge** it on the held-out volumes: per volume, the image the gadget would serve (the policy's
    own lines, the calibrated rule applied) against doing nothing (centre-out's zero-filled image
    with as many lines) and against the base model served the same way. The adapted network does no
@@ -201,7 +201,7 @@ def render_report(report: dict[str, Any]) -> str:
     kept = ", ".join(f"{k} {'kept' if v.get('kept') else 'BROKEN' if v.get('kept') is False else 'not measured'}"
                      for k, v in promises.items() if k != "all")
     cal = report["calibration"]
-    lines += ["", f"Promises on the validation volumes (masc mar-check): {kept or 'not measured'}.",
+    lines += ["", f"Promises on the validation volumes (masc check mar): {kept or 'not measured'}.",
               f"OOD rule calibrated on the validation volumes: score `{cal['score']}`, threshold {cal['threshold']:.4g}"
               + (f"; early switch `{cal['early']['score']}` at {cal['early']['threshold']:.4g}" if "early" in cal else "")
               + ".", "",

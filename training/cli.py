@@ -85,6 +85,7 @@ def register_train(subparsers: argparse._SubParsersAction, common: argparse.Argu
     tune.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     tune.add_argument("--out", required=True, metavar="CKPT", help="best checkpoint (.pt); .last.pt and .csv beside it")
     tune.set_defaults(func=cmd_train_finetune)
+    register_refit(actions, common, "refit")
     adapt = actions.add_parser("adapt", parents=[common],
                                help="adapt a model to a site's own metal-free images and judge it on held-out volumes",
                                description="Import a site's metal-free volumes (DICOM folders, NIfTI, fastMRI / "
@@ -154,8 +155,9 @@ def register_eval(subparsers: argparse._SubParsersAction, common: argparse.Argum
     ev.set_defaults(func=cmd_eval)
 
 
-def register_diversity(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    div = subparsers.add_parser("diversity", parents=[common], help="how predictable a dataset is",
+def register_diversity(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser,
+                       name: str = "diversity") -> None:
+    div = subparsers.add_parser(name, parents=[common], help="how predictable a dataset is",
                                 description="Can line choice matter on this dataset? The SSIM of the nearest "
                                 "training image (no scan), of the MAR network from the initial centre lines "
                                 "and after a centre-out / random scan with the budget, the train / test gap "
@@ -167,8 +169,9 @@ def register_diversity(subparsers: argparse._SubParsersAction, common: argparse.
     div.set_defaults(func=cmd_diversity)
 
 
-def register_headroom(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    hr = subparsers.add_parser("headroom", parents=[common], help="can an adaptive policy pay here: oracle vs a "
+def register_headroom(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser,
+                      name: str = "headroom") -> None:
+    hr = subparsers.add_parser(name, parents=[common], help="can an adaptive policy pay here: oracle vs a "
                                "cross-fitted fixed order",
                                description="The gate before training an adaptive policy: on a split, the oracle's "
                                "lead over the population order fitted on other subjects (cross-fitted over subject "
@@ -203,7 +206,7 @@ def cmd_headroom(args: argparse.Namespace) -> int:
     if args.from_dir:
         path = Path(args.from_dir) / "headroom.json"
         if not path.is_file():
-            raise CommandError(f"{args.from_dir}: no headroom.json (run masc headroom --out {args.from_dir} first)")
+            raise CommandError(f"{args.from_dir}: no headroom.json (run masc check headroom --out {args.from_dir} first)")
         if not args.policy:
             raise CommandError("--from scores learned policies against an earlier measurement: give --policy CKPT,...")
         report = add_policies(config_from_args(args), json.loads(path.read_text()),
@@ -217,7 +220,7 @@ def cmd_headroom(args: argparse.Namespace) -> int:
         for folder in (f.strip() for f in args.combine.split(",") if f.strip()):
             path = Path(folder) / "headroom.json"
             if not path.is_file():
-                raise CommandError(f"{folder}: no headroom.json (run masc headroom --out {folder} first)")
+                raise CommandError(f"{folder}: no headroom.json (run masc check headroom --out {folder} first)")
             reports[Path(folder).name] = json.loads(path.read_text())
         text = render_candidates(reports)
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -226,7 +229,7 @@ def cmd_headroom(args: argparse.Namespace) -> int:
         print(f"written: {Path(args.out) / 'candidates.md'}")
         return 0
     if not args.data:
-        raise CommandError("masc headroom needs --data DIR (or --combine DIR,DIR,...)")
+        raise CommandError("masc check headroom needs --data DIR (or --combine DIR,DIR,...)")
 
     mars = [m.strip() for m in (args.mar or "").split(",") if m.strip()]
     policies = [p.strip() for p in (args.policy or "").split(",") if p.strip()]
@@ -237,10 +240,8 @@ def cmd_headroom(args: argparse.Namespace) -> int:
     return 0
 
 
-def register_study(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    study = subparsers.add_parser("study", help="measured studies of the simulation's parameters",
-                                  description="Studies that simulate and measure several datasets.")
-    actions = study.add_subparsers(dest="action", metavar="WHAT", required=True)
+def register_sim_params(actions: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """``masc check sim-params`` (formerly ``masc check sim-params``)."""
     sp = actions.add_parser("sim-params", parents=[common], help="field strength, bandwidth, implant material",
                             description="For each setting (0.55 / 1.5 / 3 / 7 T; 0.5x / 1x / 2x readout bandwidth; "
                             "CoCr / titanium), simulate a test set of the same subjects and report the artifact "
@@ -349,9 +350,10 @@ def cmd_train_adapt(args: argparse.Namespace) -> int:
     return 0 if report["held_out"]["models"]["adapted"]["no_harm"] else 1
 
 
-def register_refit(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    """``masc refit``."""
-    refit = subparsers.add_parser("refit", parents=[common], help="a fixed-order checkpoint refit on another "
+def register_refit(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser,
+                   name: str = "refit") -> None:
+    """``masc train refit``."""
+    refit = subparsers.add_parser(name, parents=[common], help="a fixed-order checkpoint refit on another "
                                   "population or protocol",
                                   description="Learn the fixed order again on another data set (or for the "
                                   "acquisition section's protocol) under a checkpoint's MAR network; with "
@@ -491,7 +493,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _eval_headroom(args: argparse.Namespace, config, folder: str, out: str | Path) -> dict[str, Path]:
-    """``masc eval --headroom``: the gate on the folder just evaluated, under ``--mar``."""
+    """``masc check headroom``: the gate on the folder just evaluated, under ``--mar``."""
     if not args.headroom:
         return {}
     from training.evaluation.headroom import headroom, render_headroom, write_headroom
@@ -516,8 +518,9 @@ def cmd_diversity(args: argparse.Namespace) -> int:
     return 0
 
 
-def register_mar_check(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    mc = subparsers.add_parser("mar-check", parents=[common], help="does a MAR network do no harm; its OOD score's ROC",
+def register_mar_check(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser,
+                       name: str = "mar-check") -> None:
+    mc = subparsers.add_parser(name, parents=[common], help="does a MAR network do no harm; its OOD score's ROC",
                                description="Check MAR networks on a split of each data folder: the output for fully "
                                "sampled clean images (should not change), the correction of a fixed policy's "
                                "zero-filled images against them (tests over subjects), and how well each OOD score "
@@ -584,11 +587,12 @@ def cmd_mar_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def register_export(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    ex = subparsers.add_parser("export", parents=[common], help="a trained checkpoint as a shipped model",
+def register_export(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser,
+                    name: str = "export") -> None:
+    ex = subparsers.add_parser(name, parents=[common], help="a trained checkpoint as a shipped model",
                                description="Write a trained checkpoint as a shipped one: float16 weights, no "
                                "optimizer state, a provenance json beside it; --ood stores the OOD calibration "
-                               "of masc mar-check --calibrate in it.")
+                               "of masc check mar --calibrate in it.")
     ex.add_argument("checkpoint", metavar="CKPT", help="trained checkpoint (.pt, or shipped:NAME with --lines)")
     ex.add_argument("--out", metavar="PT", help="the shipped checkpoint (.pt; .json beside it)")
     ex.add_argument("--lines", metavar="FILE.txt", help="also (or only) write a fixed order's phase-encoding lines "
@@ -626,4 +630,71 @@ def cmd_export(args: argparse.Namespace) -> int:
     record = export_checkpoint(args.checkpoint, args.out, command=args.trained_with, ood=ood,
                                export_command=shlex.join(["masc", *sys.argv[1:]]))
     print(f"shipped model written to {args.out} ({record['size_bytes']} bytes) with {Path(args.out).with_suffix('.json')}")
+    return 0
+
+
+def register_check(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """``masc check {mar,headroom,diversity}``: the checks of networks and data sets."""
+    check = subparsers.add_parser("check", help="check networks and data: mar (do no harm), headroom (the gate), "
+                                  "diversity, sim-params", description="Checks before and after training: does a MAR "
+                                  "network do no harm (mar), can an adaptive policy pay on this protocol (headroom: the "
+                                  "gate), how predictable a data set is (diversity), how the simulation's parameters "
+                                  "move the artifact and the methods (sim-params).")
+    actions = check.add_subparsers(dest="action", metavar="WHAT", required=True)
+    register_mar_check(actions, common, "mar")
+    register_headroom(actions, common, "headroom")
+    register_diversity(actions, common, "diversity")
+    register_sim_params(actions, common)
+
+
+def register_models(subparsers: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """``masc models {list,info,export}``."""
+    models = subparsers.add_parser("models", help="the shipped models: list, info, export",
+                                   description="The trained models: list those that ship inside the package, show "
+                                   "one's provenance (info), write a trained checkpoint as a shipped one (export).")
+    actions = models.add_subparsers(dest="action", metavar="WHAT", required=True)
+    listed = actions.add_parser("list", parents=[common], help="the shipped models, the recommended one first")
+    listed.set_defaults(func=cmd_models_list)
+    info = actions.add_parser("info", parents=[common], help="what a model is and how it was made",
+                              description="Kind, protocol, validation, OOD calibration, promises and the commands "
+                              "that made it, from its provenance (no weights loaded).")
+    info.add_argument("model", metavar="NAME|CKPT", help="shipped:NAME, a shipped NAME, or a checkpoint (.pt)")
+    info.set_defaults(func=cmd_models_info)
+    register_export(actions, common, "export")
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    from masc_gadget.models.shipped import RECOMMENDED, available, provenance
+
+    names = sorted(available(), key=lambda n: (n != RECOMMENDED, n))
+    for name in names:
+        record = provenance(name)
+        acq = (record.get("config") or {}).get("acquisition") or {}
+        val = record.get("validation") or {}
+        mark = "  (recommended: served when nothing else is configured)" if name == RECOMMENDED else ""
+        print(f"shipped:{name}: {record.get('kind', '?')}, {acq.get('initial', '?')} + {acq.get('budget', '?')} lines, "
+              f"validation SSIM {val.get('ssim', float('nan')):.4f}{mark}")
+    return 0
+
+
+def cmd_models_info(args: argparse.Namespace) -> int:
+    import json
+
+    from masc_gadget.models.checkpoint import load_checkpoint
+    from masc_gadget.models.shipped import PREFIX, available, provenance
+
+    name = args.model[len(PREFIX):] if args.model.startswith(PREFIX) else args.model
+    if name in available():
+        record = provenance(name)
+        shown = {k: record.get(k) for k in ("name", "kind", "seed", "code_version", "git_commit", "command",
+                                             "export_command", "validation", "trained_rollouts")}
+        shown["protocol"] = (record.get("config") or {}).get("acquisition")
+        shown["ood"] = {k: v for k, v in (record.get("ood") or {}).items() if k in ("score", "threshold", "stage", "early",
+                                                                                   "calibrated_on")}
+        shown["training_data"] = record.get("training_data")
+    else:
+        meta = load_checkpoint(args.model).metadata
+        shown = {k: meta.get(k) for k in ("kind", "n_pe", "epoch", "rollout", "val", "provenance", "training_data")}
+        shown["ood"] = meta.get("ood")
+    print(json.dumps(shown, indent=1, default=str))
     return 0

@@ -28,7 +28,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, command: str = ""
                       export_command: str = "") -> dict[str, Any]:
     """Write ``out`` (.pt, float16 weights) and ``out`` with .json (provenance); returns the
     provenance. Float16 halves the size; loading casts back to float32. ``ood``: the OOD
-    calibration of its MAR network (``masc mar-check --calibrate``: score, threshold, ...),
+    calibration of its MAR network (``masc check mar --calibrate``: score, threshold, ...),
     stored in the checkpoint's metadata, where the gadget reads it.
 
     The provenance names the code (git commit, versions), the commands (``command``: those

@@ -10,7 +10,7 @@ checkpoint (kind ``fixed-order``: the order in its metadata, the network) is ser
 policy (``policy: fixed-order``, ``policy_checkpoint``) and scored by ``masc eval --methods
 fixed-order --checkpoint CKPT``.
 
-``masc refit CKPT --data NEW`` learns the order again for another population or protocol (the
+``masc train refit CKPT --data NEW`` learns the order again for another population or protocol (the
 config's acquisition section) under the checkpoint's network, and with ``--finetune`` co-adapts
 the network to the new order too.
 """
@@ -44,7 +44,7 @@ KIND = "fixed-order"
 
 @dataclass(frozen=True)
 class FixedOrderConfig:
-    """``masc train fixed-order`` and ``masc refit`` (config section ``fixed_order``; the MAR
+    """``masc train fixed-order`` and ``masc train refit`` (config section ``fixed_order``; the MAR
     network's fine-tuning is the shared recipe, section ``finetune``)."""
 
     population_slices: int = 32
@@ -111,7 +111,7 @@ def train_fixed_order(config: Config, data_dir: str | Path, mar_path: str | Path
 
 def refit_fixed_order(config: Config, checkpoint: str | Path, data_dir: str | Path, out: str | Path,
                       finetune: bool = False, progress: bool = True) -> dict[str, Any]:
-    """``masc refit``: the order of ``checkpoint`` (kind fixed-order, or any checkpoint with a MAR
+    """``masc train refit``: the order of ``checkpoint`` (kind fixed-order, or any checkpoint with a MAR
     network) learned again on ``data_dir`` for the config's protocol; with ``finetune`` the
     network is co-adapted to the new order too, else kept as it is."""
     fcfg: FixedOrderConfig = config["fixed_order"]

@@ -11,11 +11,11 @@ beside it.
 * :func:`score_batch`: B slices whose images are already reconstructed (the acquisition
   environment's final step, ``masc eval``'s per-line curves);
 * :func:`score_masks`: every slice of a :class:`~training.data.SliceSet` under masks, in batches
-  (validation of every trainer, ``masc mar-check``, ``masc headroom``, the fixed order);
+  (validation of every trainer, ``masc check mar``, ``masc check headroom``, the fixed order);
 * :func:`line_masks`: the masks of the protocol's initial centre lines plus chosen lines;
 * :func:`harmed`: the one definition of harm, a served image below doing nothing
   (:func:`do_nothing`, the zero-filled image of centre-out's lines with the same line count),
-  used by ``masc mar-check``, its ROC and the calibration of the OOD rule.
+  used by ``masc check mar``, its ROC and the calibration of the OOD rule.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def score_batch(zero_filled: torch.Tensor, corrected: torch.Tensor | None, targe
         mask: (B, PE) bool, the acquired lines (the ``consistency`` score needs them).
         mar: the MAR network (the ``flip`` score runs it again).
         metrics: the whole-image metrics kept (of :data:`~masc_gadget.core.metrics.METRICS`).
-        kinds: OOD score kinds computed for every slice, whatever the rule (``masc mar-check``).
+        kinds: OOD score kinds computed for every slice, whatever the rule (``masc check mar``).
         switched, early_score: (B,) with an early rule, its verdicts
             (:func:`masc_gadget.core.served.served_images`).
     """

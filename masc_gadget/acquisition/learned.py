@@ -340,7 +340,7 @@ def _masc_from(ck: Checkpoint, path: str | Path, device: str | torch.device) -> 
     if cfg.reacquire:
         logging.getLogger(__name__).warning(
             "%s was trained to acquire a line again when the scanner flags it corrupted (policy_net.reacquire); "
-            "the gadget receives no such flags and serves it as if none were (no repeats); masc headroom plays the flags",
+            "the gadget receives no such flags and serves it as if none were (no repeats); masc check headroom plays the flags",
             path)
     return LearnedPolicy(net, observes_mar=meta["observes_mar"], device=device, metadata=meta)
 
@@ -432,5 +432,5 @@ def make_loupe_policy(checkpoint: str = "", device: str = "auto", **_: Any) -> S
 
 
 def make_fixed_order_policy(checkpoint: str = "", device: str = "auto", **_: Any) -> SamplingPolicy:
-    """Registry factory of ``fixed-order`` (a ``masc train fixed-order`` or ``masc refit`` checkpoint)."""
+    """Registry factory of ``fixed-order`` (a ``masc train fixed-order`` or ``masc train refit`` checkpoint)."""
     return make_learned_policy(checkpoint, device, kind=FIXED)

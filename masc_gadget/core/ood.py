@@ -19,7 +19,7 @@ much, or how inconsistently, the network changed it:
     unchanged, so a network on familiar ground answers alike; one pass more.
 
 Which score the gadget uses, and the threshold above which it returns the zero-filled image
-instead, are chosen on a validation split by ``masc mar-check`` and stored in the MAR
+instead, are chosen on a validation split by ``masc check mar`` and stored in the MAR
 checkpoint (metadata ``ood``); see :func:`masc_gadget.core.served.served_images`.
 
 Two stages of the rule (:class:`OodCalibration` ``stage``):

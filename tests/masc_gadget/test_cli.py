@@ -122,3 +122,33 @@ def test_help_loads_neither_torch_nor_the_training_stack():
             "if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"imported by the parser: {done.stdout.strip()} {done.stderr[-500:]}"
+
+
+def test_old_spellings_become_the_command_trees_with_a_note():
+    from masc_gadget.cli import spelled
+
+    assert spelled(["mar-check", "--mar", "x"]) == (["check", "mar", "--mar", "x"],
+                                                    ["'masc mar-check' is now 'masc check mar'"])
+    assert spelled(["refit", "c.pt"])[0] == ["train", "refit", "c.pt"]
+    assert spelled(["study", "sim-params", "--out", "o"])[0] == ["check", "sim-params", "--out", "o"]
+    assert spelled(["eval", "combine", "a,b", "--out", "o"]) == (["eval", "--combine", "a,b", "--out", "o"], [])
+    assert spelled(["eval", "suite", "--runs", "r"])[0] == ["eval", "--suite", "paper", "--runs", "r"]
+    assert spelled(["check", "headroom", "from", "d"])[0] == ["check", "headroom", "--from", "d"]
+    argv, notes = spelled(["eval", "--combine", "a,b"])
+    assert argv == ["eval", "--combine", "a,b"] and notes == ["'masc eval --combine' is now 'masc eval combine DIR,DIR'"]
+    argv, notes = spelled(["headroom", "--combine", "a"])
+    assert argv[:2] == ["check", "headroom"] and len(notes) == 2
+    assert spelled(["serve", "--port", "1"]) == (["serve", "--port", "1"], [])
+
+
+def test_the_models_commands(capsys):
+    from masc_gadget.models.shipped import RECOMMENDED
+
+    assert main(["models", "list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert listed[0].startswith(f"shipped:{RECOMMENDED}:") and "recommended" in listed[0]
+    assert main(["models", "info", "shipped:fixed_small"]) == 0
+    info = capsys.readouterr().out
+    assert '"kind": "fixed-order"' in info and '"protocol"' in info and '"git_commit"' in info
+    assert main(["export", "shipped:fixed_small"]) == 2  # the old spelling still reaches models export
+    assert "'masc export' is now 'masc models export'" in capsys.readouterr().err

@@ -100,7 +100,7 @@ def test_order_from_an_earlier_checkpoint_skips_learning_it(tiny_dataset, pertur
 
 
 def test_a_fixed_order_exports_as_the_ky_list_a_sequence_plays(tmp_path, capsys):
-    """masc export --lines: the shipped fixed order's lines, initial centre lines first, as the
+    """masc models export --lines: the shipped fixed order's lines, initial centre lines first, as the
     closed loop plays them; a checkpoint whose lines depend on the image is refused by name."""
     from masc_gadget.acquisition.learned import load_learned
     from masc_gadget.acquisition.policies import run_episode
@@ -116,5 +116,5 @@ def test_a_fixed_order_exports_as_the_ky_list_a_sequence_plays(tmp_path, capsys)
     mask = text[1].split("mask ")[1]
     assert len(mask) == meta["n_pe"] and mask.count("1") == len(lines) and all(mask[k] == "1" for k in lines)
     assert main(["export", "shipped:masc_small", "--lines", str(tmp_path / "x.txt")]) == 2
-    assert "masc export: error: shipped:masc_small is a masc checkpoint" in capsys.readouterr().err
+    assert "masc models export: error: shipped:masc_small is a masc checkpoint" in capsys.readouterr().err
     assert main(["export", "shipped:fixed_small"]) == 2

@@ -2,7 +2,7 @@
 
 If a template predicts the test images, a MAR network can reproduce them from the two centre
 lines and the lines chosen after them hardly change its output: no policy can then beat random
-lines. ``masc diversity`` measures, on the evaluated split:
+lines. ``masc check diversity`` measures, on the evaluated split:
 
 - **nearest training image**: for each slice, the SSIM of the most similar *clean training*
   image (over every training slice, each scaled by its own maximum): a lookup that needs no scan

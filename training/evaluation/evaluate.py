@@ -288,7 +288,7 @@ def result_rows(method: str, traj: Trajectories, initial: int, budget: int) -> l
 
 def warn_repeated_anatomies(checkpoints: list[str], data_dir: str | Path, split: str) -> list[str]:
     """Log (and return) a warning for each checkpoint whose provenance (``training_data``, from
-    ``masc export``) says it was trained on anatomies that ``split`` of ``data_dir`` repeats
+    ``masc models export``) says it was trained on anatomies that ``split`` of ``data_dir`` repeats
     (:func:`training.data.repeats_training_anatomies`)."""
     from masc_gadget.models.checkpoint import load_checkpoint
     from training.data import data_dirs, repeats_training_anatomies

@@ -1,7 +1,7 @@
 """The headroom of adaptive line choice: how far the oracle leads the best fixed order.
 
 An adaptive policy can only beat a fixed line order by what a per-slice choice adds over the best
-order a population allows. ``masc headroom`` (and ``masc eval --headroom``) measures that lead on
+order a population allows. ``masc check headroom`` (and ``masc check headroom``) measures that lead on
 a data set before anyone trains for it:
 
 - **the fixed order, cross-fitted**: the subjects are split into ``folds`` folds; for each fold,
@@ -79,7 +79,7 @@ METHODS = ("oracle", "fixed", "center-out")
 
 @dataclass(frozen=True)
 class HeadroomConfig:
-    """``masc headroom`` and ``masc eval --headroom`` (config section ``headroom``)."""
+    """``masc check headroom`` and ``masc check headroom`` (config section ``headroom``)."""
 
     folds: int = 2
     """Subject folds of the cross-fitted fixed order (>= 2)."""

@@ -1,4 +1,4 @@
-"""``masc mar-check``: does a MAR network do no harm, and does its OOD score know when it does?
+"""``masc check mar``: does a MAR network do no harm, and does its OOD score know when it does?
 
 For every slice of a split, per dataset folder and per MAR network:
 
@@ -17,7 +17,7 @@ For every slice of a split, per dataset folder and per MAR network:
 
 ``--calibrate`` (on the validation split) picks the score with the largest pooled area and the
 threshold that maximises the mean served SSIM when slices scoring above it are served
-zero-filled, and writes them to ``OUT/ood.json`` for ``masc export --ood``. A score depends on
+zero-filled, and writes them to ``OUT/ood.json`` for ``masc models export --ood``. A score depends on
 the lines acquired, so a network whose checkpoint carries its own policy (MASC) is calibrated on
 the fixed policy's lines *and* on the lines its policy plays on each slice, the ones the gadget
 will serve it with.

@@ -1,4 +1,4 @@
-"""How the simulation's physics changes the problem: ``masc study sim-params``.
+"""How the simulation's physics changes the problem: ``masc check sim-params``.
 
 The paper's appendix discusses field strength, readout bandwidth and implant material; this
 measures them. For each setting a test set is simulated with the *same* subjects (the same

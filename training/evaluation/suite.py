@@ -1,4 +1,4 @@
-"""The paper's experiments in one command: ``masc eval --suite paper``.
+"""The paper's experiments in one command: ``masc eval suite``.
 
 It reads the trained models of each seed ``S`` from one runs folder, by name:
 
@@ -32,7 +32,7 @@ and writes, under ``--out``:
 
 Each table folder also gets ``inputs.json``: the data, split, methods, configuration and the
 SHA-256 of the dataset manifest and of every checkpoint it was evaluated with. With
-``resume=True`` (``masc eval --suite paper --resume``) a table whose ``inputs.json`` matches the
+``resume=True`` (``masc eval suite --resume``) a table whose ``inputs.json`` matches the
 current inputs is read back instead of evaluated again, so an interrupted suite, or seeds
 evaluated one at a time in parallel processes, finish without repeating work; a table whose
 inputs changed (a retrained model, another config) is evaluated again.

@@ -249,7 +249,7 @@ def harm_lines(block: dict[str, Any], subjects: list[str], name: dict[str, str])
             out.append(f"  - **{label} harms the image here**: its served image is below doing nothing "
                        f"(centre-out's zero-filled image with as many lines) by {test['diff']:+.4f} SSIM on average "
                        f"(p {_fmt_p(test['p_ttest'])} over subjects), on {harmed} of {len(served)} slices{fallback}; "
-                       "check the network on this data with masc mar-check.")
+                       "check the network on this data with masc check mar.")
         elif harmed or fell_back:
             out.append(f"  - {label}: below doing nothing on {harmed} of {len(served)} slices{fallback}.")
     return out

@@ -93,7 +93,7 @@ class EnvConfig:
     """With corruption: the probability that it flags a clean one."""
     corruption_seed: int = 0
     """With corruption: the seed of :meth:`BatchedAcquisitionEnv.evaluate`'s draws, which are
-    those of ``masc headroom`` with ``headroom.seed`` (training episodes draw from the env's
+    those of ``masc check headroom`` with ``headroom.seed`` (training episodes draw from the env's
     own stream)."""
 
     def __post_init__(self) -> None:
@@ -676,7 +676,7 @@ class BatchedAcquisitionEnv:
             kspace, target, ref = self._kspace_all[idx], self._target_all[idx], self._reference(idx)
             episodes = self._new_episodes(b)
             attempts = flags = None
-            if self._corruption is not None:  # the slices' own draws, as masc headroom draws them
+            if self._corruption is not None:  # the slices' own draws, as masc check headroom draws them
                 attempts, flags = self._draw_attempts(idx, positions=idx.cpu().numpy())
                 kspace = self._current(episodes, attempts)
             m = self._measure(kspace, episodes.mask, ref)

@@ -248,7 +248,7 @@ def test_the_summary_says_when_a_network_harms_and_when_two_methods_play_the_sam
     text = "\n".join(closing_summary(results))
     assert "**Fixed order harms the image here**" in text and "by -0.1" in text
     assert "on 12 of 12 slices; its fallback served 2 of 12 slices zero-filled" in text
-    assert "masc mar-check" in text
+    assert "masc check mar" in text
     assert "plays the same lines as MASC on 10 of 12 slices: the gap between them is the networks'" in text
     assert "Center-out harms" not in text  # centre-out's network helps: no harm line
     # the same lines: the gap is not credited to MASC's per-slice choice
