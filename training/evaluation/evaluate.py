@@ -287,20 +287,40 @@ def result_rows(method: str, traj: Trajectories, initial: int, budget: int) -> l
 
 
 def warn_repeated_anatomies(checkpoints: list[str], data_dir: str | Path, split: str) -> list[str]:
-    """Log (and return) a warning for each checkpoint whose provenance (``training_data``, from
-    ``masc models export``) says it was trained on anatomies that ``split`` of ``data_dir`` repeats
-    (:func:`training.data.repeats_training_anatomies`)."""
+    """Log (and return) a warning for each checkpoint whose provenance says ``split`` of
+    ``data_dir`` touched it: anatomies it was trained on (``training_data``, from ``masc models
+    export``; :func:`training.data.repeats_training_anatomies`), subjects of this very data set
+    (same manifest) that selected it (``provenance.subjects.val``) or calibrated its OOD rule
+    (``ood.calibrated_on``)."""
     from masc_gadget.models.checkpoint import load_checkpoint
-    from training.data import data_dirs, repeats_training_anatomies
+    from training.data import data_dirs, data_identity, repeats_training_anatomies
+    from training.data import load_split as _load
 
     warnings = []
     for path in dict.fromkeys(p.strip() for p in checkpoints if p and p.strip()):
-        trained_on = load_checkpoint(path).metadata.get("training_data") or []
-        for folder in data_dirs(data_dir) if trained_on else []:
-            why = repeats_training_anatomies(folder, split, trained_on)
+        meta = load_checkpoint(path).metadata
+        trained_on = meta.get("training_data") or []
+        for folder in data_dirs(data_dir):
+            why = repeats_training_anatomies(folder, split, trained_on) if trained_on else None
             if why is not None:
                 warnings.append(f"{path}: {why}")
-                log.warning("%s", warnings[-1])
+            sha = data_identity(folder)["manifest_sha256"]
+            scored = set(_load(folder, split).subjects)
+            provenance = meta.get("provenance") or {}
+            if any(d.get("manifest_sha256") == sha for d in provenance.get("data", [])):
+                chose = scored & set((provenance.get("subjects") or {}).get("val", []))
+                if chose:
+                    warnings.append(f"{path}: {len(chose)} of the {len(scored)} subjects of {Path(folder).name}/{split} "
+                                    f"selected it (its validation: {', '.join(sorted(chose)[:4])}): its score here is "
+                                    "not an unseen one")
+            for record in ((meta.get("ood") or {}).get("calibrated_on") or {}).get("data", []):
+                calibrated = scored & set(record.get("subjects", [])) if record.get("manifest_sha256") == sha else set()
+                if calibrated:
+                    warnings.append(f"{path}: {len(calibrated)} of the {len(scored)} subjects of {Path(folder).name}/"
+                                    f"{split} calibrated its OOD rule ({', '.join(sorted(calibrated)[:4])}): its "
+                                    "fallback is tuned on what it is scored on")
+    for warning in warnings:
+        log.warning("%s", warning)
     return warnings
 
 
@@ -321,7 +341,7 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
     device = resolve_device(ecfg.device)
     policies, own_mar = load_policies(methods, checkpoint, device)
     named = [str(p) for p in checkpoint] if isinstance(checkpoint, (list, tuple)) else str(checkpoint or "").split(",")
-    warn_repeated_anatomies([*named, str(mar_path or "")], data_dir, split)
+    touched = warn_repeated_anatomies([*named, str(mar_path or "")], data_dir, split)
     data = load_split(data_dir, split, ecfg.max_slices)
     mar = None
     mar_meta: dict[str, Any] = {}
@@ -356,6 +376,7 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
         "config": {"eval": to_dict(ecfg)},
         "population": population_record,
         "accelerations": {},
+        "warnings": touched,
     }
     figures: dict[str, Any] = {"examples": examples, "labels": [data.label(i) for i in examples],
                                "target": data.target[examples], "metal": data.metal_image[examples], "rows": {}}

@@ -366,8 +366,12 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
     if do_calibrate:
         from training.run import command_line
 
+        from training.data import data_identity
+
         calibrated_on = {"command": command_line(), "split": split,
-                         "subjects": sorted({s for subjects in subjects_of.values() for s in subjects})}
+                         "subjects": sorted({s for subjects in subjects_of.values() for s in subjects}),
+                         "data": [{"folder": folder.name, "manifest_sha256": data_identity(folder)["manifest_sha256"],
+                                   "subjects": subjects_of[folder.name]} for folder in data_dirs(data)]}
         calibration = {name: {**calibrate({k: np.concatenate(v) for k, v in pooled[name].items()}),
                               "calibrated_on": calibrated_on} for name in mars}
         for name in mars:  # the early switch, for a network whose policy reads its image

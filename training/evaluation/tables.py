@@ -108,6 +108,8 @@ def line_sets(row: dict[str, Any]) -> int:
 def render_table(results: dict[str, Any]) -> str:
     """The paper's Table 1 layout in Markdown, computed from the results dict only."""
     out = [f"# Evaluation on split `{results['split']}` ({results['n_slices']} slices)", ""]
+    for warning in results.get("warnings", []):  # what the provenance says touched these slices
+        out += [f"> **Warning**: {warning}", ""]
     ref = results["reference"]
     for acc, block in results["accelerations"].items():
         out.append(f"## {acc}: {block['initial']} initial + {block['budget']} chosen of "

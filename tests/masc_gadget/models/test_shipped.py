@@ -102,3 +102,23 @@ def test_a_set_that_repeats_the_training_anatomies_is_named(tmp_path, tiny_datas
                     {"kind": "mar", "training_data": [{**trained_on[0]}]})
     assert bool(warn_repeated_anatomies([str(ckpt)], smaller, "train")) == bool(
         set(read_manifest(smaller)["splits"]["train"]) & train)
+
+
+def test_scoring_on_subjects_that_selected_or_calibrated_the_model_is_named(tmp_path, tiny_dataset, perturbed_mar):
+    """masc eval warns (log, results.json, table.md) when the provenance says the scored subjects
+    selected the model (its validation) or calibrated its OOD rule, on the very same data set."""
+    from masc_gadget.models.checkpoint import load_checkpoint, save_checkpoint
+    from training.data import data_identity, load_split
+    from training.evaluation.evaluate import warn_repeated_anatomies
+
+    ck = load_checkpoint(perturbed_mar)
+    val = sorted(set(load_split(tiny_dataset, "val").subjects))
+    identity = {k: v for k, v in data_identity(tiny_dataset).items() if k != "train_anatomies"}
+    touched = save_checkpoint(tmp_path / "touched.pt", ck.state_dicts, {
+        **ck.metadata, "provenance": {"data": [identity], "subjects": {"val": val}},
+        "ood": {"score": "residual", "threshold": 1.0, "calibrated_on": {"data": [
+            {"manifest_sha256": identity["manifest_sha256"], "subjects": val}]}}})
+    said = warn_repeated_anatomies([str(touched)], tiny_dataset, "val")
+    assert len(said) == 2 and "selected it" in said[0] and "calibrated its OOD rule" in said[1]
+    assert warn_repeated_anatomies([str(touched)], tiny_dataset, "test") == []  # other subjects: nothing to say
+    assert warn_repeated_anatomies([str(perturbed_mar)], tiny_dataset, "val") == []
