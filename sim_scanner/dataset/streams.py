@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -256,6 +256,18 @@ def write_stream(path: str | os.PathLike, header_xml: str, acquisitions: Sequenc
     acquisition in order, in ``group``: ``dataset`` is what ``gadgetron_ismrmrd_client`` and
     python-ismrmrd-server's ``client.py`` read by default). An existing group is replaced; the
     file appears only once complete."""
+    def fill(dataset: ismrmrd.Dataset) -> None:
+        dataset.write_xml_header(header_xml)
+        for acq in acquisitions:
+            dataset.append_acquisition(acq)
+
+    return write_group(path, group, fill)
+
+
+def write_group(path: str | os.PathLike, group: str, fill: Callable[[ismrmrd.Dataset], None]) -> Path:
+    """Write the ISMRMRD group ``group`` of ``path`` with ``fill(dataset)``: the file's other groups
+    kept, an existing ``group`` replaced, the file in place only once complete (a partial copy
+    beside it until then)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".tmp")
@@ -267,24 +279,28 @@ def write_stream(path: str | os.PathLike, header_xml: str, acquisitions: Sequenc
                 del f[group]
     dataset = ismrmrd.Dataset(str(partial), group, create_if_needed=True)
     try:
-        dataset.write_xml_header(header_xml)
-        for acq in acquisitions:
-            dataset.append_acquisition(acq)
+        fill(dataset)
     finally:
         dataset.close()
     os.replace(partial, path)
     return path
 
 
-def read_stream(path: str | os.PathLike, group: str) -> tuple[str, list[ismrmrd.Acquisition]]:
-    """(header XML, every acquisition in file order) of an ISMRMRD group; ValueError naming a
-    missing file or group."""
+def check_group(path: str | os.PathLike, group: str) -> Path:
+    """``path`` as a Path; ValueError naming a missing file or group (and the groups it has)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
     with h5py.File(path, "r") as f:
         if group not in f:
             raise ValueError(f"{path}: no group {group!r} (the file has {sorted(f.keys())})")
+    return path
+
+
+def read_stream(path: str | os.PathLike, group: str) -> tuple[str, list[ismrmrd.Acquisition]]:
+    """(header XML, every acquisition in file order) of an ISMRMRD group; ValueError naming a
+    missing file or group."""
+    path = check_group(path, group)
     dataset = ismrmrd.Dataset(str(path), group, create_if_needed=False)
     try:
         header = dataset.read_xml_header()

@@ -26,7 +26,7 @@ import ismrmrd
 from masc_gadget.mrd import tcp
 from masc_gadget.mrd.frames import ID_CLOSE, ID_ERROR, ID_IMAGE, ID_TEXT, ConnectionClosed, ProtocolError
 from masc_gadget.mrd.protocol import MrdStream
-from sim_scanner.dataset.streams import read_stream
+from sim_scanner.dataset.streams import read_stream, write_group
 
 log = logging.getLogger(__name__)
 
@@ -136,24 +136,11 @@ def send_file(path: str | os.PathLike, server: str, group: str = "dataset", conf
 
 def write_images(path: str | os.PathLike, images: list[ismrmrd.Image], header: str, group: str = "out") -> Path:
     """The images in an ISMRMRD file: ``group`` holds the header and one image variable per series
-    (``image_<series>``); an existing group is replaced, the file appears only once complete."""
-    import h5py
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".tmp")
-    partial.unlink(missing_ok=True)
-    if path.exists():
-        os.replace(path, partial)
-        with h5py.File(partial, "a") as f:
-            if group in f:
-                del f[group]
-    dataset = ismrmrd.Dataset(str(partial), group, create_if_needed=True)
-    try:
+    (``image_<series>``); an existing group is replaced, the file appears only once complete
+    (:func:`sim_scanner.dataset.streams.write_group`)."""
+    def fill(dataset: ismrmrd.Dataset) -> None:
         dataset.write_xml_header(header)
         for image in images:
             dataset.append_image(f"image_{int(image.image_series_index)}", image)
-    finally:
-        dataset.close()
-    os.replace(partial, path)
-    return path
+
+    return write_group(path, group, fill)

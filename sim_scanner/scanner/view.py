@@ -21,6 +21,8 @@ import h5py
 import ismrmrd
 import numpy as np
 
+from sim_scanner.dataset.streams import check_group
+
 __all__ = ["ViewedImage", "direction_letters", "read_images", "write_dicom", "write_png"]
 
 
@@ -61,12 +63,8 @@ def _meta(image: ismrmrd.Image) -> dict[str, str]:
 def read_images(path: str | os.PathLike, group: str = "out") -> list[ViewedImage]:
     """Every image of ``group`` in ``path`` (its ``image_*`` variables), by series then slice;
     ValueError naming what is missing."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
+    path = check_group(path, group)
     with h5py.File(path, "r") as f:
-        if group not in f:
-            raise ValueError(f"{path}: no group {group!r} (the file has {sorted(f.keys())}; masc send writes 'out')")
         names = sorted(k for k in f[group].keys() if k.startswith("image_"))
     if not names:
         raise ValueError(f"{path}/{group}: no image variables (image_*)")
