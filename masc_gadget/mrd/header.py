@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import types
 import typing
 import xml.etree.ElementTree as ET
@@ -324,9 +325,9 @@ def encoding_geometry(header: ismrmrd.xsd.ismrmrdHeader | str | bytes) -> Encodi
         )
     fov = space.fieldOfView_mm
     fov_mm = (float(fov.x), float(fov.y), float(fov.z))
-    if min(fov_mm) <= 0:
+    if not all(math.isfinite(v) and v > 0 for v in fov_mm):
         raise ValueError(
-            f"ISMRMRD header encodedSpace fieldOfView_mm must be > 0, got {list(fov_mm)}"
+            f"ISMRMRD header encodedSpace fieldOfView_mm must be finite and > 0, got {list(fov_mm)}"
         )
     limits = encoding.encodingLimits
     n_slices = 1
@@ -353,8 +354,9 @@ def encoding_geometry(header: ismrmrd.xsd.ismrmrdHeader | str | bytes) -> Encodi
         if recon.fieldOfView_mm is not None:
             rf = recon.fieldOfView_mm
             recon_fov = (float(rf.x), float(rf.y), float(rf.z))
-            if min(recon_fov) <= 0:
-                raise ValueError(f"ISMRMRD header reconSpace fieldOfView_mm must be > 0, got {list(recon_fov)}")
+            if not all(math.isfinite(v) and v > 0 for v in recon_fov):
+                raise ValueError(f"ISMRMRD header reconSpace fieldOfView_mm must be finite and > 0, got "
+                                 f"{list(recon_fov)}")
     geometry = EncodingGeometry(n_readout, n_pe, n_slices, fov_mm, pe_centre, recon_readout, recon_pe, recon_fov)
     if geometry.removes_oversampling:
         kept = int(n_readout / geometry.readout_ratio)

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 
 from masc_gadget.config import ConfigError
 from masc_gadget.mrd.frames import Limits, frame_error
-from masc_gadget.mrd.header import encoding_geometry, parse_header, slice_limit
+from masc_gadget.mrd.header import encoding_geometry, parse_header, receiver_channels, slice_limit
 from masc_gadget.mrd.frames import (ID_ACQUISITION, ID_CLOSE, ID_CONFIG_FILE, ID_CONFIG_TEXT, ID_HEADER, ID_TEXT,
                                     ID_WAVEFORM, frame_close, ConnectionClosed, Feedback, ProtocolError, ReadTimeout)
 from masc_gadget.mrd.protocol import MrdStream
@@ -57,6 +57,7 @@ def check_header(header: Any, limits: ServerConfig) -> int:
     """The header's matrix and slices within the caps (``max_matrix``, ``max_slices``);
     ClientError naming the cap otherwise. Returns the slices a scan may use."""
     geometry = encoding_geometry(header)
+    receiver_channels(header)  # ValueError for fewer than one receive channel, before any line comes
     max_pe, max_readout = limits.max_matrix
     readout = max(geometry.n_readout, geometry.grid_readout)
     if geometry.n_pe > max_pe or readout > max_readout:

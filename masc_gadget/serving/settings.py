@@ -327,12 +327,22 @@ def parameters_json(text: str) -> dict[str, Any]:
     if len(text) > MAX_PARAMETERS_CHARS:
         raise ConfigError(f"parameters text is {len(text)} characters, more than the limit "
                           f"{MAX_PARAMETERS_CHARS}")
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:  # {"token": "a", "token": "b"}: which one?
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ConfigError(f"parameters text repeats the key {quote(key)}: send each setting once")
+            out[key] = value
+        return out
+
     try:
-        values = json.loads(text)
+        values = json.loads(text, object_pairs_hook=unique)
     except json.JSONDecodeError as err:
         raise ConfigError(f"parameters text is not valid JSON: {err}") from None
     except RecursionError:
         raise ConfigError(f"parameters text nests arrays / objects deeper than the limit {MAX_JSON_DEPTH}") from None
+    except ConfigError:  # a repeated key
+        raise
     except ValueError:  # an integer beyond Python's digit limit for int()
         raise ConfigError("parameters text has a number of thousands of digits; settings are small "
                           "numbers, names and flags") from None

@@ -93,3 +93,36 @@ def test_the_readme_recipe_serves_the_operators_model_whatever_the_scan_config_s
         slices = [sl for sub in report["subjects"] for sl in sub["slices"]]
         assert slices and all(sl["lines"] == expected for sl in slices), folder
         assert report["totals"]["fallbacks"] == 0
+
+
+def test_a_repeated_key_is_refused_not_resolved_last_wins():
+    """Regression: {"token": "wrong", "token": "<right>"} authenticated (the last key won)."""
+    from masc_gadget.serving.settings import parameters_json
+
+    with pytest.raises(ConfigError, match="repeats the key 'token'"):
+        parameters_json('{"token": "wrong", "token": "right"}')
+    assert parameters_json('{"a": {"b": 1, "c": 2}}') == {"a": {"b": 1, "c": 2}}
+
+
+@pytest.mark.parametrize("channels, fov, match", [
+    ("<receiverChannels>0</receiverChannels>", None, "receiverChannels must be >= 1"),
+    ("<receiverChannels>-3</receiverChannels>", None, "receiverChannels must be >= 1"),
+    ("", "NaN", "fieldOfView_mm must be finite"), ("", "INF", "fieldOfView_mm must be finite"),
+    ("", "0", "fieldOfView_mm must be finite and > 0")])
+def test_a_header_without_channels_or_with_a_field_of_view_that_is_not_finite_is_refused(channels, fov, match):
+    from masc_gadget.mrd.header import parse_header
+    from masc_gadget.serving.connection import check_header
+    from tests.scanner_streams import base_stream
+
+    xml, _ = base_stream(32, 32, (200.0, 200.0, 5.0))
+    if channels:
+        xml = xml.replace("<acquisitionSystemInformation>", f"<acquisitionSystemInformation>{channels}", 1) \
+            if "<acquisitionSystemInformation>" in xml else xml.replace(
+                "<encoding>", f"<acquisitionSystemInformation>{channels}</acquisitionSystemInformation><encoding>", 1)
+    if fov:
+        import re
+
+        xml, n = re.subn(r"(<fieldOfView_mm>\s*<x>)[^<]*(</x>)", rf"\g<1>{fov}\g<2>", xml, count=1)
+        assert n == 1
+    with pytest.raises((ClientError, ValueError), match=match):
+        check_header(parse_header(xml), ServerConfig())
