@@ -475,6 +475,9 @@ class ScanInput(NamedTuple):
     slice_centres_mm: list[float]
     fov_centre_mm: tuple[float, float]
     """(y, x), as everywhere in the simulator."""
+    templates: dict | None = None
+    """A recorded scan's acquisition headers by (slice, grid row), sent as recorded (their flags,
+    counter and time stamp set by the replay); None: built from ``seq`` (a simulated subject)."""
 
 
 @_serialized

@@ -32,6 +32,7 @@ import math
 import os
 import shutil
 from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -309,3 +310,53 @@ def read_stream(path: str | os.PathLike, group: str) -> tuple[str, list[ismrmrd.
     finally:
         dataset.close()
     return header.strip("\x00 \t\r\n"), acquisitions
+
+
+def read_mrd_scan_input(path: str | os.PathLike, group: str = "dataset") -> Any:
+    """A recorded scan (an ISMRMRD file: a scanner's converted raw data, ``masc simulate stream``'s
+    output) as what ``masc scan`` replays in closed loop: every line of every slice, placed by
+    ``kspace_encode_step_1`` around the header's centre line, the recorded acquisition headers to
+    send them with (``templates``), and as the reference it is scored against the file's own fully
+    sampled image (root-sum-of-squares over the coils): a recorded scan has no metal-free truth.
+
+    ValueError naming what a closed-loop replay needs and the file lacks: one readout of the
+    encoded matrix per line (no oversampling or asymmetric echo), every line of every slice."""
+    from masc_gadget.mrd.feedback import is_feedback
+    from masc_gadget.mrd.header import encoding_geometry, is_imaging_line, parse_header
+    from sim_scanner.dataset.layout import ScanInput
+    from sim_scanner.physics.sequence import SequenceConfig
+
+    header_xml, acquisitions = read_stream(path, group)
+    header = parse_header(header_xml)
+    geometry = encoding_geometry(header)
+    n_pe, n_ro, n_slices = geometry.n_pe, geometry.n_readout, geometry.n_slices
+    lines = [a for a in acquisitions if is_imaging_line(a.flags) and not is_feedback(a)]
+    if not lines:
+        raise ValueError(f"{path}/{group}: no imaging acquisition to replay")
+    coils = int(lines[0].active_channels)
+    kspace = np.zeros((n_slices, coils, n_pe, n_ro), dtype=np.complex64)
+    templates: dict[tuple[int, int], ismrmrd.AcquisitionHeader] = {}
+    shift = n_pe // 2 - geometry.pe_centre
+    for acq in lines:
+        s, row = int(acq.idx.slice), int(acq.idx.kspace_encode_step_1) + shift
+        if int(acq.number_of_samples) != n_ro or int(acq.active_channels) != coils:
+            raise ValueError(f"{path}/{group}: slice {s} line {row - shift} has {acq.number_of_samples} samples x "
+                             f"{acq.active_channels} channels; a closed-loop replay needs {n_ro} x {coils} on every line "
+                             "(no readout oversampling, asymmetric echo or changing channels)")
+        if not (0 <= s < n_slices and 0 <= row < n_pe):
+            raise ValueError(f"{path}/{group}: slice {s} line {row - shift} is outside the header's "
+                             f"{n_slices} slices x {n_pe} lines")
+        kspace[s, :, row] = np.asarray(acq.data)
+        templates[(s, row)] = acq.getHead()
+    missing = [(s, r) for s in range(n_slices) for r in range(n_pe) if (s, r) not in templates]
+    if missing:
+        raise ValueError(f"{path}/{group}: {len(missing)} of {n_slices * n_pe} lines are not recorded (first: slice "
+                         f"{missing[0][0]}, line {missing[0][1] - shift}); a closed-loop replay needs every line, "
+                         "the gadget may ask for any")
+    image = np.fft.fftshift(np.fft.ifft2(np.fft.ifftshift(kspace, axes=(-2, -1)), norm="ortho"), axes=(-2, -1))
+    reference = np.sqrt((np.abs(image) ** 2).sum(axis=1)).astype(np.float32)
+    params = getattr(header, "sequenceParameters", None)
+    tr = float(params.TR[0]) if params is not None and params.TR else 1000.0
+    seq = SequenceConfig(tr_ms=tr, te_ms=min(tr / 2, 10.0), echo_train_length=1, n_slices=n_slices,
+                         matrix=(n_ro, n_pe), fov_mm=(geometry.fov_mm[0], geometry.fov_mm[1]))
+    return ScanInput(header_xml, kspace, reference, seq, [0.0] * n_slices, (0.0, 0.0), templates)

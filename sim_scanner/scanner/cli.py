@@ -41,7 +41,11 @@ def register(subparsers: argparse._SubParsersAction, common: argparse.ArgumentPa
         "on a miss), and score the returned images against the clean ground truth. Writes "
         "OUTDIR/report.json and OUTDIR/images.h5. Flags override the config section 'scanner'.",
     )
-    scan.add_argument("--data", required=True, metavar="DIR", help="dataset folder (manifest.json)")
+    scan.add_argument("--data", metavar="DIR", help="dataset folder (manifest.json)")
+    scan.add_argument("--mrd", metavar="FILE.h5", help="instead of --data: replay a recorded scan (an ISMRMRD file "
+                      "holding every line, e.g. a scanner's converted raw data or masc simulate stream's output) in "
+                      "closed loop, scored against its own fully sampled image")
+    scan.add_argument("--mrd-group", default="dataset", metavar="GROUP", help="the --mrd file's group (default dataset)")
     scan.add_argument("--split", default="test", choices=["train", "val", "test"],
                       help="split to scan (default: test)")
     scan.add_argument("--out", required=True, metavar="OUTDIR", help="folder for report.json and images.h5")
@@ -92,10 +96,15 @@ def cmd_scan(args: argparse.Namespace) -> int:
     from masc_gadget.config import Config
     from sim_scanner.scanner.session import run_scan
 
+    from masc_gadget.cli import CommandError
+
+    if bool(args.data) == bool(args.mrd):
+        raise CommandError("give --data DIR (a data set) or --mrd FILE.h5 (a recorded scan), one of them")
     config = config_from_args(args)
     scanner = scanner_config_from_args(args, config)
     config = Config({**config.sections, "scanner": scanner}, config.source)
-    report = run_scan(config, args.data, args.split, args.out, progress=not args.no_progress)
+    report = run_scan(config, args.data or args.mrd, args.split, args.out, progress=not args.no_progress,
+                      mrd_group=args.mrd_group if args.mrd else None)
     print(report.summary())
     print(f"report written to {args.out}/report.json, images to {args.out}/images.h5")
     warnings = [w for sub in report.subjects for w in sub.gadget_warnings]

@@ -63,7 +63,7 @@ def plot_scan_subject(report: SubjectReport, served: np.ndarray, targets: np.nda
             row[1].plot([cols * 0.05, cols * 0.05 + length / pixel], [y0, y0], color="yellow", lw=1.5)
             row[1].text(cols * 0.05, y0 - served[s].shape[0] * 0.04, f"{length} mm", color="yellow", fontsize=6)
         row[2].imshow(targets[s] / scale, cmap="gray", vmin=0, vmax=1)
-        row[2].set_title("ground truth (clean, every line)", fontsize=8)
+        row[2].set_title(f"reference ({report.reference})", fontsize=8)
         error = row[3].imshow(np.abs(served[s] - targets[s]) / scale, cmap="magma", vmin=0, vmax=ERROR_RANGE)
         row[3].set_title("|served - truth|", fontsize=8)
         for ax in row[1:]:

@@ -86,6 +86,9 @@ class SubjectReport:
     n_slices: int
     """Slices scanned (``max_slices`` may be fewer than the file holds)."""
     n_pe: int
+    reference: str = "clean, every line"
+    """What the images are scored against: the simulation's metal-free truth, or for a recorded
+    scan its own fully sampled image."""
     fov_mm: float = 0.0
     """The images' field of view along the readout (the header's recon space), mm; 0 when unknown.
     For the figure's scale bar."""

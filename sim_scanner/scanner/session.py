@@ -284,7 +284,12 @@ class _Subject:
         if counter == n_lines - 1:
             flags |= _F_LAST_IN_MEASUREMENT
         self.timestamp = max(self.start_ticks + round(counter * period_ticks), self.timestamp + 1)
-        acquisition = mrd.make_acquisition(
+        if data.templates is not None:  # a recorded scan: its own header for the line, as recorded
+            acquisition = _recorded(data.templates[(s, line)], data.kspace[s, :, line], counter,
+                                    self.timestamp % 2**32, flags)
+        else:
+            acquisition = None
+        acquisition = acquisition or mrd.make_acquisition(
             data.kspace[s, :, line],
             line=line,
             slice_index=s,
@@ -308,6 +313,22 @@ class _Subject:
         st.report.sources.append(source)
 
 
+_SCAN_FLAGS = _F_FIRST_IN_SLICE | _F_LAST_IN_SLICE | _F_LAST_IN_MEASUREMENT
+
+
+def _recorded(head: ismrmrd.AcquisitionHeader, samples: np.ndarray, counter: int, timestamp: int,
+              flags: int) -> ismrmrd.Acquisition:
+    """A recorded line sent again: its header as recorded, with the replay's scan counter, time
+    stamp and first / last flags (the recording's own are those of its full acquisition order)."""
+    acquisition = ismrmrd.Acquisition.from_array(np.ascontiguousarray(samples, dtype=np.complex64))
+    head = ismrmrd.AcquisitionHeader.from_buffer_copy(head)
+    head.scan_counter = counter
+    head.acquisition_time_stamp = timestamp
+    head.flags = (int(head.flags) & ~_SCAN_FLAGS) | flags
+    acquisition.setHead(head)
+    return acquisition
+
+
 def read_config_xml(scfg: ScannerConfig) -> str:
     """The text of ``scfg.config_xml`` ("" when not set); ValueError naming a missing file."""
     if not scfg.config_xml:
@@ -328,6 +349,7 @@ def scan_subject(
     require_gadget: bool = True,
     on_slice_done: Callable[[int], None] | None = None,
     figure: str | os.PathLike | None = None,
+    data: ScanInput | None = None,
 ) -> SubjectReport:
     """Scan one subject file against the gadget of ``scfg`` (see the module docstring).
 
@@ -335,15 +357,18 @@ def scan_subject(
     require_gadget: raise ConnectionError when the gadget cannot be reached (else scan on the
     fallback order and record ``connection = "unreachable"``); on_slice_done(slice) is called
     when a slice has all its lines (progress bars); figure: where to draw the subject's lines
-    and images (:func:`~sim_scanner.scanner.figure.plot_scan_subject`), or None.
+    and images (:func:`~sim_scanner.scanner.figure.plot_scan_subject`), or None. data: what to
+    replay, when not the subject file at ``path`` (a recorded scan,
+    :func:`~sim_scanner.dataset.streams.read_mrd_scan_input`).
     """
     started = time.perf_counter()
     config_xml = read_config_xml(scfg)
-    data = read_scan_input(path)
+    data = read_scan_input(path) if data is None else data
     n_total_slices, _, n_pe, _ = data.kspace.shape
     acq.check(n_pe)
     n_slices = min(n_total_slices, scfg.max_slices or n_total_slices)
-    report = SubjectReport(str(subject_id), str(path), n_slices, int(n_pe), fov_mm=_fov_mm(data.header_xml))
+    report = SubjectReport(str(subject_id), str(path), n_slices, int(n_pe), fov_mm=_fov_mm(data.header_xml),
+                           reference="clean, every line" if data.templates is None else "fully sampled as recorded")
     run = _Subject(
         data, scfg, acq, report,
         EpisodeBatch(n_pe, acq.initial, acq.budget, n_slices, start=False, name="slice"),
@@ -355,6 +380,9 @@ def scan_subject(
         run.planned = line_order(n_pe, scfg.order, lines)
         run.initial_set = frozenset(lines[:acq.initial])
     run.style = scfg.stream_style(float(np.abs(data.kspace[:n_slices]).max(initial=0.0)))
+    if run.style is not None and data.templates is not None:
+        raise ValueError("a recorded scan is replayed as recorded: the scanner-style options (readout oversampling, "
+                         "coils, noise, asymmetric echo) are for simulated subjects")
     header_xml = data.header_xml
     if run.style is not None:
         rng = np.random.default_rng(np.random.SeedSequence([scfg.noise_seed, zlib.crc32(str(subject_id).encode())]))
@@ -617,9 +645,13 @@ def run_scan(
     *,
     scanner: ScannerConfig | None = None,
     progress: bool = True,
+    mrd_group: str | None = None,
 ) -> ScanReport:
     """Scan every subject of ``split`` in dataset ``data_dir``; write ``out_dir/report.json``,
-    ``out_dir/images.h5`` and the first subject's figure ``out_dir/scan.png``.
+    ``out_dir/images.h5`` and the first subject's figure ``out_dir/scan.png``. With
+    ``mrd_group``, ``data_dir`` is a recorded scan instead (an ISMRMRD file, that group), replayed
+    as one subject and scored against its own fully sampled image
+    (:func:`~sim_scanner.dataset.streams.read_mrd_scan_input`).
 
     config: sections ``scanner`` (or pass ``scanner``) and ``acquisition``. The first subject
     raises ConnectionError when the gadget cannot be reached; later subjects are scanned on the
@@ -630,17 +662,26 @@ def run_scan(
     if scanner is None:
         scanner = config.sections["scanner"] if "scanner" in config.sections else ScannerConfig()
     acq: AcquisitionConfig = config["acquisition"]
-    manifest = read_manifest(data_dir)
-    subjects = split_subjects(data_dir, split, manifest)
-    if scanner.max_subjects:
-        subjects = subjects[: scanner.max_subjects]
-    if not subjects:
-        raise ValueError(f"split {split!r} of {data_dir} has no subjects")
-    paths = [subject_path(data_dir, sid, manifest) for sid in subjects]
-    n_slices = 0
-    for p in paths:
-        n = subject_slices(p)
-        n_slices += min(n, scanner.max_slices or n)
+    inputs: list[ScanInput | None]
+    if mrd_group is not None:
+        from sim_scanner.dataset.streams import read_mrd_scan_input
+
+        recorded = read_mrd_scan_input(data_dir, mrd_group)
+        subjects, paths, inputs, split = [Path(data_dir).stem], [Path(data_dir)], [recorded], mrd_group
+        n_slices = min(len(recorded.kspace), scanner.max_slices or len(recorded.kspace))
+    else:
+        manifest = read_manifest(data_dir)
+        subjects = split_subjects(data_dir, split, manifest)
+        if scanner.max_subjects:
+            subjects = subjects[: scanner.max_subjects]
+        if not subjects:
+            raise ValueError(f"split {split!r} of {data_dir} has no subjects")
+        paths = [subject_path(data_dir, sid, manifest) for sid in subjects]
+        inputs = [None] * len(paths)
+        n_slices = 0
+        for p in paths:
+            n = subject_slices(p)
+            n_slices += min(n, scanner.max_slices or n)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -662,7 +703,7 @@ def run_scan(
     )
     bar = tqdm(total=n_slices, unit="slice", desc="scan", disable=not progress)
     try:
-        for i, (sid, p) in enumerate(zip(subjects, paths)):
+        for i, (sid, p, given) in enumerate(zip(subjects, paths, inputs)):
             bar.set_postfix_str(sid)
             report.subjects.append(
                 scan_subject(
@@ -671,6 +712,7 @@ def run_scan(
                     require_gadget=i == 0,
                     on_slice_done=lambda _s: bar.update(),
                     figure=out / FIGURE_FILE if i == 0 else None,
+                    data=given,
                 )
             )
     finally:

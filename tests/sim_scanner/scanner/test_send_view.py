@@ -1,6 +1,8 @@
 """masc send (an MRD file in open loop, the images back into an MRD file) and masc view (PNG and
 DICOM with the images' geometry), against a real masc serve."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -100,3 +102,32 @@ def test_patient_directions_of_the_image_axes():
     assert direction_letters((1, 0, 0)) == "L" and direction_letters((-1, 0, 0)) == "R"
     assert direction_letters((0, -1, 0)) == "A" and direction_letters((0, 0.6, 0.8)) == "SP"
     assert direction_letters((0, 0, 0)) == ""
+
+
+def test_a_recorded_scan_replays_in_closed_loop(stream, server, tmp_path, capsys):
+    """masc scan --mrd: every line of a recorded file, the gadget's decisions obeyed, the lines sent
+    with their recorded headers, the images scored against the file's own fully sampled image."""
+    from sim_scanner.dataset.streams import read_mrd_scan_input, read_stream
+
+    data = read_mrd_scan_input(stream)
+    _, acquisitions = read_stream(stream, "dataset")
+    assert data.kspace.shape[0] * data.kspace.shape[2] == len(acquisitions) == len(data.templates)
+    out = tmp_path / "scan"
+    assert main(["scan", "--config", str(CONFIGS / "tiny.yaml"), "--mrd", str(stream), "--server", server,
+                 "--out", str(out), "--no-progress", "--deadline-ms", "5000"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    (subject,) = report["subjects"]
+    assert subject["reference"] == "fully sampled as recorded" and report["totals"]["fallbacks"] == 0
+    assert all(len(sl["lines"]) == 3 and sl["sources"].count("gadget") == 2 for sl in subject["slices"])
+    assert all(0 < sl["metrics"]["ssim"] <= 1 for sl in subject["slices"])
+    assert main(["scan", "--config", str(CONFIGS / "tiny.yaml"), "--server", server, "--out", str(out)]) == 2
+    assert "give --data DIR" in capsys.readouterr().err
+
+
+def test_a_recording_without_every_line_cannot_be_replayed(stream, tmp_path):
+    from sim_scanner.dataset.streams import read_mrd_scan_input, read_stream, write_stream
+
+    header, acquisitions = read_stream(stream, "dataset")
+    partial = write_stream(tmp_path / "partial.h5", header, acquisitions[1:])
+    with pytest.raises(ValueError, match="lines are not recorded.*needs every line"):
+        read_mrd_scan_input(partial)
