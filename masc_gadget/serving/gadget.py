@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 from masc_gadget import __version__
 from masc_gadget.config import ConfigError
 from masc_gadget.mrd import tcp
+from masc_gadget.mrd.frames import ConnectionClosed
 from masc_gadget.serving.connection import check_header
 from masc_gadget.serving.host import Host, serving_config
 from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache, build_engine, load_models, warm_up
@@ -48,13 +50,30 @@ def _low_latency(connection: Any) -> None:
     if not isinstance(sock, socket.socket):
         return
     tcp.no_delay(sock)
-    read = wrapper.read
 
     def read_quickly(nbytes: int) -> bytes:
+        # the client library's own read loops for ever on a closed socket (recv returns b"" at
+        # once): end the stream instead, so that its open slices are finished and sent
         tcp.quick_ack(sock)
-        return read(nbytes)
+        data = bytearray()
+        while len(data) < nbytes:
+            got = sock.recv(nbytes - len(data), socket.MSG_WAITALL)
+            if not got:
+                raise ConnectionClosed(f"the stream ended without a close message ({len(data)} of {nbytes} bytes "
+                                       "of a message read)", clean=not data)
+            data += got
+        return bytes(data)
 
     wrapper.read = read_quickly
+
+
+def _until_closed(connection: Any) -> Iterator[Any]:
+    """The stream's items until its close message, or until the peer closes the socket without
+    one (logged): either way the open slices are then finished and sent."""
+    try:
+        yield from iter(connection)
+    except ConnectionClosed as err:
+        log.warning("%s: finishing the open slices", err)
 
 
 _EXECUTE_HOST: Host | None = None
@@ -89,7 +108,7 @@ def masc(connection, host: Host | None = None) -> None:
     log.info("MASC gadget %s: policy %s, %d + %d lines, MAR %s, feedback %s%s", __version__, settings.policy,
              settings.initial, settings.budget, settings.mar_checkpoint or "off", settings.feedback,
              f", zmq {settings.zmq_address}" if settings.zmq_address else "")
-    stats = process(iter(connection), connection.header, settings, connection.send, host=host,
+    stats = process(_until_closed(connection), connection.header, settings, connection.send, host=host,
                     trusted=host.default, eager=True)
     log.info("MASC gadget done: %s", stats)
 
