@@ -1,6 +1,6 @@
 """The acquisition engine behind the gadget: lines in, next-line decisions and images out.
 
-No sockets and no ismrmrd here (STYLE.md 4, "I/O apart from maths"): the gadget and the
+No sockets and no ismrmrd here (I/O apart from the maths): the gadget and the
 standalone server turn acquisitions into ``add_line(slice, line, samples)`` calls and send the
 :class:`Decision` s and :class:`SliceResult` s this engine returns.
 
@@ -97,8 +97,10 @@ def _is_int(value: Any) -> bool:
 @dataclass(frozen=True)
 class EngineSettings:
     """What the engine needs to know about a scan, built by the gadget from the ISMRMRD header
-    and its settings. No defaults here: every value comes from the configuration
-    (``acquisition`` and ``gadget`` sections), the one source of defaults."""
+    and its settings. The scan's geometry, protocol, seed and device have no defaults (they come
+    from the header and the configuration's ``acquisition`` and ``gadget`` sections); the four
+    that do (coils, lines per decision, coil combine, MAR fallback) are those a single-coil scan
+    under the configuration's own defaults needs no setting for."""
 
     n_pe: int
     """Phase-encoding lines per slice (encoded matrix y)."""
@@ -248,7 +250,6 @@ class AcquisitionEngine:
         warmed = self._batch_key in _WARMED
         self.warmup_us = 0 if warmed else self._warm_up()
         _WARMED.add(self._batch_key)
-        self.warmed_up = True
         log.info(
             "acquisition engine: policy %s, MAR %s, device %s, %d PE x %d readout x %d coil(s)%s, "
             "%d initial + %d budget lines, warm-up %.1f ms",

@@ -270,8 +270,9 @@ _allowed: tuple[str, ...] = DEFAULT_ZMQ_ALLOW
 
 
 def set_allowed_endpoints(patterns: Iterable[str]) -> None:
-    """Replace the process-wide allow-list (the server does this from its config's
-    ``feedback.zmq_allow`` at start-up)."""
+    """Replace the process-wide default allow-list, the one :func:`endpoint_allowed` checks when
+    given no patterns (library use); the servers pass their host's ``feedback.zmq_allow``
+    (:class:`masc_gadget.serving.host.Host`) and never change this one."""
     global _allowed
     checked = tuple(_check_pattern(p) for p in patterns)
     with _allowed_lock:

@@ -55,7 +55,7 @@ from masc_gadget.serving.settings import GadgetSettings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_CACHE", "ModelCache", "Models", "ModelsConfig", "build_engine", "check_playable", "check_requested",
+__all__ = ["DEFAULT_CACHE", "ModelCache", "Models", "ModelsConfig", "build_engine", "check_playable",
            "load_models", "warm_up"]
 
 CHECKPOINT_KEYS = ("mar_checkpoint", "policy_checkpoint")
@@ -287,13 +287,6 @@ def _choice(settings: GadgetSettings, key: str, cache: ModelCache,
         return value, value, True
     spec, label = cache.requested(value, key)
     return spec, label, False
-
-
-def check_requested(settings: GadgetSettings, trusted: GadgetSettings, cache: ModelCache = DEFAULT_CACHE) -> None:
-    """ConfigError unless every checkpoint of ``settings`` that the connection chose (differs
-    from ``trusted``'s) is a name the server offers; loads nothing."""
-    for key in CHECKPOINT_KEYS:
-        _choice(settings, key, cache, trusted)
 
 
 def _load(kind: Callable[..., Any], spec: str, label: str, operator: bool, key: str, device: str) -> Any:

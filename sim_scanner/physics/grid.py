@@ -82,7 +82,3 @@ class Grid:
             self.voxel_mm,
             (centre_z, self.centre_mm[1], self.centre_mm[2]),
         )
-
-    @property
-    def extent_mm(self) -> tuple[float, float, float]:
-        return tuple(n * d for n, d in zip(self.shape, self.voxel_mm))
