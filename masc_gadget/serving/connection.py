@@ -213,7 +213,8 @@ class Connection:
             raise ClientError(f"authentication required: {rule}; {err}") from None
         if not isinstance(given, str):
             raise ClientError(f"authentication required: {rule}")
-        if not hmac.compare_digest(given.encode("utf-8"), self.limits.token.encode("utf-8")):
+        # surrogatepass: a lone surrogate ("\ud800" in the JSON) is a wrong token, not a codec error
+        if not hmac.compare_digest(given.encode("utf-8", "surrogatepass"), self.limits.token.encode("utf-8")):
             raise ClientError("authentication failed: wrong token")
         self.first_items.append(msg.payload)
 

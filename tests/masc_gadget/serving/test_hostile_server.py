@@ -276,7 +276,8 @@ def test_a_token_is_required_before_any_acquisition(caplog):
     with running_server(f"server.token={secret}") as (_, port):
         for params, error in [(None, "authentication required"), ({"policy": "random"}, "authentication required"),
                               ({"token": "wrong"}, "authentication failed: wrong token"),
-                              ({"token": 7}, "authentication required")]:
+                              ({"token": 7}, "authentication required"),
+                              ({"token": "\ud800"}, "authentication failed: wrong token")]:  # a lone surrogate
             images, texts = good_scan(port, params=params)
             assert not images and len(texts) == 1 and error in texts[0], texts
             assert secret not in texts[0]
