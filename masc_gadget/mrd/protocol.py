@@ -95,8 +95,9 @@ __all__ = ["EAGER_BYTES", "MrdStream"]
 # --------------------------------------------------------------------------------------------
 # The stream
 
-EAGER_BYTES = 1 << 20
-"""Bytes of a field allocated before they arrive; a longer field's buffer doubles as it fills."""
+EAGER_BYTES = 64 << 10
+"""Bytes of a field allocated before they arrive (64 KiB: a readout line of 1024 samples x 8 coils fits); a
+longer field's buffer doubles as it fills, so a length a peer only announces costs at most this much."""
 
 
 class MrdStream:

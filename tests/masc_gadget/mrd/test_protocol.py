@@ -792,3 +792,23 @@ def test_send_message_forwards_what_read_message_returned(pair):
     assert [receiver.read_message() for _ in messages] == messages
     with pytest.raises(ProtocolError, match="unknown message id 6"):
         protocol.frame_message(Message(6, None))
+
+
+def test_an_announced_length_costs_memory_only_as_its_bytes_arrive(pair):
+    """A peer that announces an 8 MiB text and sends 100 bytes makes the reader hold at most the
+    eager buffer (64 KiB), not the 8 MiB it announced."""
+    import tracemalloc
+
+    from masc_gadget.mrd.protocol import EAGER_BYTES
+
+    sender, receiver = pair
+    sender.sock.sendall(struct.pack("<HI", ID_TEXT, 8 << 20) + b"x" * 100)
+    sender.sock.shutdown(socket.SHUT_WR)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ConnectionClosed, match="truncated frame"):
+            receiver.read_message()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert EAGER_BYTES == 64 << 10 and peak < 4 * EAGER_BYTES
