@@ -134,7 +134,10 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         raise ConfigError(f"{where}: must be an integer, got {quote(value)}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an integer of hundreds of digits
+                raise ConfigError(f"{where}: must be a number a float holds, got {quote(value)}") from None
         if isinstance(value, str) and len(value) <= 32 and _EXPONENT.fullmatch(value.strip()):
             return float(value)  # YAML 1.1 reads 1e-5 (no dot) as a string
         raise ConfigError(f"{where}: must be a number, got {quote(value)}")

@@ -50,6 +50,8 @@ class AcquisitionConfig:
             raise ValueError("policy must be a non-empty policy name, got ''")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.seed >= 2**63:
+            raise ValueError(f"seed must be below 2**63, got {_short(self.seed)}")
 
     @property
     def total(self) -> int:
@@ -61,14 +63,27 @@ class AcquisitionConfig:
         check_episode(n_pe, self.initial, self.budget)
 
 
+MAX_LINES = 65535
+"""The most lines a count may name: the ISMRMRD line index (``kspace_encode_step_1``) is 16 bits."""
+
+
+def _short(value: object) -> str:
+    """A number for an error message, at most 40 characters (a 330-digit one is cut, not quoted whole)."""
+    text = str(value)
+    return text if len(text) <= 40 else f"{text[:18]}...{text[-18:]} ({len(text)} digits)"
+
+
 def check_counts(initial: int, budget: int) -> None:
     """The one rule on an episode's line counts: ValueError unless ``initial >= 1`` (the
-    reconstruction needs the k-space centre) and ``budget >= 1`` (an episode has at least one
-    choice)."""
+    reconstruction needs the k-space centre), ``budget >= 1`` (an episode has at least one
+    choice) and neither beyond :data:`MAX_LINES`."""
     if initial < 1:
         raise ValueError(f"initial must be >= 1 centre line, got {initial}")
     if budget < 1:
         raise ValueError(f"budget must be >= 1 line, got {budget}")
+    for name, value in (("initial", initial), ("budget", budget)):
+        if value > MAX_LINES:
+            raise ValueError(f"{name} must be at most {MAX_LINES} lines, got {_short(value)}")
 
 
 def check_episode(n_pe: int, initial: int, budget: int) -> None:

@@ -202,7 +202,7 @@ def check_fallback_setting(value: Any) -> str:
         return text
     try:
         number = float(text)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: an integer of hundreds of digits
         number = math.nan
     if not (number > 0 and math.isfinite(number)):
         raise ValueError(f"mar_fallback must be auto, off or a threshold > 0, got {str(value)[:40]!r}")

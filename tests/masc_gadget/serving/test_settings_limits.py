@@ -136,3 +136,14 @@ def test_json_parameters_limits(text, message):
 
 def test_the_token_is_not_a_setting():
     assert settings_from_json('{"token": "x", "budget": 3}', GadgetSettings()) == GadgetSettings(budget=3)
+
+
+@pytest.mark.parametrize("key", ["budget", "initial", "seed", "mar_fallback"])
+def test_a_number_of_hundreds_of_digits_is_refused_by_name_and_quoted_short(key):
+    """Regression: a 330-digit budget passed the settings (and an error later quoted all of it); a
+    330-digit mar_fallback raised Python's own OverflowError message."""
+    from masc_gadget.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        settings_from_json('{"%s": %s}' % (key, "9" * 330), GadgetSettings())
+    assert key in str(info.value) and len(str(info.value)) < 200
