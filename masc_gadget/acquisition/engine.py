@@ -125,6 +125,9 @@ class EngineSettings:
     mar_fallback: str = "auto"
     """When a slice is served zero-filled instead of MAR-corrected (``gadget.mar_fallback``:
     ``auto``, ``off`` or a threshold; :func:`masc_gadget.core.ood.fallback_rule`)."""
+    rows: tuple[int, int] | None = None
+    """(first, last) grid rows the scanner can acquire (its header's encoding limits); the policy
+    chooses among these only. None: every row."""
 
     def __post_init__(self) -> None:
         for name in ("n_pe", "n_readout", "initial", "budget", "seed", "n_coils", "lines_per_decision"):
@@ -241,6 +244,12 @@ class AcquisitionEngine:
         to centre-out (:mod:`masc_gadget.core.ood`)."""
         self.early = self.ood is not None and self.ood.stage == "early"
         self._slices: dict[int, _Slice] = {}
+        self._outside = np.zeros(settings.n_pe, dtype=bool)
+        """(n_pe,) rows the scanner cannot acquire: shown to the policy as taken, never chosen."""
+        if settings.rows is not None:
+            first, last = settings.rows
+            self._outside[:first] = True
+            self._outside[last + 1:] = True
         self.batcher = batcher
         self._batch_key = (id(policy), id(self.mar), self.sees_mar, str(self.device),
                            settings.n_pe, settings.n_readout, settings.n_coils, settings.coil_combine,
@@ -480,6 +489,17 @@ class AcquisitionEngine:
         start = time.perf_counter_ns()
         bufs = [self._slices[k] for k in chosen]
         states = [b.episode.states()[0] for b in bufs]
+        if self._outside.any():  # rows beyond the scanner's encoding limits are not offered
+            states = [dataclasses.replace(s, mask=s.mask | self._outside) for s in states]
+            free = [not s.mask.all() for s in states]
+            if not all(free):
+                log.warning("slice(s) %s: every line the scanner can acquire is in; no decision",
+                            [k for k, f in zip(chosen, free) if not f])
+                chosen = [k for k, f in zip(chosen, free) if f]
+                bufs = [b for b, f in zip(bufs, free) if f]
+                states = [s for s, f in zip(states, free) if f]
+                if not chosen:
+                    return [], []
         rngs = [b.episode.rngs[0] for b in bufs]
         kspace = mask = None
         if self.policy.needs_image:

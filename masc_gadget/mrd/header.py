@@ -264,6 +264,18 @@ class EncodingGeometry(NamedTuple):
     """Recon space matrix y; 0: ``n_pe``."""
     recon_fov_mm: tuple[float, float, float] = (0.0, 0.0, 0.0)
     """Recon field of view (x, y, z), mm; zeros: ``fov_mm``."""
+    pe_min: int = 0
+    """The first line the scanner acquires (``kspace_encoding_step_1`` minimum; 0 without a limit)."""
+    pe_max: int = -1
+    """The last one (its maximum); -1: ``n_pe - 1``."""
+
+    @property
+    def acquirable_rows(self) -> tuple[int, int]:
+        """(first, last) grid rows of the lines the scanner can acquire (its encoding limits, moved
+        by :attr:`pe_offset`, within the grid): a decision outside them names a line the scanner
+        does not have (partial Fourier, an off-centre centre line)."""
+        last = self.n_pe - 1 if self.pe_max < 0 else self.pe_max
+        return max(0, self.pe_min + self.pe_offset), min(self.n_pe - 1, last + self.pe_offset)
 
     @property
     def grid_readout(self) -> int:
@@ -331,12 +343,15 @@ def encoding_geometry(header: ismrmrd.xsd.ismrmrdHeader | str | bytes) -> Encodi
         )
     limits = encoding.encodingLimits
     n_slices = 1
-    pe_centre = n_pe // 2
+    pe_centre, pe_min, pe_max = n_pe // 2, 0, -1
     if limits is not None:
         if limits.slice is not None:
             n_slices = int(limits.slice.maximum) + 1
         if limits.kspace_encoding_step_1 is not None:
-            pe_centre = int(limits.kspace_encoding_step_1.center)
+            step = limits.kspace_encoding_step_1
+            pe_centre = int(step.center)
+            pe_min = int(step.minimum) if step.minimum is not None else 0
+            pe_max = int(step.maximum) if step.maximum is not None else -1
     if n_slices < 1:
         raise ValueError(f"ISMRMRD header slice limit must give >= 1 slice, got {n_slices}")
     if not 0 <= pe_centre < n_pe:
@@ -357,7 +372,8 @@ def encoding_geometry(header: ismrmrd.xsd.ismrmrdHeader | str | bytes) -> Encodi
             if not all(math.isfinite(v) and v > 0 for v in recon_fov):
                 raise ValueError(f"ISMRMRD header reconSpace fieldOfView_mm must be finite and > 0, got "
                                  f"{list(recon_fov)}")
-    geometry = EncodingGeometry(n_readout, n_pe, n_slices, fov_mm, pe_centre, recon_readout, recon_pe, recon_fov)
+    geometry = EncodingGeometry(n_readout, n_pe, n_slices, fov_mm, pe_centre, recon_readout, recon_pe, recon_fov,
+                                pe_min, pe_max)
     if geometry.removes_oversampling:
         kept = int(n_readout / geometry.readout_ratio)
         if not 1 <= kept <= n_readout:

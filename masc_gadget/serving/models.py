@@ -347,12 +347,14 @@ def check_playable(settings: GadgetSettings, policy: SamplingPolicy | None, n_pe
 def build_engine(settings: GadgetSettings, n_pe: int, n_readout: int, cache: ModelCache = DEFAULT_CACHE,
                  *, initial: int | None = None, budget: int | None = None,
                  trusted: GadgetSettings | None = None,
-                 batcher: DecisionBatcher | None = None, n_coils: int = 1) -> AcquisitionEngine:
+                 batcher: DecisionBatcher | None = None, n_coils: int = 1,
+                 rows: tuple[int, int] | None = None) -> AcquisitionEngine:
     """The engine of one scan (``n_pe`` x ``n_readout`` encoded matrix) with the models of
     ``settings``; ``initial`` / ``budget`` replace the settings' ones (the server's warm-up);
     ``trusted`` as in :func:`load_models`; ``batcher``: the server's shared decision batcher
     (None: the engine runs its own decision passes); ``n_coils``: receive coils per line (combined
-    by the settings' ``coil_combine``).
+    by the settings' ``coil_combine``); ``rows``: the grid rows the scanner can acquire (its
+    header's encoding limits, :attr:`~masc_gadget.mrd.header.EncodingGeometry.acquirable_rows`).
 
     Raises ConfigError / ValueError for settings the scan cannot run with (episode larger than
     the matrix, unknown policy or device, missing checkpoint, a model not offered, a learned
@@ -364,7 +366,7 @@ def build_engine(settings: GadgetSettings, n_pe: int, n_readout: int, cache: Mod
         n_pe=n_pe, n_readout=n_readout, initial=settings.initial if initial is None else initial,
         budget=settings.budget if budget is None else budget, seed=settings.seed, device=settings.device,
         n_coils=n_coils, coil_combine=settings.coil_combine, lines_per_decision=settings.lines_per_decision,
-        mar_fallback=settings.mar_fallback,
+        mar_fallback=settings.mar_fallback, rows=rows,
     )
     policy = models.policy
     if policy is None:

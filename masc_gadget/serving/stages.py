@@ -138,7 +138,8 @@ class Context:
                 allowed = (*self.host.zmq_allow, s.zmq_address) if operator else self.host.zmq_allow
                 self.zmq_out = ZmqFeedback(s.zmq_address, allowed=allowed)
             self.engine = build_engine(s, self.geometry.n_pe, self.geometry.grid_readout, self.host.cache,
-                                       trusted=self.trusted, batcher=self.host.batcher, n_coils=len(coils))
+                                       trusted=self.trusted, batcher=self.host.batcher, n_coils=len(coils),
+                                       rows=self.geometry.acquirable_rows)
         except ValueError as err:  # the scan cannot run at all: not one line's fault
             raise ConfigError(str(err)) from None
         self.closed_loop = s.feedback in ("inband", "fire")
