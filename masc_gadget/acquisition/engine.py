@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from masc_gadget.acquisition.decision import Decision
-from masc_gadget.acquisition.batcher import DecisionBatcher, DecisionRequest, split_rows
+from masc_gadget.acquisition.batcher import DecisionBatcher, DecisionRequest, QueueFull, split_rows
 from masc_gadget.acquisition.episode import AcquisitionState, EpisodeBatch, check_episode
 from masc_gadget.acquisition.policies import SamplingPolicy, select_next, select_trains, slice_rng
 from masc_gadget.core.coils import COMBINES, coil_combine
@@ -508,7 +508,12 @@ class AcquisitionEngine:
         unscored = np.array([self.early and not b.episode.scored(0)[0] for b in bufs], dtype=bool)
         if self.batcher is not None and self.policy.needs_image:
             request = DecisionRequest(self._batch_key, (self, kspace, mask, states, rngs, unscored), len(bufs))
-            lines, finite, early = self.batcher(request)
+            try:
+                lines, finite, early = self.batcher(request)
+            except QueueFull as err:  # the server is saturated: no decision now, the lines stay
+                log.warning("slice(s) %s: no decision this time, %s; the scanner takes its own line and the "
+                            "next line asks again", chosen, err)
+                return [], []
         else:
             lines, finite, early = self.decision_pass(kspace, mask, states, rngs, unscored)
         for b, score in zip(bufs, early):

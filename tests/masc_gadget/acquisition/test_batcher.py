@@ -194,3 +194,30 @@ def test_engines_sharing_a_batcher_decide_as_alone_in_fewer_passes():
         batcher.close()
     assert got == expected
     assert policy.batches == [1, 3]  # the three waiting engines: one pass
+
+
+def test_a_full_queue_costs_a_decision_not_the_scan():
+    """Regression: QueueFull from the server's batcher ended the scan as an internal error; now the
+    line stays stored, no decision is sent (the scanner takes its own line) and the next line asks
+    again."""
+    import numpy as np
+
+    from masc_gadget.acquisition.batcher import QueueFull
+    from masc_gadget.acquisition.engine import AcquisitionEngine, EngineSettings
+    from masc_gadget.acquisition.policies import CenterOut
+
+    class Reading(CenterOut):  # a policy that reads the image, so its passes go through the batcher
+        needs_image = True
+
+    calls = []
+
+    def saturated(request):
+        calls.append(request)
+        raise QueueFull("64 decisions are already waiting")
+
+    engine = AcquisitionEngine(EngineSettings(n_pe=16, n_readout=8, initial=2, budget=3, seed=0, device="cpu"),
+                               Reading(), batcher=saturated)
+    row = np.ones((1, 8), dtype=np.complex64)
+    assert engine.on_line(0, 7, row) == [] and engine.on_line(0, 8, row) == []
+    assert engine.on_line(0, 9, row) == []  # the scanner's own line: asked again, refused again
+    assert engine.acquired(0) == [7, 8, 9] and len(calls) == 2
