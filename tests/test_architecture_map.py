@@ -18,3 +18,15 @@ def test_every_module_is_on_the_map():
             if f"`{path.name}`" not in text and not nested:
                 missing.append(str(path.relative_to(ROOT)))
     assert not missing, f"docs/architecture.md does not name: {', '.join(missing)}"
+
+
+def test_the_training_layers_contract_covers_every_training_module():
+    import configparser
+
+    parser = configparser.ConfigParser()
+    parser.read(ROOT / ".importlinter")
+    layers = parser["importlinter:contract:training-layers"]["layers"]
+    named = {m.strip() for line in layers.splitlines() for m in line.split("|") if m.strip()}
+    modules = {f"training.{p.stem}" for p in (ROOT / "training").glob("*.py") if p.stem != "__init__"}
+    modules |= {f"training.{p.name}" for p in (ROOT / "training").iterdir() if (p / "__init__.py").is_file()}
+    assert modules <= named, f"not in the training-layers contract: {sorted(modules - named)}"
