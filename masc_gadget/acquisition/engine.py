@@ -178,6 +178,20 @@ class SliceResult:
     """The MAR image's OOD score (:mod:`masc_gadget.core.ood`; NaN without an OOD rule)."""
 
 
+class DecisionPayload(NamedTuple):
+    """What one engine's decision request carries to the shared batcher (:meth:`AcquisitionEngine.run_group`)."""
+
+    engine: AcquisitionEngine
+    kspace: np.ndarray
+    """(B, n_coils, n_pe, n_readout) complex64 of the B slices."""
+    mask: np.ndarray
+    """(B, n_pe) bool, their acquired rows."""
+    states: list[AcquisitionState]
+    rngs: list[np.random.Generator | None]
+    unscored: np.ndarray
+    """(B,) bool: slices the early OOD rule has not scored yet."""
+
+
 @dataclass(eq=False)
 class _Slice:
     """One slice's buffers (released by :meth:`AcquisitionEngine.finish_slices`)."""
@@ -507,7 +521,8 @@ class AcquisitionEngine:
             mask = np.concatenate([b.episode.masks for b in bufs])  # (B, n_pe)
         unscored = np.array([self.early and not b.episode.scored(0)[0] for b in bufs], dtype=bool)
         if self.batcher is not None and self.policy.needs_image:
-            request = DecisionRequest(self._batch_key, (self, kspace, mask, states, rngs, unscored), len(bufs))
+            request = DecisionRequest(self._batch_key, DecisionPayload(self, kspace, mask, states, rngs, unscored),
+                                      len(bufs))
             try:
                 lines, finite, early = self.batcher(request)
             except QueueFull as err:  # the server is saturated: no decision now, the lines stay
@@ -575,13 +590,14 @@ class AcquisitionEngine:
     def run_group(group: Sequence[DecisionRequest]) -> list[tuple[np.ndarray, np.ndarray]]:
         """The :class:`DecisionBatcher` pass: requests of engines with equal models (their batch
         key), concatenated into one :meth:`decision_pass`, the answers split back."""
-        engine = group[0].payload[0]
+        payloads: list[DecisionPayload] = [r.payload for r in group]
+        engine = payloads[0].engine
         sizes = [r.size for r in group]
-        kspace = np.concatenate([r.payload[1] for r in group])
-        mask = np.concatenate([r.payload[2] for r in group])
-        states = [s for r in group for s in r.payload[3]]
-        rngs = [g for r in group for g in r.payload[4]]
-        unscored = np.concatenate([r.payload[5] for r in group])
+        kspace = np.concatenate([p.kspace for p in payloads])
+        mask = np.concatenate([p.mask for p in payloads])
+        states = [s for p in payloads for s in p.states]
+        rngs = [g for p in payloads for g in p.rngs]
+        unscored = np.concatenate([p.unscored for p in payloads])
         lines, finite, early = engine.decision_pass(kspace, mask, states, rngs, unscored)
         return list(zip(split_rows(lines, sizes), split_rows(finite, sizes), split_rows(early, sizes)))
 
