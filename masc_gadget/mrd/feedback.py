@@ -30,9 +30,8 @@ import logging
 import numbers
 import struct
 import re
-import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,13 +51,11 @@ __all__ = [
     "decision_from_acquisition",
     "decision_from_json",
     "tcp_port",
-    "allowed_endpoints",
     "check_endpoint",
     "decision_json",
     "endpoint_allowed",
     "feedback_acquisition",
     "is_feedback",
-    "set_allowed_endpoints",
 ]
 
 log = logging.getLogger(__name__)
@@ -265,30 +262,12 @@ class FeedbackConfig:
         object.__setattr__(self, "zmq_allow", tuple(_check_pattern(p) for p in self.zmq_allow))
 
 
-_allowed_lock = threading.Lock()
-_allowed: tuple[str, ...] = DEFAULT_ZMQ_ALLOW
-
-
-def set_allowed_endpoints(patterns: Iterable[str]) -> None:
-    """Replace the process-wide default allow-list, the one :func:`endpoint_allowed` checks when
-    given no patterns (library use); the servers pass their host's ``feedback.zmq_allow``
-    (:class:`masc_gadget.serving.host.Host`) and never change this one."""
-    global _allowed
-    checked = tuple(_check_pattern(p) for p in patterns)
-    with _allowed_lock:
-        _allowed = checked
-
-
-def allowed_endpoints() -> tuple[str, ...]:
-    """The process-wide allow-list (default :data:`DEFAULT_ZMQ_ALLOW`)."""
-    return _allowed
-
-
 def endpoint_allowed(address: str, patterns: Sequence[str] | None = None) -> bool:
-    """Whether ``address`` matches an entry of ``patterns`` (default :func:`allowed_endpoints`):
+    """Whether ``address`` matches an entry of ``patterns`` (default :data:`DEFAULT_ZMQ_ALLOW`,
+    loopback; a server passes its host's ``feedback.zmq_allow``):
     an exact entry; ``tcp://HOST:PORT`` against ``tcp://HOST:PORT|*`` (host literal, no DNS);
     ``ipc://PATH`` (no ``..``) against ``ipc://`` entries ending in ``*``."""
-    patterns = allowed_endpoints() if patterns is None else patterns
+    patterns = DEFAULT_ZMQ_ALLOW if patterns is None else patterns
     if not isinstance(address, str) or "*" in address:
         return False
     if address in patterns:
@@ -311,7 +290,7 @@ def check_endpoint(address: str, patterns: Sequence[str] | None = None) -> str:
     if endpoint_allowed(address, patterns):
         return address
     shown = repr(address) if len(repr(address)) <= _MAX_SHOWN else repr(address)[: _MAX_SHOWN - 3] + "..."
-    allowed = ", ".join(allowed_endpoints() if patterns is None else patterns) or "none"
+    allowed = ", ".join(DEFAULT_ZMQ_ALLOW if patterns is None else patterns) or "none"
     raise ValueError(f"zmq_address {shown} is not allowed: the gadget connects its feedback socket only "
                      f"to endpoints the server allows (feedback.zmq_allow): {allowed}")
 
@@ -324,7 +303,7 @@ class ZmqFeedback:
     ZeroMQ reconnects by itself, so a scanner that binds later gets the decisions sent from
     then on (and those still queued). ``context``: None uses the process-wide
     ``zmq.Context.instance()`` (not terminated by :meth:`close`). ``allowed``: the endpoints
-    it may connect to (default :func:`allowed_endpoints`); any other address is a ValueError
+    it may connect to (default :data:`DEFAULT_ZMQ_ALLOW`); any other address is a ValueError
     before a socket is made.
     """
 

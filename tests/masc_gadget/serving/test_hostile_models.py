@@ -228,19 +228,18 @@ def test_a_connection_cannot_point_the_side_channel_anywhere(address, monkeypatc
     assert "tcp://127.0.0.1:*, tcp://localhost:*, tcp://[::1]:*" in str(err.value) and len(str(err.value)) < 400
 
 
-def test_loopback_the_operators_own_address_and_the_allow_list_are_accepted(monkeypatch):
+def test_loopback_the_operators_own_address_and_the_allow_list_are_accepted():
     assert all(endpoint_allowed(a) for a in ("tcp://127.0.0.1:9003", "tcp://localhost:1", "tcp://[::1]:5"))
     images, errors = _run(_scan(), GadgetSettings(**{**BASE.flat(), "zmq_address": "tcp://192.0.2.7:9"}),
                           params={"zmq_address": "tcp://192.0.2.7:9"})  # the operator's, repeated
     assert len(images) == 1 and not errors
-    monkeypatch.setattr(feedback, "_allowed", feedback.allowed_endpoints())
-    feedback.set_allowed_endpoints(FeedbackConfig(zmq_allow=("tcp://192.0.2.8:*", "ipc:///run/masc/*")).zmq_allow)
-    ZmqFeedback("tcp://192.0.2.8:4000").close()
-    ZmqFeedback("ipc:///run/masc/scanner").close()
+    allowed = FeedbackConfig(zmq_allow=("tcp://192.0.2.8:*", "ipc:///run/masc/*")).zmq_allow  # a host's list
+    ZmqFeedback("tcp://192.0.2.8:4000", allowed=allowed).close()
+    ZmqFeedback("ipc:///run/masc/scanner", allowed=allowed).close()
     with pytest.raises(ValueError, match="not allowed"):
-        ZmqFeedback("ipc:///run/masc/../../tmp/x")
+        ZmqFeedback("ipc:///run/masc/../../tmp/x", allowed=allowed)
     with pytest.raises(ValueError, match="not allowed"):
-        ZmqFeedback("tcp://127.0.0.1:9003")  # no longer in the list
+        ZmqFeedback("tcp://127.0.0.1:9003", allowed=allowed)  # not in that list
 
 
 def test_feedback_section_checks_its_entries():
