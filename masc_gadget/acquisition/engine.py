@@ -204,9 +204,6 @@ class _Slice:
     awaiting: bool = False  # a train was issued and lines of it are still to come
 
 
-_WARMED: set[tuple] = set()
-"""Batch keys (models, matrix, device) whose passes this process has run: no second warm-up."""
-
 
 class AcquisitionEngine:
     """Per-slice line buffers, batched next-line decisions and final images (module docstring).
@@ -228,8 +225,9 @@ class AcquisitionEngine:
 
     A dummy pass (zero-filled recon + MAR + policy) warms them up before the first line, so the
     first real decision does not pay for lazy initialisation (CUDA context, cuDNN autotuning,
-    allocator); once per process for each set of models, matrix and device, so a server's later
-    connections start their engines at once.
+    allocator). ``warmed``: the batch keys (models, matrix, device) whose passes already ran, a
+    serving host's own set (:attr:`masc_gadget.serving.host.Host.warmed`) shared by its engines, so
+    its later connections start their engines at once; None: this engine warms up.
     """
 
     def __init__(
@@ -239,6 +237,7 @@ class AcquisitionEngine:
         mar: torch.nn.Module | None = None,
         mar_name: str = "",
         batcher: DecisionBatcher | None = None,
+        warmed: set[tuple] | None = None,
     ) -> None:
         if not isinstance(settings, EngineSettings):
             raise TypeError(f"settings must be an EngineSettings, got {type(settings).__name__}")
@@ -268,11 +267,12 @@ class AcquisitionEngine:
         self._batch_key = (id(policy), id(self.mar), self.sees_mar, str(self.device),
                            settings.n_pe, settings.n_readout, settings.n_coils, settings.coil_combine,
                            settings.lines_per_decision)
-        # the first engine of a model, matrix and device in this process warms them up; the next
-        # connections' engines start at once (a server's warm-up already ran the same passes)
-        warmed = self._batch_key in _WARMED
-        self.warmup_us = 0 if warmed else self._warm_up()
-        _WARMED.add(self._batch_key)
+        # the first engine of a model, matrix and device of a serving host warms them up; the
+        # host's next engines start at once (its warm-up already ran the same passes)
+        done = warmed is not None and self._batch_key in warmed
+        self.warmup_us = 0 if done else self._warm_up()
+        if warmed is not None:
+            warmed.add(self._batch_key)
         log.info(
             "acquisition engine: policy %s, MAR %s, device %s, %d PE x %d readout x %d coil(s)%s, "
             "%d initial + %d budget lines, warm-up %.1f ms",

@@ -284,6 +284,9 @@ class Host:
     """Endpoints a stream may point the ZeroMQ side channel at (``feedback.zmq_allow``)."""
     own_ports: set[int] = field(default_factory=set)
     """TCP ports this process listens on: a side channel aimed at one of them is refused."""
+    warmed: set[tuple] = field(default_factory=set)
+    """The decision passes (models, matrix, device) its engines have warmed up: a later engine of
+    the same ones starts at once (:class:`~masc_gadget.acquisition.engine.AcquisitionEngine`)."""
 
     def __post_init__(self) -> None:
         if self.budget is None:

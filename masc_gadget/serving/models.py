@@ -348,13 +348,14 @@ def build_engine(settings: GadgetSettings, n_pe: int, n_readout: int, cache: Mod
                  *, initial: int | None = None, budget: int | None = None,
                  trusted: GadgetSettings | None = None,
                  batcher: DecisionBatcher | None = None, n_coils: int = 1,
-                 rows: tuple[int, int] | None = None) -> AcquisitionEngine:
+                 rows: tuple[int, int] | None = None, warmed: set[tuple] | None = None) -> AcquisitionEngine:
     """The engine of one scan (``n_pe`` x ``n_readout`` encoded matrix) with the models of
     ``settings``; ``initial`` / ``budget`` replace the settings' ones (the server's warm-up);
     ``trusted`` as in :func:`load_models`; ``batcher``: the server's shared decision batcher
     (None: the engine runs its own decision passes); ``n_coils``: receive coils per line (combined
     by the settings' ``coil_combine``); ``rows``: the grid rows the scanner can acquire (its
-    header's encoding limits, :attr:`~masc_gadget.mrd.header.EncodingGeometry.acquirable_rows`).
+    header's encoding limits, :attr:`~masc_gadget.mrd.header.EncodingGeometry.acquirable_rows`);
+    ``warmed``: the serving host's set of warmed-up passes (:class:`AcquisitionEngine`).
 
     Raises ConfigError / ValueError for settings the scan cannot run with (episode larger than
     the matrix, unknown policy or device, missing checkpoint, a model not offered, a learned
@@ -373,11 +374,12 @@ def build_engine(settings: GadgetSettings, n_pe: int, n_readout: int, cache: Mod
         # building a policy never moves the global RNGs
         with isolated_rng():
             policy = make_policy(settings.policy)
-    return AcquisitionEngine(scan, policy, mar=models.mar, mar_name=models.mar_name, batcher=batcher)
+    return AcquisitionEngine(scan, policy, mar=models.mar, mar_name=models.mar_name, batcher=batcher,
+                             warmed=warmed)
 
 
 def warm_up(settings: GadgetSettings, cache: ModelCache = DEFAULT_CACHE, n_pe: int = 64,
-            n_readout: int = 64) -> float:
+            n_readout: int = 64, warmed: set[tuple] | None = None) -> float:
     """Load the models of ``settings`` into ``cache`` and run one decision and one final
     reconstruction on a dummy slice (a learned policy on its own image size), so that the first
     line of a scan does not pay for the process's kernel set-up; returns the seconds it took."""
@@ -391,7 +393,7 @@ def warm_up(settings: GadgetSettings, cache: ModelCache = DEFAULT_CACHE, n_pe: i
     if net is not None:
         n_pe, n_readout = net.n_pe, net.width
     initial = min(settings.initial, n_pe - 1)
-    engine = build_engine(settings, n_pe, n_readout, cache, initial=initial, budget=1)
+    engine = build_engine(settings, n_pe, n_readout, cache, initial=initial, budget=1, warmed=warmed)
     zeros = np.zeros(n_readout, np.complex64)
     for line in range(n_pe // 2 - initial // 2, n_pe // 2 - initial // 2 + initial):
         engine.on_line(0, line, zeros)

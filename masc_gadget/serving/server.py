@@ -112,7 +112,7 @@ class MascServer:
     def warm_up(self, n_pe: int = 64, n_readout: int = 64) -> float:
         """Load the default models and run one decision and one reconstruction before the first
         client (:func:`masc_gadget.serving.models.warm_up`); returns the seconds it took."""
-        return warm_up(self.serving.default, self.serving.cache, n_pe, n_readout)
+        return warm_up(self.serving.default, self.serving.cache, n_pe, n_readout, self.serving.warmed)
 
     # ---------------------------------------------------------------------------- connections
 

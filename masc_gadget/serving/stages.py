@@ -139,7 +139,7 @@ class Context:
                 self.zmq_out = ZmqFeedback(s.zmq_address, allowed=allowed)
             self.engine = build_engine(s, self.geometry.n_pe, self.geometry.grid_readout, self.host.cache,
                                        trusted=self.trusted, batcher=self.host.batcher, n_coils=len(coils),
-                                       rows=self.geometry.acquirable_rows)
+                                       rows=self.geometry.acquirable_rows, warmed=self.host.warmed)
         except ValueError as err:  # the scan cannot run at all: not one line's fault
             raise ConfigError(str(err)) from None
         self.closed_loop = s.feedback in ("inband", "fire")

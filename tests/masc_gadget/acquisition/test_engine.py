@@ -458,17 +458,20 @@ def test_global_rng_untouched(kspace, mar_path, global_rng_guard):
 def test_warm_up_runs_every_stage_before_the_first_line(mar_path):
     model, _ = load_mar(mar_path, "cpu")
     mar, policy = CountingMar(model), CountingPolicy()
-    engine = make_engine(policy=policy, mar=mar)
+    host_warmed: set = set()  # a serving host's set
+    engine = AcquisitionEngine(settings(), policy, mar, warmed=host_warmed)
     assert engine.warmup_us > 0
     assert mar.calls == [(1, N_PE, N_RO)] and policy.calls == 1
-    # the next engine of the same models and matrix starts at once: its passes already ran
-    again = make_engine(policy=policy, mar=mar)
+    # the host's next engine of the same models and matrix starts at once: its passes already ran
+    again = AcquisitionEngine(settings(), policy, mar, warmed=host_warmed)
     assert again.warmup_us == 0 and len(mar.calls) == 1 and policy.calls == 1
     assert engine.slices() == [] and engine.wanting() == []
     # the warm-up marked nothing as decided (nor consumed a slice's random stream: the random
     # policies reproduce run_episode with slice_rng, see the tests above and below)
     [d] = engine.on_line(0, 7, np.zeros(N_RO)) + engine.on_line(0, 8, np.zeros(N_RO))
     assert d.step == 0 and policy.calls == 2 and len(mar.calls) == 1
+    alone = AcquisitionEngine(settings(), policy, mar)  # no host: it warms up on its own
+    assert alone.warmup_us > 0 and len(mar.calls) == 2 and policy.calls == 3
 
 
 def test_given_mar_module_eval_mode_and_name(mar_path, kspace):
