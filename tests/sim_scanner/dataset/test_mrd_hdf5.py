@@ -126,7 +126,7 @@ def test_header_user_parameters(seq, centres, header_xml):
 
 def test_encoding_geometry(header_xml):
     geometry = encoding_geometry(header_xml)
-    assert geometry == EncodingGeometry(16, 12, 3, (240.0, 180.0, 3.0), 6, 16, 12, (240.0, 180.0, 3.0))
+    assert geometry == EncodingGeometry(16, 12, 3, (240.0, 180.0, 3.0), 6, 16, 12, (240.0, 180.0, 3.0), 0, 11)
     assert geometry.grid_readout == 16 and not geometry.removes_oversampling and geometry.pe_offset == 0
     assert encoding_geometry(parse_header(header_xml)) == geometry
     header = parse_header(header_xml)
@@ -558,7 +558,7 @@ def test_parse_scanner_converted_header(version, custom):
     text = CONVERTED_HEADER.format(version=version, custom=custom)
     header = parse_header(text + "\x00")
     geometry = encoding_geometry(header)
-    assert geometry == EncodingGeometry(256, 140, 1, (600.0, 328.15, 5.0), 28, 128, 116, (300.0, 271.875, 5.0))
+    assert geometry == EncodingGeometry(256, 140, 1, (600.0, 328.15, 5.0), 28, 128, 116, (300.0, 271.875, 5.0), 0, 83)
     # 2x readout oversampling onto a 128-sample grid; line 28, the centre, lands on row 70
     assert (geometry.readout_ratio, geometry.grid_readout, geometry.pe_offset) == (2.0, 128, 42)
     assert header.version == (1 if version == "1" else None)
