@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from masc_gadget.config import quote
+
 
 @dataclass(frozen=True)
 class AcquisitionConfig:
@@ -51,7 +53,7 @@ class AcquisitionConfig:
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.seed >= 2**63:
-            raise ValueError(f"seed must be below 2**63, got {_short(self.seed)}")
+            raise ValueError(f"seed must be below 2**63, got {quote(self.seed)}")
 
     @property
     def total(self) -> int:
@@ -67,12 +69,6 @@ MAX_LINES = 65535
 """The most lines a count may name: the ISMRMRD line index (``kspace_encode_step_1``) is 16 bits."""
 
 
-def _short(value: object) -> str:
-    """A number for an error message, at most 40 characters (a 330-digit one is cut, not quoted whole)."""
-    text = str(value)
-    return text if len(text) <= 40 else f"{text[:18]}...{text[-18:]} ({len(text)} digits)"
-
-
 def check_counts(initial: int, budget: int) -> None:
     """The one rule on an episode's line counts: ValueError unless ``initial >= 1`` (the
     reconstruction needs the k-space centre), ``budget >= 1`` (an episode has at least one
@@ -83,7 +79,7 @@ def check_counts(initial: int, budget: int) -> None:
         raise ValueError(f"budget must be >= 1 line, got {budget}")
     for name, value in (("initial", initial), ("budget", budget)):
         if value > MAX_LINES:
-            raise ValueError(f"{name} must be at most {MAX_LINES} lines, got {_short(value)}")
+            raise ValueError(f"{name} must be at most {MAX_LINES} lines, got {quote(value)}")
 
 
 def check_episode(n_pe: int, initial: int, budget: int) -> None:

@@ -453,11 +453,12 @@ def _safe_split(policy: SamplingPolicy, states: list[AcquisitionState],
     """(B, k) trains: :data:`SAFE_ORDER`'s for the switched states, ``policy``'s for the others."""
     switched = np.array([state.switched for state in states])
     out = np.full((len(states), k), -1, dtype=np.int64)
-    for rows, chooser in ((np.flatnonzero(switched), SAFE_ORDER), (np.flatnonzero(~switched), policy)):
-        if rows.size:
-            part = [states[i] for i in rows]
-            out[rows] = select_trains(chooser, [dataclasses.replace(st, switched=False) for st in part]
-                                      if chooser is SAFE_ORDER else part, [rngs[i] for i in rows], k).reshape(rows.size, k)
+    safe, rest = np.flatnonzero(switched), np.flatnonzero(~switched)
+    if safe.size:  # the flag cleared, so that centre-out is asked as any policy is
+        out[safe] = select_trains(SAFE_ORDER, [dataclasses.replace(states[i], switched=False) for i in safe],
+                                  [rngs[i] for i in safe], k).reshape(safe.size, k)
+    if rest.size:
+        out[rest] = select_trains(policy, [states[i] for i in rest], [rngs[i] for i in rest], k).reshape(rest.size, k)
     return out
 
 
