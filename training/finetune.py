@@ -70,6 +70,11 @@ class FinetuneConfig:
     anchor_snr: tuple[float, float] = (0.0, 0.0)
     """The anchors' acquisition noise: an SNR drawn uniformly from this range per pair, the
     target noiseless (:func:`training.mar.acquisition_noise`); (0, 0): noiseless anchors."""
+    identity_fraction: float = 0.0
+    """Share of the clean anchors given fully sampled, every line acquired: the identity pairs
+    (the clean image in, the same image out; with ``anchor_snr``, noisy in and noiseless out)
+    that the identity and noise promises of ``masc check mar`` test. 0: every anchor has the
+    pair's mask."""
     max_val_slices: int = 0
     """Validation slices scored (0 = all)."""
     seed: int = 0
@@ -81,8 +86,9 @@ class FinetuneConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.batch_size < 1 or not self.lr > 0:
             raise ValueError(f"batch_size must be >= 1 and lr > 0, got {self.batch_size}, {self.lr}")
-        if not 0.0 <= self.clean_fraction <= 1.0:
-            raise ValueError(f"clean_fraction must be in [0, 1], got {self.clean_fraction}")
+        for name in ("clean_fraction", "identity_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.lambda_ssim < 0:
             raise ValueError(f"lambda_ssim must be >= 0, got {self.lambda_ssim}")
         check_snr_range(self.anchor_snr)
@@ -142,7 +148,7 @@ def finetune_mar(mar: torch.nn.Module, optimizer: torch.optim.Optimizer, kspace:
                  lambda_ssim: float | None = None, dist: Dist = Dist(),
                  clean_kspace: torch.Tensor | None = None, clean_fraction: float = 0.0,
                  steps: int = 0, batches: Iterator[torch.Tensor] | None = None,
-                 anchor_snr: tuple[float, float] = (0.0, 0.0)) -> float:
+                 anchor_snr: tuple[float, float] = (0.0, 0.0), identity_fraction: float = 0.0) -> float:
     """Fine-tuning of ``mar`` on the zero-filled images of (slice, mask) pairs, both images
     scaled by the target's maximum: MSE (paper), or with ``lambda_ssim`` the pre-training loss
     ``L1 + lambda_ssim (1 - SSIM)``. ``epochs`` passes over the pairs, or ``steps`` steps taken
@@ -150,7 +156,8 @@ def finetune_mar(mar: torch.nn.Module, optimizer: torch.optim.Optimizer, kspace:
     stay frozen (eval mode): the network is well initialised and only needs mild correction.
     With ``clean_kspace`` and a ``clean_fraction`` > 0, that fraction of the pairs is built from
     the clean k-space instead (the do-no-harm anchors), with acquisition noise at an SNR drawn
-    from ``anchor_snr`` when it is not (0, 0). Returns the mean loss."""
+    from ``anchor_snr`` when it is not (0, 0), and ``identity_fraction`` of those anchors fully
+    sampled (the identity pairs). Returns the mean loss."""
     mar.eval()
     total, count = 0.0, 0
     device = next(mar.parameters()).device
@@ -168,7 +175,11 @@ def finetune_mar(mar: torch.nn.Module, optimizer: torch.optim.Optimizer, kspace:
                 snr = anchor_snr[0] + (anchor_snr[1] - anchor_snr[0]) * torch.rand(len(idx), generator=generator)
                 anchor = anchor + acquisition_noise(anchor, snr, generator)
             k = torch.where(pick[:, None, None], anchor, k)
-        inputs = zero_filled(k, masks[idx].to(kspace.device)).to(device)
+        mask = masks[idx].to(kspace.device)
+        if clean_kspace is not None and clean_fraction > 0 and identity_fraction > 0:
+            full = pick & (torch.rand(len(idx), generator=generator) < identity_fraction).to(k.device)
+            mask = mask | full[:, None]
+        inputs = zero_filled(k, mask).to(device)
         if lambda_ssim is None:
             pred, tgt = scale_by_target(mar(inputs), target[s].to(device))
             loss = torch.mean((pred - tgt) ** 2)
@@ -236,7 +247,7 @@ def finetune_to_masks(mar: torch.nn.Module, recipe: FinetuneConfig, train: Slice
             loss = finetune_mar(mar, optimizer, kspace, target, slices, masks, 0, recipe.batch_size, generator,
                                 lambda_ssim, clean_kspace=None if clean is None else clean.to(device),
                                 clean_fraction=recipe.clean_fraction, steps=n, batches=batches,
-                                anchor_snr=recipe.anchor_snr)
+                                anchor_snr=recipe.anchor_snr, identity_fraction=recipe.identity_fraction)
             done += n
             bar.update(n)
             record(done, loss)

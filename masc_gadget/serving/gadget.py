@@ -30,12 +30,12 @@ from masc_gadget.mrd import tcp
 from masc_gadget.mrd.frames import ConnectionClosed
 from masc_gadget.serving.connection import check_header
 from masc_gadget.serving.host import Host, serving_config
-from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache, build_engine, load_models, warm_up
+from masc_gadget.serving.models import ModelCache, build_engine, load_models, warm_up
 from masc_gadget.serving.server import serve_connect_mode
 from masc_gadget.serving.settings import GadgetSettings, settings_from_json, settings_from_xml
 from masc_gadget.serving.stages import make_image, process
 
-__all__ = ["DEFAULT_CACHE", "GadgetSettings", "Host", "ModelCache", "build_engine", "load_models",
+__all__ = ["GadgetSettings", "Host", "ModelCache", "build_engine", "load_models",
            "make_image", "masc", "process", "settings_from_json", "settings_from_xml", "warm_up"]
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from masc_gadget.acquisition.batcher import DecisionBatcher
 from masc_gadget.acquisition.policies import POLICIES
 from masc_gadget.config import Config, ConfigError, load_config, quote
 from masc_gadget.mrd.feedback import DEFAULT_ZMQ_ALLOW, tcp_port
-from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache
+from masc_gadget.serving.models import ModelCache
 from masc_gadget.serving.settings import SETTINGS, GadgetSettings
 
 __all__ = ["ClientError", "Host", "MemoryBudget", "NamedConfigs", "ServerConfig", "allowed_networks", "serving_config",
@@ -274,8 +274,9 @@ class Host:
     """Sizes, timeouts, slots, allow-list and token."""
     named: NamedConfigs = field(default_factory=lambda: NamedConfigs(GadgetSettings(), []))
     """The operator's settings (``named.default``) and the configurations a client may name."""
-    cache: ModelCache = DEFAULT_CACHE
-    """Models loaded once and shared; which checkpoints a client may name."""
+    cache: ModelCache = field(default_factory=ModelCache)
+    """Models loaded once and shared by this host's streams; which checkpoints a client may
+    name. Each host owns its own (no process-wide cache)."""
     batcher: DecisionBatcher | None = None
     """One batched forward for every stream waiting at the same moment (None: each alone)."""
     budget: MemoryBudget | None = None
@@ -294,10 +295,10 @@ class Host:
 
     @classmethod
     def from_config(cls, config: Config, folders: list[Path] | None = None,
-                    cache: ModelCache = DEFAULT_CACHE, batch: bool = True) -> Host:
+                    cache: ModelCache | None = None, batch: bool = True) -> Host:
         """The host of a configuration: its ``server`` limits, its ``acquisition`` and ``gadget``
         sections as the operator's settings, named configurations from ``folders`` (and the
-        config file's own folder), its ``models`` section applied to ``cache``, its
+        config file's own folder), its ``models`` section applied to ``cache`` (default: a new one), its
         ``feedback.zmq_allow``; ``batch``: a shared decision batcher."""
         from masc_gadget.acquisition.engine import AcquisitionEngine
 
@@ -305,6 +306,7 @@ class Host:
         if config.source:
             folders.insert(0, Path(config.source).parent)
         folders.append(Path.cwd() / "configs")
+        cache = ModelCache() if cache is None else cache
         cache.configure(config["models"])
         return cls(limits=config["server"], named=NamedConfigs(GadgetSettings.from_config(config), folders,
                                                                tuple(config["server"].client_overrides)),

@@ -55,7 +55,7 @@ from masc_gadget.serving.settings import GadgetSettings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_CACHE", "ModelCache", "Models", "ModelsConfig", "build_engine", "check_playable",
+__all__ = ["ModelCache", "Models", "ModelsConfig", "build_engine", "check_playable",
            "load_models", "warm_up"]
 
 CHECKPOINT_KEYS = ("mar_checkpoint", "policy_checkpoint")
@@ -259,9 +259,6 @@ class ModelCache:
         return self._get(key, load)
 
 
-DEFAULT_CACHE = ModelCache()
-
-
 class Models(NamedTuple):
     """The trained models of a connection's settings (:func:`load_models`)."""
 
@@ -301,7 +298,7 @@ def _load(kind: Callable[..., Any], spec: str, label: str, operator: bool, key: 
         raise ConfigError(f"{key} {_shown(label)}: the model cannot be loaded (see the server log)") from None
 
 
-def load_models(settings: GadgetSettings, cache: ModelCache = DEFAULT_CACHE,
+def load_models(settings: GadgetSettings, cache: ModelCache,
                 trusted: GadgetSettings | None = None) -> Models:
     """The learned policy (``masc``, ``dqn``, ``ss-ddqn``, ``loupe``) and the MAR network of
     ``settings``, through ``cache``.
@@ -344,7 +341,7 @@ def check_playable(settings: GadgetSettings, policy: SamplingPolicy | None, n_pe
         f"(masc train {settings.policy} on data of this size)")
 
 
-def build_engine(settings: GadgetSettings, n_pe: int, n_readout: int, cache: ModelCache = DEFAULT_CACHE,
+def build_engine(settings: GadgetSettings, n_pe: int, n_readout: int, cache: ModelCache | None = None,
                  *, initial: int | None = None, budget: int | None = None,
                  trusted: GadgetSettings | None = None,
                  batcher: DecisionBatcher | None = None, n_coils: int = 1,
@@ -361,7 +358,7 @@ def build_engine(settings: GadgetSettings, n_pe: int, n_readout: int, cache: Mod
     the matrix, unknown policy or device, missing checkpoint, a model not offered, a learned
     policy trained for another matrix: :func:`check_playable`).
     """
-    models = load_models(settings, cache, trusted)
+    models = load_models(settings, ModelCache() if cache is None else cache, trusted)
     check_playable(settings, models.policy, n_pe, n_readout)
     scan = EngineSettings(
         n_pe=n_pe, n_readout=n_readout, initial=settings.initial if initial is None else initial,
@@ -378,7 +375,7 @@ def build_engine(settings: GadgetSettings, n_pe: int, n_readout: int, cache: Mod
                              warmed=warmed)
 
 
-def warm_up(settings: GadgetSettings, cache: ModelCache = DEFAULT_CACHE, n_pe: int = 64,
+def warm_up(settings: GadgetSettings, cache: ModelCache, n_pe: int = 64,
             n_readout: int = 64, warmed: set[tuple] | None = None) -> float:
     """Load the models of ``settings`` into ``cache`` and run one decision and one final
     reconstruction on a dummy slice (a learned policy on its own image size), so that the first

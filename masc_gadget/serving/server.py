@@ -35,7 +35,7 @@ from masc_gadget.config import Config, ConfigError
 from masc_gadget.mrd.frames import frame_close, frame_error, frame_text
 from masc_gadget.serving.connection import Connection
 from masc_gadget.serving.host import Host, ServerConfig, is_loopback, peer_allowed
-from masc_gadget.serving.models import DEFAULT_CACHE, ModelCache, warm_up
+from masc_gadget.serving.models import ModelCache, warm_up
 
 __all__ = ["MascServer", "ServerConfig", "serve_connect_mode"]
 
@@ -49,7 +49,7 @@ class MascServer:
     client). ``serving`` is the :class:`~masc_gadget.serving.host.Host` every connection gets."""
 
     def __init__(self, config: Config, host: str | None = None, port: int | None = None,
-                 config_folders: list[Path] | None = None, cache: ModelCache = DEFAULT_CACHE,
+                 config_folders: list[Path] | None = None, cache: ModelCache | None = None,
                  dialect: str = "mrd") -> None:
         scfg: ServerConfig = config["server"]
         self.host = host or scfg.host
@@ -268,7 +268,7 @@ class MascServer:
         self.shutdown()
 
 
-def serve_connect_mode(config: Config, port: int, host: str = "127.0.0.1", cache: ModelCache = DEFAULT_CACHE,
+def serve_connect_mode(config: Config, port: int, host: str = "127.0.0.1", cache: ModelCache | None = None,
                        stop: threading.Event | None = None, ready: Callable[[int], None] | None = None) -> None:
     """Gadgetron's connect mode (``<external><connect port=.../>``): listen on ``host:port`` and
     serve every stream Gadgetron opens, concurrently, with ``masc serve``'s limits (the config's

@@ -11,7 +11,7 @@ from masc_gadget.acquisition.learned import load_learned
 from masc_gadget.cli import main
 from masc_gadget.config import load_config
 from masc_gadget.models.checkpoint import load_checkpoint
-from training.finetune import FinetuneConfig, JointFinetuneConfig, episode_pairs
+from training.finetune import FinetuneConfig, JointFinetuneConfig, episode_pairs, finetune_mar
 
 from tests.conftest import CONFIGS
 
@@ -38,8 +38,43 @@ def test_recipe_budgets_and_checks():
     assert (joint.masks, joint.lr, joint.batch_size, joint.loss) == ("pre-action", 1e-5, 32, "mse")
     with pytest.raises(ValueError, match="clean_fraction"):
         FinetuneConfig(clean_fraction=1.5)
+    with pytest.raises(ValueError, match="identity_fraction"):
+        FinetuneConfig(identity_fraction=-0.1)
     config = load_config(CONFIGS / "small.yaml")  # the committed budgets of the fair comparison
     assert config["finetune"].masks == "served" and config["finetune_joint"].masks == "pre-action"
+
+
+class _Recorder(torch.nn.Module):
+    """A one-parameter network that keeps the inputs it was given."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.ones(()))
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(x.detach().clone())
+        return x * self.gain
+
+
+@pytest.mark.parametrize("identity", [0.0, 1.0])
+def test_identity_anchors_are_fully_sampled_clean_images(identity):
+    from masc_gadget.core.kspace import ifft2c, zero_filled
+
+    gen = torch.Generator().manual_seed(0)
+    metal = torch.randn(3, 8, 8, dtype=torch.complex64, generator=gen)
+    clean = torch.randn(3, 8, 8, dtype=torch.complex64, generator=gen)
+    masks = torch.zeros(3, 8, dtype=torch.bool)
+    masks[:, [3, 4]] = True
+    net = _Recorder()
+    finetune_mar(net, torch.optim.SGD(net.parameters(), lr=0.0), metal, ifft2c(clean).abs(), torch.arange(3),
+                 masks, 1, 3, torch.Generator().manual_seed(1), clean_kspace=clean, clean_fraction=1.0,
+                 identity_fraction=identity)
+    (seen,) = net.seen
+    expected = ifft2c(clean).abs() if identity else zero_filled(clean, masks)
+    order = [int(np.argmin([float((s - e).abs().max()) for e in expected])) for s in seen]
+    assert sorted(order) == [0, 1, 2]  # a shuffled batch: every slice once, as expected
+    assert torch.allclose(seen, expected[order], atol=1e-5)
 
 
 def _rows(path):
