@@ -80,6 +80,9 @@ def register_train(subparsers: argparse._SubParsersAction, common: argparse.Argu
     tune.add_argument("--data", required=True, metavar="DIR", help="dataset folder(s)")
     tune.add_argument("--policy", required=True, metavar="CKPT", help="the trained policy whose lines are learned")
     tune.add_argument("--mar", required=True, metavar="CKPT", help="pre-trained MAR checkpoint (masc train mar)")
+    tune.add_argument("--select-on", metavar="DIR[,DIR...]",
+                      help="dataset folder(s) whose validation split selects the network (default: --data); "
+                           "e.g. the simulation alone, so that real volumes choose nothing they are scored on")
     tune.add_argument("--recipe", default="finetune", choices=("finetune", "finetune_joint"),
                       help="the config section of the recipe (default finetune)")
     tune.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
@@ -334,7 +337,7 @@ def cmd_train_finetune(args: argparse.Namespace) -> int:
     from training.finetune_policy import finetune_policy
 
     best = finetune_policy(config_from_args(args), args.data, args.policy, args.mar, args.out, args.recipe,
-                           args.device)
+                           args.device, select_on=args.select_on)
     _report_best("fine-tuned", args.out, best, "step")
     return 0
 

@@ -24,7 +24,7 @@ import torch
 from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
 from masc_gadget.models.checkpoint import load_checkpoint, load_mar
-from training.data import load_split
+from training.data import data_dirs, load_split
 from training.evaluation.evaluate import run_method
 from training.finetune import FinetuneConfig, episode_pairs, finetune_to_masks
 
@@ -38,8 +38,11 @@ RECIPES = ("finetune", "finetune_joint")
 
 def finetune_policy(config: Config, data_dir: str | Path, policy_path: str | Path, mar_path: str | Path,
                     out: str | Path, recipe_name: str = "finetune", device: str = "auto",
-                    progress: bool = True) -> dict[str, Any]:
-    """The module's command; returns the best validation metrics."""
+                    progress: bool = True, select_on: str | Path | None = None) -> dict[str, Any]:
+    """The module's command; returns the best validation metrics. ``select_on``: the folder(s)
+    whose validation split selects the network (default ``data_dir``), e.g. the simulation
+    alone, so that real volumes of ``data_dir``'s validation split choose nothing they are
+    later scored on."""
     from masc_gadget.acquisition.learned import load_learned
 
     if recipe_name not in RECIPES:
@@ -49,7 +52,7 @@ def finetune_policy(config: Config, data_dir: str | Path, policy_path: str | Pat
     dev = resolve_device(device)
     policy, own_mar, _ = load_learned(policy_path, dev)
     train = load_split(data_dir, "train")
-    val = load_split(data_dir, "val", recipe.max_val_slices)
+    val = load_split(select_on or data_dir, "val", recipe.max_val_slices)
     acq.check(train.n_pe)
     k = acq.lines_per_decision
     mar, mar_meta = load_mar(mar_path, dev)
@@ -69,10 +72,12 @@ def finetune_policy(config: Config, data_dir: str | Path, policy_path: str | Pat
                 "mar_model": mar_meta["mar_model"], "mar_pretrained": str(mar_path),
                 "mar_pretrained_epoch": mar_meta.get("epoch"), "masks_from": str(policy_path),
                 "recipe": recipe_name, "line_sets": sets, "data": str(data_dir),
+                "selected_on": str(select_on or data_dir),
                 "finetune_config": {"acquisition": to_dict(acq), recipe_name: to_dict(recipe)}}
     log.info("fine-tuning %s to %d (slice, mask) pairs (%s masks) by recipe %s: %d steps", mar_path,
              len(pairs[0]), recipe.masks, recipe_name, recipe.total_steps(len(pairs[0])))
+    folders = list(dict.fromkeys(data_dirs(data_dir) + data_dirs(select_on or data_dir)))
     best = finetune_to_masks(mar, recipe, train, pairs, val, val_masks, out, metadata, progress, keep=keep,
-                             data_dir=data_dir)
+                             data_dir=folders)
     best["line_sets"] = sets
     return best

@@ -109,6 +109,27 @@ def test_a_policy_keeps_its_lines_and_gets_the_recipe_network(tiny_dataset, pert
     assert changed == (meta["best_val"]["step"] > 0)
 
 
+def test_the_network_can_be_selected_on_other_folders(tiny_dataset, perturbed_mar, tmp_path):
+    import shutil
+
+    fixed = tmp_path / "fixed.pt"
+    assert main(["train", "fixed-order", *TINY, "--data", str(tiny_dataset), "--mar", str(perturbed_mar),
+                 "--out", str(fixed), "--set", "fixed_order.population_slices=2", "--set", "finetune.epochs=0",
+                 "--set", "fixed_order.device=cpu"]) == 0
+    other = tmp_path / "other"
+    shutil.copytree(tiny_dataset, other)
+    out = tmp_path / "tuned.pt"
+    assert main(["train", "finetune", *TINY, "--data", str(tiny_dataset), "--select-on", str(other),
+                 "--policy", str(fixed), "--mar", str(perturbed_mar), "--device", "cpu", "--out", str(out),
+                 "--set", "finetune.steps=2", "--set", "finetune.batch_size=2"]) == 0
+    meta = load_checkpoint(out).metadata
+    assert meta["selected_on"] == str(other) and meta["data"] == str(tiny_dataset)
+    assert [d["folder"] for d in meta["provenance"]["data"]] == [tiny_dataset.name, "other"]
+    assert main(["train", "finetune", *TINY, "--data", str(tiny_dataset), "--select-on", str(tmp_path / "none"),
+                 "--policy", str(fixed), "--mar", str(perturbed_mar), "--device", "cpu",
+                 "--out", str(tmp_path / "x.pt")]) != 0
+
+
 def test_every_trained_checkpoint_says_what_touched_its_data(tiny_dataset, perturbed_mar, tmp_path):
     out = tmp_path / "fixed.pt"
     assert main(["train", "fixed-order", *TINY, "--data", str(tiny_dataset), "--mar", str(perturbed_mar),
