@@ -604,6 +604,9 @@ def register_export(subparsers: argparse._SubParsersAction, common: argparse.Arg
                     help="the commands that trained it, for the provenance record")
     ex.add_argument("--ood", metavar="OOD.json[:NAME]", help="the calibration to store (the entry NAME of "
                     "ood.json; default: its only entry)")
+    ex.add_argument("--check", metavar="RESULTS.json[:NAME]", help="the masc check mar run of this network (entry "
+                    "NAME of its results.json) whose promises and figures go into the provenance; a warning when "
+                    "a promise is broken (such a network is not shipped)")
     ex.set_defaults(func=cmd_export)
 
 
@@ -611,7 +614,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     import json
 
     from masc_gadget.cli import CommandError
-    from training.export import export_checkpoint, export_lines
+    from training.export import check_record, export_checkpoint, export_lines
 
     if not args.out and not args.lines:
         raise CommandError("give --out (the shipped checkpoint), --lines (a fixed order's ky list), or both")
@@ -620,6 +623,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"{len(lines)} phase-encoding lines of {args.checkpoint} written to {args.lines}")
         if not args.out:
             return 0
+    import shlex
+    import sys
+
     ood = None
     if args.ood:
         path, _, name = args.ood.partition(":")
@@ -627,10 +633,21 @@ def cmd_export(args: argparse.Namespace) -> int:
         if not name and len(entries) != 1:
             raise CommandError(f"{path} holds {', '.join(entries)}: name one, --ood {path}:NAME")
         ood = entries[name or next(iter(entries))]
-    import shlex
-    import sys
 
-    record = export_checkpoint(args.checkpoint, args.out, command=args.trained_with, ood=ood,
+    notes = None
+    if args.check:
+        path, _, name = args.check.partition(":")
+        try:
+            notes = {"mar_check": {"results": Path(path).name,
+                                   **check_record(json.loads(Path(path).read_text()), name)}}
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CommandError(f"--check {args.check}: {err}") from None
+        broken = [f"{folder}: {', '.join(k for k, v in (f['promises'] or {}).items() if k != 'all' and not v['kept'])}"
+                  for folder, f in notes["mar_check"]["folders"].items() if (f["promises"] or {}).get("all") is not True]
+        if broken:
+            print(f"MASC warning: {args.checkpoint} does not keep its promises ({'; '.join(broken)}); a network "
+                  "that breaks one is not shipped (docs/mar-safety.md)", file=sys.stderr)
+    record = export_checkpoint(args.checkpoint, args.out, command=args.trained_with, ood=ood, notes=notes,
                                export_command=shlex.join(["masc", *sys.argv[1:]]))
     print(f"shipped model written to {args.out} ({record['size_bytes']} bytes) with {Path(args.out).with_suffix('.json')}")
     return 0
@@ -695,6 +712,7 @@ def cmd_models_info(args: argparse.Namespace) -> int:
         shown["ood"] = {k: v for k, v in (record.get("ood") or {}).items() if k in ("score", "threshold", "stage", "early",
                                                                                    "calibrated_on")}
         shown["training_data"] = record.get("training_data")
+        shown["mar_check"] = record.get("mar_check")
     else:
         meta = load_checkpoint(args.model).metadata
         shown = {k: meta.get(k) for k in ("kind", "n_pe", "epoch", "rollout", "val", "provenance", "training_data")}

@@ -77,6 +77,34 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, command: str = ""
     return record
 
 
+def check_record(results: dict[str, Any], name: str = "") -> dict[str, Any]:
+    """What a shipped model's provenance keeps of a ``masc check mar`` run (its ``results.json``):
+    the split, policy and lines checked and, per data folder, the subjects and slices, the
+    identity SSIM, the MAR image against its zero-filled input, the harmed share and the
+    promises (kept or broken). ``name``: the network's entry (default: the only one).
+    ValueError when the results hold no such entry or several and none is named."""
+    folders = results.get("folders") or {}
+    names = sorted({n for entries in folders.values() for n in entries})
+    if not name:
+        if len(names) != 1:
+            raise ValueError(f"the check holds {', '.join(names) or 'no network'}: name one, FILE:NAME")
+        name = names[0]
+    if name not in names:
+        raise ValueError(f"the check holds no network {name!r}; it holds {', '.join(names) or 'none'}")
+    record: dict[str, Any] = {key: results.get(key) for key in ("split", "policy", "lines")}
+    record["folders"] = {}
+    for folder, entries in folders.items():
+        if name not in entries:
+            continue
+        s = entries[name]["summary"]
+        record["folders"][folder] = {
+            "subjects": s["n_subjects"], "slices": s["n_slices"], "identity_ssim": s["identity_ssim"]["mean"],
+            "mar_ssim": s["mar_ssim"]["mean"], "mar_vs_zf_ssim": s["mar_vs_zf_ssim"]["diff"],
+            "harmed_fraction": s["harmed_fraction"], "promises": s.get("promises")}
+    record["promises_kept"] = all((f["promises"] or {}).get("all") is True for f in record["folders"].values())
+    return record
+
+
 def _training_data(metadata: dict[str, Any], checkpoint: str | Path) -> list[dict[str, Any]]:
     """:func:`training.data.data_identity` of each data folder the training names (its
     ``data`` metadata, as given on its command line, read from here); a folder that is not

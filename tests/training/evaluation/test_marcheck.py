@@ -120,6 +120,16 @@ def test_the_command_checks_calibrates_and_the_export_carries_the_calibration(ti
     assert main(["export", str(perturbed_mar), "--out", str(shipped), "--ood", f"{out / 'ood.json'}:p"]) == 0
     mar, meta = load_mar(shipped)
     assert mar.ood.score == ood["score"] and mar.ood.threshold == pytest.approx(ood["threshold"])
+    # the check's promises go into the provenance; a broken one is said at the export
+    capsys.readouterr()
+    assert main(["export", str(perturbed_mar), "--out", str(shipped), "--check", f"{out / 'results.json'}:p"]) == 0
+    kept = json.loads(shipped.with_suffix(".json").read_text())["mar_check"]
+    folder = kept["folders"][tiny_dataset.name]
+    assert folder["promises"] == summary["promises"] and kept["split"] == "val" and kept["results"] == "results.json"
+    assert kept["promises_kept"] is summary["promises"]["all"]
+    assert ("does not keep its promises" in capsys.readouterr().err) is not summary["promises"]["all"]
+    assert main(["export", str(perturbed_mar), "--out", str(shipped), "--check", f"{out / 'results.json'}:q"]) == 2
+    assert "no network 'q'; it holds p" in capsys.readouterr().err
     assert main(["mar-check", "--config", str(CONFIGS / "tiny.yaml"), "--mar", f"p={perturbed_mar}",
                  "--data", f"{tiny_dataset}", "--split", "test", "--calibrate", "--out", str(out)]) == 2
     assert "use it on the validation split" in capsys.readouterr().err
