@@ -49,11 +49,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from masc_gadget.acquisition.decision import Decision
 from masc_gadget.acquisition.batcher import DecisionBatcher, DecisionRequest, QueueFull, split_rows
-from masc_gadget.acquisition.episode import AcquisitionState, EpisodeBatch, check_episode
+from masc_gadget.acquisition.contract import EngineSettings, SliceResult, is_int
+from masc_gadget.acquisition.decision import Decision
+from masc_gadget.acquisition.episode import AcquisitionState, EpisodeBatch
 from masc_gadget.acquisition.policies import SamplingPolicy, select_next, select_trains, slice_rng
-from masc_gadget.core.coils import COMBINES, coil_combine
+from masc_gadget.core.coils import coil_combine
 from masc_gadget.core.ood import early_switch, fallback_rule
 from masc_gadget.core.served import served_images
 from masc_gadget.device import resolve_device
@@ -88,94 +89,6 @@ class _Served(NamedTuple):
     image: np.ndarray  # (B, n_pe, n_readout) float32
     mar_used: np.ndarray  # (B,) bool
     ood_score: np.ndarray  # (B,) float32, NaN without an OOD rule
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """What the engine needs to know about a scan, built by the gadget from the ISMRMRD header
-    and its settings. The scan's geometry, protocol, seed and device have no defaults (they come
-    from the header and the configuration's ``acquisition`` and ``gadget`` sections); the four
-    that do (coils, lines per decision, coil combine, MAR fallback) are those a single-coil scan
-    under the configuration's own defaults needs no setting for."""
-
-    n_pe: int
-    """Phase-encoding lines per slice (encoded matrix y)."""
-    n_readout: int
-    """Samples per readout line (encoded matrix x)."""
-    initial: int
-    """Lines a slice needs before the first decision (the centre lines of the episode)."""
-    budget: int
-    """Lines the policy chooses per slice after the initial ones; decisions stop once a slice
-    has ``initial + budget`` lines."""
-    seed: int
-    """Seed of the per-slice random streams ``slice_rng(seed, slice)`` of random policies."""
-    device: str
-    """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda``, ``cuda:N``."""
-    n_coils: int = 1
-    """Receive coils (channels) per line; a single-coil scan needs no setting."""
-    lines_per_decision: int = 1
-    """Lines per decision (an echo train, ``acquisition.lines_per_decision``): the slice gets a
-    new decision once every line of its train has arrived (or a line nobody asked for)."""
-    coil_combine: str = "rss"
-    """How the coils' images become one: ``rss`` or ``sensitivity`` (gadget section)."""
-    mar_fallback: str = "auto"
-    """When a slice is served zero-filled instead of MAR-corrected (``gadget.mar_fallback``:
-    ``auto``, ``off`` or a threshold; :func:`masc_gadget.core.ood.fallback_rule`)."""
-    rows: tuple[int, int] | None = None
-    """(first, last) grid rows the scanner can acquire (its header's encoding limits); the policy
-    chooses among these only. None: every row."""
-
-    def __post_init__(self) -> None:
-        for name in ("n_pe", "n_readout", "initial", "budget", "seed", "n_coils", "lines_per_decision"):
-            value = getattr(self, name)
-            if not _is_int(value):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
-        if self.n_readout < 1:
-            raise ValueError(f"n_readout must be >= 1, got {self.n_readout}")
-        if self.n_coils < 1:
-            raise ValueError(f"n_coils must be >= 1, got {self.n_coils}")
-        if self.coil_combine not in COMBINES:
-            raise ValueError(f"coil_combine must be one of {', '.join(COMBINES)}, got {self.coil_combine!r}")
-        if self.seed < 0:
-            raise ValueError(f"seed must be >= 0, got {self.seed}")
-        check_episode(self.n_pe, self.initial, self.budget)
-        if not 1 <= self.lines_per_decision <= self.budget:
-            raise ValueError(f"lines_per_decision must be in [1, budget = {self.budget}], got {self.lines_per_decision}")
-        if not isinstance(self.device, str) or not self.device:
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-
-    @property
-    def total(self) -> int:
-        """Lines per slice once its budget is spent, ``initial + budget``."""
-        return self.initial + self.budget
-
-
-@dataclass
-class SliceResult:
-    """A finished slice."""
-
-    slice: int
-    image: np.ndarray
-    """(n_pe, n_readout) float32: MAR-corrected magnitude of the acquired lines (the zero-filled
-    image when MAR is off), as served (:func:`masc_gadget.core.served.served_images`: >= 0)."""
-    zero_filled: np.ndarray
-    """(n_pe, n_readout) float32: zero-filled magnitude of the acquired lines (coils combined),
-    as served."""
-    lines: list[int]
-    """Acquired lines in arrival order (a repeated line listed once, where it first came)."""
-    decided: list[int]
-    """The lines of ``lines`` that the engine had asked for before they arrived, arrival order."""
-    policy: str
-    """Name of the policy that made the decisions."""
-    mar: str
-    """"none", or the MAR checkpoint's file name (and epoch); for a slice served zero-filled
-    although a network is loaded, why (:data:`NON_FINITE_MAR`, or its OOD score)."""
-    ood_score: float = float("nan")
-    """The MAR image's OOD score (:mod:`masc_gadget.core.ood`; NaN without an OOD rule)."""
 
 
 class DecisionPayload(NamedTuple):
@@ -351,7 +264,7 @@ class AcquisitionEngine:
     # --- lines ------------------------------------------------------------------------------------
 
     def _check_slice(self, slice: int) -> int:
-        if not _is_int(slice) or slice < 0:
+        if not is_int(slice) or slice < 0:
             raise ValueError(f"slice must be a non-negative integer, got {slice!r}")
         return int(slice)
 
@@ -400,7 +313,7 @@ class AcquisitionEngine:
         """:meth:`add_line`; returns how to take it back (:meth:`_undo`)."""
         s = self.settings
         slice = self._check_slice(slice)
-        if not _is_int(line) or not 0 <= line < s.n_pe:
+        if not is_int(line) or not 0 <= line < s.n_pe:
             raise ValueError(
                 f"slice {slice}: line must be an integer in [0, {s.n_pe}) (n_pe = {s.n_pe}), "
                 f"got {line!r}"
