@@ -32,12 +32,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from masc_gadget.acquisition.episode import EpisodeBatch, _as_lines, check_episode
+from masc_gadget.acquisition.episode import EpisodeBatch, check_episode
 from masc_gadget.device import resolve_device
 from masc_gadget.core.kspace import to_hybrid, zero_filled_hybrid
 from masc_gadget.core.metrics import QualityReference
 from training.data import REGIONS, SliceSet
-from training.rl.corruption import CorruptionModel, corrupt_slice, draw_flagged, kspace_of
+from training.rl.corruption import CorruptionModel, RepeatEpisodes, corrupt_slice, draw_flagged, kspace_of, repeatable_lines
 from training.scoring import score_batch
 
 __all__ = ["BatchedAcquisitionEnv", "EnvConfig", "Observation", "RepeatEpisodes", "repeatable_lines"]
@@ -149,66 +149,6 @@ class Observation(NamedTuple):
     """(B, PE) bool with corruption (``EnvConfig.corruption``), else None: acquired lines whose
     latest acquisition the scanner flagged, with attempts left; the policy may acquire them
     again."""
-
-
-class RepeatEpisodes(EpisodeBatch):
-    """Episodes in which a line may be acquired again (``EnvConfig.corruption``): every
-    acquisition, first or repeat, spends a step of the budget. ``counts`` (B, PE) int64 holds
-    each line's acquisitions (the mask is ``counts > 0``) and ``order`` lists the acquisitions in
-    their order, repeats included."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.counts = np.zeros((0, 0), dtype=np.int64)
-        super().__init__(*args, **kwargs)
-
-    def reset(self, rows: Any = None, rngs: Any = None) -> None:
-        if self.counts.shape != self.masks.shape:
-            self.counts = np.zeros(self.masks.shape, dtype=np.int64)
-        super().reset(rows, rngs)
-        rows = self._rows(rows)
-        self.counts[rows] = self._first
-
-    def _set(self, rows: np.ndarray, a: np.ndarray) -> None:
-        super()._set(rows, a)
-        self.counts[rows, a] += 1
-
-    def acquire(self, lines: Any, rows: Any = None, allow_finished: bool = False,
-                repeatable: np.ndarray | None = None) -> None:
-        """As :meth:`EpisodeBatch.acquire`, and a line already acquired is acquired again where
-        ``repeatable`` (B, PE) bool allows it (ValueError naming the episode and the line
-        elsewhere; nothing is changed then)."""
-        rows = self._rows(rows)
-        a = _as_lines(lines, rows.size, self.name)
-        inside = (a >= 0) & (a < self.n_pe)
-        again = np.zeros(rows.size, dtype=bool)
-        again[inside] = self.masks[rows[inside], a[inside]]
-        if again.any():
-            allowed = (np.zeros(again.sum(), dtype=bool) if repeatable is None
-                       else np.asarray(repeatable)[rows[again], a[again]])
-            if not allowed.all():
-                i = int(np.flatnonzero(again)[np.flatnonzero(~allowed)[0]])
-                raise ValueError(f"{self.name} {i}: line {a[i]} is already acquired and its last acquisition "
-                                 "was not flagged (or it has no attempts left); only a flagged line may be "
-                                 "acquired again")
-            if not allow_finished and self.done[rows[again]].any():
-                i = int(np.flatnonzero(again & self.done[rows])[0])
-                raise ValueError(f"{self.name} {i} has finished its episode ({self.budget} lines chosen); "
-                                 "call reset() before stepping it again")
-        if (~again).any():
-            super().acquire(a[~again], rows[~again], allow_finished=allow_finished)
-        r, line = rows[again], a[again]
-        self.order[r, self.n_acquired[r]] = line
-        self.n_acquired[r] += 1
-        self.counts[r, line] += 1
-
-
-def repeatable_lines(flags: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
-    """(B, PE) bool: acquired lines whose latest acquisition is flagged (``flags`` (B, A, PE)
-    bool, every attempt's flag) and that have attempts left (``counts`` (B, PE) acquisitions)."""
-    attempts = flags.shape[1]
-    c = torch.from_numpy(counts).to(flags.device)
-    latest = flags.gather(1, (c - 1).clamp(0, attempts - 1)[:, None])[:, 0]
-    return latest & (c > 0) & (c < attempts)
 
 
 class _Measured(NamedTuple):
