@@ -562,6 +562,10 @@ class AcquisitionEngine:
         buf = self._slices.get(self._check_slice(slice))
         return buf is not None and buf.episode.is_done(0)
 
+    def holds(self, slice: int) -> bool:
+        """Whether the slice has lines stored (open: not finished or detached yet)."""
+        return self._check_slice(slice) in self._slices
+
     def slices(self) -> list[int]:
         """Slices with lines stored (not finished yet), ascending."""
         return sorted(self._slices)

@@ -25,7 +25,7 @@ from masc_gadget.mrd.feedback import DEFAULT_ZMQ_ALLOW, tcp_port
 from masc_gadget.serving.models import ModelCache
 from masc_gadget.serving.settings import SETTINGS, GadgetSettings
 
-__all__ = ["ClientError", "Host", "MemoryBudget", "NamedConfigs", "ServerConfig", "allowed_networks", "serving_config",
+__all__ = ["ClientError", "Host", "MemoryBudget", "NamedConfigs", "Reservation", "ServerConfig", "size_text", "allowed_networks", "serving_config",
            "clip", "is_loopback", "peer_allowed", "MAX_CONFIG_NAME_CHARS", "MAX_ERROR_CHARS"]
 
 log = logging.getLogger(__name__)
@@ -84,12 +84,14 @@ class ServerConfig:
     """Most slices a header may announce (encodingLimits slice maximum + 1), and the slice
     indices accepted when the header has no slice limit."""
     max_kspace_bytes: int = 4 * 2**30
-    """Largest k-space one scan may hold, slices x receive coils x matrix x 8 bytes (4 GiB): a
-    multi-coil scan's buffers grow with its coils, so one whose header and first line announce
-    more is refused before anything is allocated for it."""
+    """Largest k-space one scan may hold at once (4 GiB): its open slices and the finished ones
+    waiting for their images, receive coils x matrix x 8 bytes each, counted as each slice
+    opens. A scan whose first line's slice alone would exceed it is refused before anything is
+    allocated; one that opens a slice beyond it gets its open slices' images, then the error."""
     memory_budget_bytes: int = 8 * 2**30
-    """The k-space of all connections together (8 GiB): a scan that would take the total over
-    it is refused with an error naming this limit, and the others go on."""
+    """The k-space of all connections together (8 GiB), counted as for ``max_kspace_bytes``: a
+    scan whose new slice would take the total over it gets its open slices' images, then an
+    error naming this limit, and the others go on."""
     allow: tuple[str, ...] = ()
     """Client addresses allowed to connect (IPs or CIDR networks); empty: every address."""
     token: str = ""
@@ -213,6 +215,60 @@ class MemoryBudget:
             self.used = max(0, self.used - nbytes)
 
 
+def size_text(nbytes: int) -> str:
+    """Bytes for a person: ``4.0 GiB``, ``12.5 MiB``, ``300 B``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+class Reservation:
+    """What one scan holds of its host's memory budget: taken as its slices open (:meth:`take`),
+    given back as each is freed (:meth:`give`), all of it when the scan ends (``with``, or
+    :meth:`close`). A scan holds at most ``limit`` bytes (``server.max_kspace_bytes``) and all
+    scans together at most the budget's total (``server.memory_budget_bytes``), so a connection
+    holds what it has sent lines for, never what its header announces. Thread-safe (the image
+    worker gives back while the reader takes)."""
+
+    def __init__(self, budget: MemoryBudget, limit: int) -> None:
+        self.budget = budget
+        self.limit = int(limit)
+        self.held = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, what: str) -> None:
+        """Hold ``nbytes`` more for ``what`` (a text naming it, e.g. a slice's k-space); nothing
+        is taken, and ConfigError names the limit, when they do not fit."""
+        with self._lock:
+            if self.held + nbytes > self.limit:
+                held = f" beside the {size_text(self.held)} this scan holds" if self.held else ""
+                raise ConfigError(f"{what}{held} exceeds this server's limit of {size_text(self.limit)} per scan "
+                                  "(server.max_kspace_bytes)")
+            if not self.budget.reserve(nbytes):
+                raise ConfigError(f"{what} does not fit what is left of this server's memory budget for all "
+                                  f"scans ({size_text(self.budget.total)}, server.memory_budget_bytes); try again "
+                                  "when other scans have finished")
+            self.held += nbytes
+
+    def give(self, nbytes: int) -> None:
+        """Give back ``nbytes`` of what :meth:`take` held (at most what is held)."""
+        with self._lock:
+            nbytes = min(int(nbytes), self.held)
+            self.held -= nbytes
+        self.budget.release(nbytes)
+
+    def close(self) -> None:
+        """Give back everything still held."""
+        self.give(self.held)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class NamedConfigs:
     """Configurations a client may select by name (message id 1): ``default`` (the operator's
     own), a policy name (the default with that policy), or a YAML file in the config folders.
@@ -317,6 +373,11 @@ class Host:
     def default(self) -> GadgetSettings:
         """The operator's settings."""
         return self.named.default
+
+    def reservation(self) -> Reservation:
+        """A scan's hold on this host's memory budget, within ``limits.max_kspace_bytes``
+        (:class:`Reservation`; a context manager that gives everything back)."""
+        return Reservation(self.budget, self.limits.max_kspace_bytes)
 
     def check_side_channel(self, address: str) -> None:
         """ValueError when ``address`` is a TCP endpoint on a port this process listens on

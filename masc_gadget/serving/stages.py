@@ -30,7 +30,7 @@ from masc_gadget.config import ConfigError
 from masc_gadget.mrd.feedback import fire_feedback, ZmqFeedback, feedback_acquisition, is_feedback
 from masc_gadget.mrd.header import (EncodingGeometry, encoding_geometry, is_imaging_line, receiver_channels,
                                     slice_limit)
-from masc_gadget.serving.host import Host
+from masc_gadget.serving.host import Host, Reservation, size_text
 from masc_gadget.serving.models import build_engine
 from masc_gadget.serving.settings import GadgetSettings, settings_from_json
 
@@ -40,12 +40,10 @@ __all__ = ["Context", "STAGES", "active_channels", "decide", "imaging_lines", "i
            "pipeline", "process", "send_all", "well_formed"]
 
 
-def _size(nbytes: int) -> str:
-    """Bytes for a person: ``4.0 GiB``, ``12.5 MiB``, ``300 B``."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
+MAX_QUEUED_SLICES = 2
+"""Finished slices a connection's image worker may hold before the reader waits for it
+(back-pressure: a client that ends slices faster than their images are made is slowed down,
+and the slices it holds stay counted in its reservation)."""
 
 
 def _new_stats() -> dict[str, int]:
@@ -81,8 +79,11 @@ class Context:
     closed_loop: bool = False
     """In-band feedback was asked for: the client acquires what the gadget decides, so a slice
     is also finished once its budget is spent (:meth:`finishes`)."""
-    reserved: int = 0
-    """Bytes of the host's memory budget this scan holds (released by :meth:`close`)."""
+    reservation: Reservation = field(init=False)
+    """What this scan holds of the host's memory budget: each open slice's k-space from its
+    first line, and each finished one's until its image is made (:meth:`open_slice`)."""
+    gone: bool = False
+    """The client can no longer be sent to (a send failed): nothing more is computed for it."""
     background_images: bool = False
     """Reconstruct and send finished slices on a worker thread of this connection, so that the
     next slice's decisions do not wait for the previous slice's final MAR image (the stream
@@ -103,6 +104,15 @@ class Context:
         self.geometry = encoding_geometry(self.header)
         if self.trusted is None:
             self.trusted = self.settings
+        self.reservation = self.host.reservation()
+
+    def send(self, item: Any) -> None:
+        """Deliver an item to the client; a failed send marks the client gone (:attr:`gone`)."""
+        try:
+            self.send_item(item)
+        except OSError:
+            self.gone = True
+            raise
 
     def report(self, message: str) -> None:
         log.warning("%s", message)
@@ -129,7 +139,7 @@ class Context:
         if limit is not None and max(coils) >= limit:
             raise ValueError(f"the acquisition uses channel {max(coils)}, but the header has "
                              f"{limit} receiver channel(s)")
-        self._reserve(len(coils))
+        self._check_slice_size(len(coils))
         self.coils = coils
         try:
             if s.zmq_address:
@@ -144,22 +154,37 @@ class Context:
             raise ConfigError(str(err)) from None
         self.closed_loop = s.feedback in ("inband", "fire")
 
-    def _reserve(self, n_coils: int) -> None:
-        """Take the scan's k-space (slices x coils x matrix x 8 bytes) from the host: within
-        ``server.max_kspace_bytes`` for one scan and ``server.memory_budget_bytes`` for all."""
+    @property
+    def slice_bytes(self) -> int:
+        """Bytes of one slice's k-space: receive coils x matrix x 8 (complex64)."""
+        return max(1, len(self.coils)) * self.geometry.n_pe * self.geometry.grid_readout * 8
+
+    def _slice_text(self, n_coils: int) -> str:
+        nbytes = n_coils * self.geometry.n_pe * self.geometry.grid_readout * 8
+        return (f"{n_coils} coils x {self.geometry.n_pe} x {self.geometry.grid_readout} samples, "
+                f"{size_text(nbytes)}")
+
+    def _check_slice_size(self, n_coils: int) -> None:
+        """ConfigError, before anything is allocated, when one slice of ``n_coils`` coils alone
+        exceeds the per-scan limit or the whole budget (it could never be held)."""
+        need = n_coils * self.geometry.n_pe * self.geometry.grid_readout * 8
         limits = self.host.limits
-        n_slices = slice_limit(self.header) or limits.max_slices
-        need = n_slices * n_coils * self.geometry.n_pe * self.geometry.grid_readout * 8
-        shape = (f"the scan's k-space ({n_slices} slices x {n_coils} coils x {self.geometry.n_pe} x "
-                 f"{self.geometry.grid_readout} samples, {_size(need)})")
         if need > limits.max_kspace_bytes:
-            raise ConfigError(f"{shape} exceeds this server's limit of {_size(limits.max_kspace_bytes)} "
-                              "per scan (server.max_kspace_bytes)")
-        if not self.host.budget.reserve(need):
-            raise ConfigError(f"{shape} does not fit what is left of this server's memory budget for all "
-                              f"scans ({_size(self.host.budget.total)}, server.memory_budget_bytes); "
-                              "try again when other scans have finished")
-        self.reserved = need
+            raise ConfigError(f"one slice's k-space ({self._slice_text(n_coils)}) exceeds this server's limit of "
+                              f"{size_text(limits.max_kspace_bytes)} per scan (server.max_kspace_bytes)")
+        if need > self.host.budget.total:
+            raise ConfigError(f"one slice's k-space ({self._slice_text(n_coils)}) exceeds this server's memory "
+                              f"budget for all scans ({size_text(self.host.budget.total)}, "
+                              "server.memory_budget_bytes)")
+
+    def open_slice(self, slice_index: int) -> bool:
+        """Count a slice's k-space in the reservation before its first line is stored; True
+        when it was taken now (False: the slice is open already). ConfigError (nothing taken)
+        when it does not fit the scan's limit or what is left of the host's budget."""
+        if self.engine.holds(slice_index):
+            return False
+        self.reservation.take(self.slice_bytes, f"slice {slice_index}'s k-space ({self._slice_text(len(self.coils))})")
+        return True
 
     def finishes(self, slice_index: int) -> bool:
         """Whether a slice is finished now, before the scanner's ``ACQ_LAST_IN_SLICE``: its
@@ -175,19 +200,32 @@ class Context:
 
     def finish(self, slice_index: int) -> SliceResult | None:
         """Finish a slice: its result now, or (``background_images``) None, its buffers taken
-        from the engine at once and its images reconstructed and sent by the worker."""
+        from the engine at once and its images reconstructed and sent by the worker, which
+        holds at most :data:`MAX_QUEUED_SLICES` of them (the caller waits for it beyond that).
+        The slice's k-space stays counted until its images are made."""
         if not self.background_images:
-            return self.engine.finish_slice(slice_index)
+            try:
+                return self.engine.finish_slice(slice_index)
+            finally:
+                self.reservation.give(self.slice_bytes)
         if self._worker is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="masc-images")
+        self._pending = [f for f in self._pending if not f.done() or f.exception() is not None]
+        while sum(not f.done() for f in self._pending) >= MAX_QUEUED_SLICES:
+            next(f for f in self._pending if not f.done()).exception()  # wait for the oldest
         detached = self.engine.detach_slices([slice_index])
         self._pending.append(self._worker.submit(self._send_results, self.engine, detached))
         return None
 
     def _send_results(self, engine: AcquisitionEngine, detached: list) -> None:
-        send_all(images(engine.finish_detached(detached), self), self)
+        try:
+            if not self.gone:  # nothing is computed for a client that has gone
+                send_all(images(engine.finish_detached(detached), self), self)
+        finally:
+            detached.clear()  # the k-space is freed here, then no longer counted
+            self.reservation.give(self.slice_bytes)
 
     def drain(self) -> None:
         """Wait for every slice the worker holds to be sent; re-raise the first failure."""
@@ -206,9 +244,7 @@ class Context:
             self._worker.shutdown(wait=True)
         if self.zmq_out is not None:
             self.zmq_out.close()
-        if self.reserved:
-            self.host.budget.release(self.reserved)
-            self.reserved = 0
+        self.reservation.close()
 
 
 def parameters(items: Iterable[Any], ctx: Context) -> Iterator[Any]:
@@ -355,11 +391,19 @@ def decide(lines: Iterable[GridLine], ctx: Context) -> Iterator[SliceResult]:
     (``ACQ_LAST_IN_SLICE``), in closed loop once their budget is spent
     (:meth:`Context.finishes`), and every slice still held when the stream ends."""
     offset = ctx.geometry.pe_offset
+    refused = None
     for acq, slice_index, row, samples in lines:
         engine = ctx.engine
+        opened = False
         try:
+            opened = ctx.open_slice(slice_index)
             decisions = engine.on_line(slice_index, row, samples)
+        except ConfigError as err:  # no room for a new slice: serve the open ones, then say why
+            refused = err
+            break
         except ValueError as err:
+            if opened and not engine.holds(slice_index):
+                ctx.reservation.give(ctx.slice_bytes)
             ctx.reject(str(err))
             continue
         ctx.stats["acquisitions"] += 1
@@ -370,9 +414,9 @@ def decide(lines: Iterable[GridLine], ctx: Context) -> Iterator[SliceResult]:
                 decision = dataclasses.replace(decision, line=decision.line - offset)
             ctx.stats["decisions"] += 1
             if ctx.settings.feedback == "inband":
-                ctx.send_item(feedback_acquisition(decision, acq.getHead()))
+                ctx.send(feedback_acquisition(decision, acq.getHead()))
             elif ctx.settings.feedback == "fire":
-                ctx.send_item(fire_feedback(decision))
+                ctx.send(fire_feedback(decision))
             if ctx.zmq_out is not None:
                 ctx.zmq_out.send(decision)
         if acq.is_flag_set(ismrmrd.ACQ_LAST_IN_SLICE) or ctx.finishes(slice_index):
@@ -384,6 +428,8 @@ def decide(lines: Iterable[GridLine], ctx: Context) -> Iterator[SliceResult]:
             result = ctx.finish(slice_index)
             if result is not None:
                 yield result
+    if refused is not None:
+        raise refused
 
 
 def images(results: Iterable[SliceResult], ctx: Context) -> Iterator[ismrmrd.Image]:
@@ -400,7 +446,7 @@ def images(results: Iterable[SliceResult], ctx: Context) -> Iterator[ismrmrd.Ima
 def send_all(items: Iterable[Any], ctx: Context) -> None:
     """The end of the chain: deliver every item to the client."""
     for item in items:
-        ctx.send_item(item)
+        ctx.send(item)
 
 
 STAGES = (parameters, imaging_lines, well_formed, decide, images)

@@ -226,19 +226,108 @@ def test_handshake_texts_are_capped_before_authentication():
 
 def test_the_memory_budget_covers_all_connections():
     """Regression: max_kspace_bytes bounded one connection; 32 of them could hold 128 GiB."""
-    one_scan = 2 * 1 * N_PE * N_RO * 8  # slices x coils x matrix x 8 bytes
-    with running_server(f"server.memory_budget_bytes={one_scan + 100}") as (server, port):
-        holder = open_scan(port, (0, 8))
+    one_slice = 1 * N_PE * N_RO * 8  # coils x matrix x 8 bytes, counted as the slice opens
+    with running_server(f"server.memory_budget_bytes={2 * one_slice + 100}") as (server, port):
+        holder = open_scan(port, (0, 8), (1, 8))
         time.sleep(0.3)
-        assert server.serving.budget.used == one_scan
+        assert server.serving.budget.used == 2 * one_slice
         images, texts = good_scan(port)
         assert not images and "memory budget for all scans (4.1 KiB, server.memory_budget_bytes)" in texts[0]
         holder.send_close()
         images, texts, _ = drain(holder)
         holder.close()
-        assert sorted(images) == [0] and not texts  # the first scan went on
+        assert sorted(images) == [0, 1] and not texts  # the first scan went on
         assert settle(lambda: server.serving.budget.used == 0)
         assert_serves(port)
+
+
+def test_a_scan_holds_what_it_sent_lines_for_and_keeps_its_open_slices_when_refused():
+    """Regression (serving round 4, item 1): the budget was reserved at the first line for every
+    slice the header announced (two idle connections locked everyone out); now a slice counts
+    from its first line, and a slice beyond the limit ends the scan after the open slices'
+    images."""
+    one_slice = N_PE * N_RO * 8
+    header = header_xml(slices=256)  # announces 256 slices: 512 KiB that nobody has sent
+    with running_server(f"server.max_kspace_bytes={2 * one_slice}") as (server, port):
+        stream = connect(port)
+        stream.send_config_file("default")
+        stream.send_header(header)
+        for slice_index in (0, 1):
+            stream.send_acquisition(line(slice_index, 8))
+        assert settle(lambda: server.serving.budget.used == 2 * one_slice)
+        stream.send_acquisition(line(2, 8))  # a third open slice: over the scan's limit
+        images, texts, _ = drain(stream)
+        stream.close()
+        assert sorted(images) == [0, 1]  # nothing acquired is lost
+        assert "slice 2's k-space (1 coils x 16 x 16 samples, 2.0 KiB) beside the 4.0 KiB this scan holds " \
+               "exceeds this server's limit of 4.0 KiB per scan (server.max_kspace_bytes)" in texts[-1]
+        assert settle(lambda: server.serving.budget.used == 0)
+        assert_serves(port)
+
+
+class _PeakBudget(MemoryBudget):
+    """A budget that remembers the most it held."""
+
+    peak = 0
+
+    def reserve(self, nbytes):
+        ok = super().reserve(nbytes)
+        self.peak = max(self.peak, self.used)
+        return ok
+
+
+def _ended_every_line(n_lines, n=N_PE):
+    """Slice 0 ended with every line (legal: a later line of the slice starts a new episode)."""
+    for i in range(n_lines):
+        acq = line(0, n // 2 - 1 + i % 3, seed=i, n_ro=n)
+        acq.setFlag(ismrmrd.ACQ_LAST_IN_SLICE)
+        yield acq
+
+
+def test_finished_slices_queue_within_the_reservation_and_the_reader_waits():
+    """Regression (serving round 4, item 1): slices ended by ACQ_LAST_IN_SLICE queued without
+    bound for the image worker, each with its whole k-space, outside every limit."""
+    from masc_gadget.serving.stages import MAX_QUEUED_SLICES
+
+    n = 64
+    one_slice = n * n * 8
+    budget = _PeakBudget(10**9)
+    host = Host(cache=CACHE, budget=budget)
+    sent = []
+
+    def slow_send(item):
+        time.sleep(0.01)  # the image worker is slower than the client
+        sent.append(type(item))  # the type only: the test holds no image
+
+    settings = GadgetSettings(device="cpu", initial=1, budget=2)
+    process(_ended_every_line(2, n), parse_header(header_xml(n, n)), settings, lambda item: None, host=host,
+            background_images=True)  # imports and first-call allocations, before measuring
+    tracemalloc.start()
+    try:
+        stats = process(_ended_every_line(40, n), parse_header(header_xml(n, n)),
+                        GadgetSettings(device="cpu", initial=1, budget=2), slow_send, host=host, background_images=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # every slice's image, and its zero-filled one (series 2)
+    assert stats["images"] == 40 and sent.count(ismrmrd.Image) == 80
+    assert budget.peak <= (MAX_QUEUED_SLICES + 1) * one_slice  # counted, and bounded
+    assert peak < 12 * one_slice  # held: 40 queued slices would be 1.25 MiB
+    assert budget.used == 0
+
+
+def test_nothing_is_computed_for_a_client_that_has_gone():
+    calls = []
+
+    def gone(item):
+        calls.append(item)
+        raise BrokenPipeError("the client closed its socket")
+
+    host = Host(cache=CACHE, budget=MemoryBudget(10**9))
+    with pytest.raises(BrokenPipeError):
+        process(_ended_every_line(20), parse_header(header_xml()), GadgetSettings(device="cpu", initial=1, budget=2),
+                gone, host=host, background_images=True)
+    assert len(calls) == 1 and host.budget.used == 0  # one failed send; the queued slices were dropped
 
 
 def test_memory_budget_reserve_and_release():

@@ -122,8 +122,8 @@ def test_server_refuses_a_scan_whose_coils_exceed_its_kspace_budget():
     from masc_gadget.serving.server import MascServer
     from tests.conftest import CONFIGS
 
-    # 2 slices x 8 coils x 32 x 32 x 8 bytes = 128 KiB > the 64 KiB budget; one coil fits
-    config = load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu", "server.max_kspace_bytes=65536"])
+    # one slice of 8 coils x 32 x 32 x 8 bytes = 64 KiB > the 32 KiB a scan may hold; one coil fits
+    config = load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu", "server.max_kspace_bytes=32768"])
     server = MascServer(config, host="127.0.0.1", port=0)
     _, port = server.start()
     try:
