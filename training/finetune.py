@@ -38,7 +38,8 @@ from training.mar import acquisition_noise, check_snr_range, mar_loss
 from training.run import TrainingRun
 from training.scoring import score_masks
 
-__all__ = ["FinetuneConfig", "JointFinetuneConfig", "episode_pairs", "finetune_mar", "finetune_to_masks"]
+__all__ = ["FinetuneConfig", "JointFinetuneConfig", "center_out_masks", "episode_pairs", "finetune_mar",
+           "finetune_to_masks"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,9 @@ class FinetuneConfig:
     (the clean image in, the same image out; with ``anchor_snr``, noisy in and noiseless out)
     that the identity and noise promises of ``masc check mar`` test. 0: every anchor has the
     pair's mask."""
+    fallback_fraction: float = 0.0
+    """Share of the pairs given centre-out's lines instead of their own (as many lines): the
+    deadline fallback's mask, which the centre-out promise of ``masc check mar`` tests."""
     max_val_slices: int = 0
     """Validation slices scored (0 = all)."""
     seed: int = 0
@@ -86,7 +90,7 @@ class FinetuneConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.batch_size < 1 or not self.lr > 0:
             raise ValueError(f"batch_size must be >= 1 and lr > 0, got {self.batch_size}, {self.lr}")
-        for name in ("clean_fraction", "identity_fraction"):
+        for name in ("clean_fraction", "identity_fraction", "fallback_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.lambda_ssim < 0:
@@ -133,6 +137,15 @@ def episode_pairs(lines: np.ndarray, n_pe: int, initial: int, kind: str) -> tupl
     return torch.from_numpy(slices), torch.from_numpy(masks.reshape(-1, n_pe))
 
 
+def center_out_masks(counts: torch.Tensor, n_pe: int) -> torch.Tensor:
+    """(B, n_pe) bool: centre-out's first ``counts[b]`` lines (the deadline fallback's mask of
+    as many lines as a pair's own)."""
+    from masc_gadget.acquisition.policies import center_out_rank
+
+    rank = torch.from_numpy(center_out_rank(n_pe))
+    return rank[None, :] < counts.cpu()[:, None]
+
+
 def _batches(count: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
     """Minibatches of indices into ``count`` pairs, pass after pass, each pass shuffled when it
     starts."""
@@ -148,7 +161,8 @@ def finetune_mar(mar: torch.nn.Module, optimizer: torch.optim.Optimizer, kspace:
                  lambda_ssim: float | None = None, dist: Dist = Dist(),
                  clean_kspace: torch.Tensor | None = None, clean_fraction: float = 0.0,
                  steps: int = 0, batches: Iterator[torch.Tensor] | None = None,
-                 anchor_snr: tuple[float, float] = (0.0, 0.0), identity_fraction: float = 0.0) -> float:
+                 anchor_snr: tuple[float, float] = (0.0, 0.0), identity_fraction: float = 0.0,
+                 fallback_fraction: float = 0.0) -> float:
     """Fine-tuning of ``mar`` on the zero-filled images of (slice, mask) pairs, both images
     scaled by the target's maximum: MSE (paper), or with ``lambda_ssim`` the pre-training loss
     ``L1 + lambda_ssim (1 - SSIM)``. ``epochs`` passes over the pairs, or ``steps`` steps taken
@@ -157,7 +171,8 @@ def finetune_mar(mar: torch.nn.Module, optimizer: torch.optim.Optimizer, kspace:
     With ``clean_kspace`` and a ``clean_fraction`` > 0, that fraction of the pairs is built from
     the clean k-space instead (the do-no-harm anchors), with acquisition noise at an SNR drawn
     from ``anchor_snr`` when it is not (0, 0), and ``identity_fraction`` of those anchors fully
-    sampled (the identity pairs). Returns the mean loss."""
+    sampled (the identity pairs); ``fallback_fraction`` of all pairs get centre-out's lines
+    instead of their mask (as many). Returns the mean loss."""
     mar.eval()
     total, count = 0.0, 0
     device = next(mar.parameters()).device
@@ -176,6 +191,9 @@ def finetune_mar(mar: torch.nn.Module, optimizer: torch.optim.Optimizer, kspace:
                 anchor = anchor + acquisition_noise(anchor, snr, generator)
             k = torch.where(pick[:, None, None], anchor, k)
         mask = masks[idx].to(kspace.device)
+        if fallback_fraction > 0:
+            swap = (torch.rand(len(idx), generator=generator) < fallback_fraction).to(k.device)
+            mask = torch.where(swap[:, None], center_out_masks(mask.sum(dim=1), mask.shape[1]).to(k.device), mask)
         if clean_kspace is not None and clean_fraction > 0 and identity_fraction > 0:
             full = pick & (torch.rand(len(idx), generator=generator) < identity_fraction).to(k.device)
             mask = mask | full[:, None]
@@ -247,7 +265,8 @@ def finetune_to_masks(mar: torch.nn.Module, recipe: FinetuneConfig, train: Slice
             loss = finetune_mar(mar, optimizer, kspace, target, slices, masks, 0, recipe.batch_size, generator,
                                 lambda_ssim, clean_kspace=None if clean is None else clean.to(device),
                                 clean_fraction=recipe.clean_fraction, steps=n, batches=batches,
-                                anchor_snr=recipe.anchor_snr, identity_fraction=recipe.identity_fraction)
+                                anchor_snr=recipe.anchor_snr, identity_fraction=recipe.identity_fraction,
+                                fallback_fraction=recipe.fallback_fraction)
             done += n
             bar.update(n)
             record(done, loss)

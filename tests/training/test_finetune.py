@@ -77,6 +77,26 @@ def test_identity_anchors_are_fully_sampled_clean_images(identity):
     assert torch.allclose(seen, expected[order], atol=1e-5)
 
 
+def test_fallback_pairs_get_centre_out_lines():
+    from masc_gadget.core.kspace import zero_filled
+    from training.finetune import center_out_masks
+
+    # centre-out from the k-space centre (row 4 of 8): 4, 5, 3, 6, 2, ...
+    assert center_out_masks(torch.tensor([1, 2, 3]), 8).nonzero()[:, 1].tolist() == [4, 4, 5, 3, 4, 5]
+    gen = torch.Generator().manual_seed(0)
+    metal = torch.randn(3, 8, 8, dtype=torch.complex64, generator=gen)
+    masks = torch.zeros(3, 8, dtype=torch.bool)
+    masks[:, [0, 7]] = True  # two edge lines; the fallback pair has centre-out's two instead
+    net = _Recorder()
+    finetune_mar(net, torch.optim.SGD(net.parameters(), lr=0.0), metal, metal.abs(), torch.arange(3), masks, 1, 3,
+                 torch.Generator().manual_seed(1), fallback_fraction=1.0)
+    (seen,) = net.seen
+    centre = torch.zeros(3, 8, dtype=torch.bool)
+    centre[:, [4, 5]] = True
+    expected = zero_filled(metal, centre)
+    assert torch.allclose(seen.sort(dim=0).values, expected.sort(dim=0).values, atol=1e-5)
+
+
 def _rows(path):
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
