@@ -233,14 +233,14 @@ class AcquisitionEngine:
             return zf.cpu().numpy(), None if corrected is None else corrected.float().cpu().numpy()
 
     def _served(self, keys: Sequence[int], kspace: np.ndarray, mask: np.ndarray, switched: np.ndarray,
-                early_score: np.ndarray) -> _Served:
+                early_score: np.ndarray, with_mar: bool = True) -> _Served:
         """The served images of the finished slices ``keys``
         (:func:`masc_gadget.core.served.served_images` of :meth:`_forward`) as numpy arrays: (B,
         n_pe, n_readout) float32 images and (B,) whether each is the MAR one; ``switched``,
-        ``early_score`` (B,): the early rule's verdicts (:class:`EpisodeBatch`). Logs what it
-        replaced."""
+        ``early_score`` (B,): the early rule's verdicts (:class:`EpisodeBatch`); ``with_mar``
+        False: the zero-filled images only (no MAR pass). Logs what it replaced."""
         with torch.no_grad():
-            zf, corrected = self._forward(kspace, mask, self.mar is not None)
+            zf, corrected = self._forward(kspace, mask, with_mar and self.mar is not None)
             zf_finite = torch.isfinite(zf.flatten(1)).all(dim=1).cpu().numpy()
             served = served_images(zf, corrected, ood=self.ood, mask=torch.from_numpy(mask).to(zf.device),
                                    mar=self.mar, switched=torch.from_numpy(switched),
@@ -604,16 +604,18 @@ class AcquisitionEngine:
                 keys.append(k)
         return [(k, self._slices.pop(k)) for k in keys]
 
-    def finish_detached(self, detached: Sequence[tuple[int, Any]]) -> list[SliceResult]:
+    def finish_detached(self, detached: Sequence[tuple[int, Any]], hurried: str = "") -> list[SliceResult]:
         """The final images of slices taken out by :meth:`detach_slices` (one batched
-        reconstruction and MAR forward; reads the models only, so it may run beside decisions)."""
+        reconstruction and MAR forward; reads the models only, so it may run beside decisions).
+        ``hurried``: why there is no time for the network (e.g. a shutdown): the zero-filled
+        images are served, ``mar`` naming the reason."""
         if not detached:
             return []
         keys = [k for k, _ in detached]
         bufs = [b for _, b in detached]
         served = self._served(keys, np.stack([b.kspace for b in bufs]), np.concatenate([b.episode.masks for b in bufs]),
                               np.concatenate([b.episode.switched for b in bufs]),
-                              np.concatenate([b.episode.switch_score for b in bufs]))
+                              np.concatenate([b.episode.switch_score for b in bufs]), with_mar=not hurried)
         return [
             SliceResult(
                 slice=k,
@@ -622,7 +624,8 @@ class AcquisitionEngine:
                 lines=b.episode.lines(0),
                 decided=list(b.decided),
                 policy=self.policy_name,
-                mar=self._mar_label(bool(served.mar_used[i]), float(served.ood_score[i])),
+                mar=(f"none ({hurried}: served zero-filled)" if hurried and self.mar is not None
+                     else self._mar_label(bool(served.mar_used[i]), float(served.ood_score[i]))),
                 ood_score=float(served.ood_score[i]),
             )
             for i, (k, b) in enumerate(zip(keys, bufs))

@@ -96,6 +96,7 @@ class Connection:
         self.closed_by_client = False
         self.stream_started = False
         self.interrupted = threading.Event()
+        self.hurry = threading.Event()  # no time left for the network: finish slices zero-filled
         self.interrupt_reason = ""
         self.read_error: str | None = None
         self.first_items: list[Any] = []
@@ -309,7 +310,7 @@ class Connection:
             self.warn(note)
         stats = process(self.items(), header, settings, self._send, on_error=self.report, host=self.host,
                         trusted=self.trusted, eager=self.dialect == "gadgetron", background_images=True,
-                        on_warning=self.warn)
+                        on_warning=self.warn, hurry=self.hurry)
         log.info("%s done: %s", self.peer, stats)
         if self.read_error is not None:
             self._fail(self.read_error)

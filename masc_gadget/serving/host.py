@@ -64,6 +64,11 @@ class ServerConfig:
     """When every slot is taken and an authenticated client waits for one, the slot holder
     silent for longest gives its slot up if it has been silent this long (it gets an error
     naming the rule): silent connections cannot hold the server."""
+    shutdown_s: float = 5.0
+    """What a shutdown (SIGTERM, SIGINT, connect mode's stop) gives the open connections: each
+    stops reading and sends its open and queued slices' images, with the network for the first
+    40 % of it and zero-filled after (``MASC.mar`` says so), then an error naming the shutdown;
+    what is still open at 90 % of it is closed."""
     max_pending: int = 64
     """Connections still in their handshake at once; a new one beyond it closes the oldest
     (with an error), so idle or unauthenticated sockets cannot lock a real client out."""
@@ -121,7 +126,7 @@ class ServerConfig:
                      "max_handshake_bytes", "max_slices", "max_kspace_bytes", "memory_budget_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("idle_timeout_s", "handshake_timeout_s", "message_timeout_s", "reclaim_idle_s"):
+        for name in ("idle_timeout_s", "handshake_timeout_s", "message_timeout_s", "reclaim_idle_s", "shutdown_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if len(self.max_matrix) != 2 or min(self.max_matrix) < 1:

@@ -214,11 +214,14 @@ class MascServer:
                 self._connections.pop(connection, None)
                 self._lock.notify_all()
 
-    def shutdown(self, timeout: float = 5.0) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         """Stop accepting; every open connection stops reading, sends the images of its open
-        slices and an error naming the shutdown, then closes; after ``timeout`` s in all, what
-        is still open is closed."""
-        deadline = time.monotonic() + timeout
+        and queued slices (with the network for the first 40 % of ``timeout``, zero-filled
+        after) and an error naming the shutdown, then closes; what is still open at 90 % of
+        ``timeout`` s (default ``server.shutdown_s``) is closed."""
+        timeout = self.serving.limits.shutdown_s if timeout is None else timeout
+        start = time.monotonic()
+        deadline = start + timeout
         self._stop.set()
         if self._accept is not None:
             self._accept.join(max(0.0, deadline - time.monotonic()))
@@ -231,7 +234,12 @@ class MascServer:
             connection.interrupt("the server is shutting down: the open slices were sent with the lines "
                                  "acquired so far; scan them again on a running server")
         for thread in open_connections.values():
-            thread.join(max(0.0, deadline - 0.5 - time.monotonic()))
+            thread.join(max(0.0, start + 0.4 * timeout - time.monotonic()))
+        for connection, thread in open_connections.items():
+            if thread.is_alive():
+                connection.hurry.set()  # no time left for the network: the rest zero-filled
+        for thread in open_connections.values():
+            thread.join(max(0.0, start + 0.9 * timeout - time.monotonic()))
         for connection, thread in open_connections.items():
             if thread.is_alive():
                 connection.force_close()

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -84,6 +85,9 @@ class Context:
     first line, and each finished one's until its image is made (:meth:`open_slice`)."""
     gone: bool = False
     """The client can no longer be sent to (a send failed): nothing more is computed for it."""
+    hurry: threading.Event = field(default_factory=threading.Event)
+    """Set when there is no time left for the network (a shutdown past 40 % of its
+    ``server.shutdown_s``): the slices still to finish are served zero-filled, named so."""
     background_images: bool = False
     """Reconstruct and send finished slices on a worker thread of this connection, so that the
     next slice's decisions do not wait for the previous slice's final MAR image (the stream
@@ -205,7 +209,7 @@ class Context:
         The slice's k-space stays counted until its images are made."""
         if not self.background_images:
             try:
-                return self.engine.finish_slice(slice_index)
+                return self.engine.finish_detached(self.engine.detach_slices([slice_index]), self._hurried())[0]
             finally:
                 self.reservation.give(self.slice_bytes)
         if self._worker is None:
@@ -222,10 +226,13 @@ class Context:
     def _send_results(self, engine: AcquisitionEngine, detached: list) -> None:
         try:
             if not self.gone:  # nothing is computed for a client that has gone
-                send_all(images(engine.finish_detached(detached), self), self)
+                send_all(images(engine.finish_detached(detached, self._hurried()), self), self)
         finally:
             detached.clear()  # the k-space is freed here, then no longer counted
             self.reservation.give(self.slice_bytes)
+
+    def _hurried(self) -> str:
+        return "no time left for the network: the server is shutting down" if self.hurry.is_set() else ""
 
     def drain(self) -> None:
         """Wait for every slice the worker holds to be sent; re-raise the first failure."""
@@ -463,7 +470,8 @@ def pipeline(items: Iterable[Any], ctx: Context) -> Iterable[Any]:
 def process(items: Iterable[Any], header: Any, settings: GadgetSettings, send: Callable[[Any], None],
             on_error: Callable[[str], None] | None = None, *, host: Host | None = None,
             trusted: GadgetSettings | None = None, eager: bool = False,
-            background_images: bool = False, on_warning: Callable[[str], None] | None = None) -> dict[str, int]:
+            background_images: bool = False, on_warning: Callable[[str], None] | None = None,
+            hurry: threading.Event | None = None) -> dict[str, int]:
     """The gadget loop, transport-free: ``items`` yields acquisitions (and, from a standalone
     client, JSON parameter strings before the first acquisition); ``send`` delivers images and
     in-band feedback. Bad acquisitions are reported through ``on_error`` and skipped;
@@ -479,12 +487,17 @@ def process(items: Iterable[Any], header: Any, settings: GadgetSettings, send: C
     ``background_images``: finished slices are reconstructed and sent on a worker thread
     (``send`` must be thread-safe), all of them before this returns (:attr:`Context.background_images`).
 
+    ``hurry``: set by the caller when there is no time left for the network (a shutdown): the
+    slices still to finish are served zero-filled (:attr:`Context.hurry`).
+
     ``on_warning``: told what the stream did not apply (a client's setting the operator did not
     allow, :func:`masc_gadget.serving.settings.client_values`).
 
     Returns counters (acquisitions, decisions, images, rejected)."""
     ctx = Context(header, settings, send, on_error=on_error, host=host or Host(), trusted=trusted,
                   background_images=background_images, on_warning=on_warning)
+    if hurry is not None:
+        ctx.hurry = hurry
     try:
         if eager:
             ctx.start()

@@ -399,6 +399,56 @@ def test_shutdown_mid_scan_sends_the_open_slices_then_names_itself():
     assert "the server is shutting down: the open slices were sent" in texts[-1]
 
 
+def test_with_no_time_left_the_slices_are_served_zero_filled_and_say_so(perturbed_mar):
+    """Serving round 4, item 2: past half of server.shutdown_s a shutdown serves the slices
+    still to finish zero-filled (no MAR pass), named in MASC.mar."""
+    hurry = threading.Event()
+    hurry.set()
+    sent = []
+    settings = GadgetSettings(device="cpu", initial=1, budget=2, mar_checkpoint=str(perturbed_mar))
+    for background in (False, True):
+        sent.clear()
+        process(iter([line(0, pe) for pe in LINES] + [line(1, pe) for pe in LINES]), parse_header(header_xml()),
+                settings, sent.append, host=Host(cache=CACHE), hurry=hurry, background_images=background)
+        series1 = [im for im in sent if isinstance(im, ismrmrd.Image) and im.image_series_index == 1]
+        assert sorted(im.slice for im in series1) == [0, 1]
+        for im in series1:
+            meta = ismrmrd.Meta.deserialize(im.attribute_string)
+            assert meta["MASC.mar"] == "none (no time left for the network: the server is shutting down: served " \
+                                       "zero-filled)"
+
+
+def test_a_shutdown_sends_every_open_and_queued_slice_then_names_itself(perturbed_mar, monkeypatch):
+    """Regression (serving round 4, item 2): with background workers a SIGTERM lost slices (11
+    of 32) and ended with a plain close. Here the network takes 0.3 s a slice (8 slices: 2.4 s)
+    and the shutdown 1 s."""
+    from masc_gadget.acquisition.engine import AcquisitionEngine
+
+    finish = AcquisitionEngine.finish_detached
+
+    def slow_network(self, detached, hurried=""):
+        if not hurried:
+            time.sleep(0.3)
+        return finish(self, detached, hurried)
+
+    monkeypatch.setattr(AcquisitionEngine, "finish_detached", slow_network)
+    with running_server(f"gadget.mar_checkpoint={perturbed_mar}", "server.shutdown_s=1") as (server, port):
+        stream = connect(port)
+        stream.send_config_file("default")
+        stream.send_header(header_xml(slices=8))
+        for slice_index in range(8):
+            for pe in LINES[:2]:
+                stream.send_acquisition(line(slice_index, pe))
+        assert settle(lambda: server.serving.budget.used == 8 * N_PE * N_RO * 8)  # 8 slices open
+        t0 = time.monotonic()
+        server.shutdown()
+        took = time.monotonic() - t0
+        images, texts, ids = drain(stream)
+        stream.close()
+    assert sorted(images) == list(range(8)) and ids[-2:] == [ID_TEXT, ID_CLOSE]
+    assert "the server is shutting down" in texts[-1] and took < 2.0
+
+
 def test_connect_mode_stop_sends_the_open_slices_then_an_error():
     with connect_mode() as (port, stop):
         stream = open_scan(port, *((0, pe) for pe in LINES[:2]), script="<configuration/>")
