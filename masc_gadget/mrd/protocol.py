@@ -126,6 +126,7 @@ class MrdStream:
         self._close_lock = threading.Lock()
         self._closed = False
         self._in_frame = False  # bytes of the current frame were consumed and more are owed
+        self.bytes_received = 0  # every byte read so far (a server tells a slow client from an idle one)
         self._deadline: float | None = None  # time.monotonic() by which the current read must end
         self._message_timeout: float | None = None
         self._idle: float | None = None  # the socket's own timeout, restored after a timed read
@@ -246,6 +247,7 @@ class MrdStream:
             count = self.sock.recv_into(view, n)
         else:
             count = self._recv_before_deadline(view, n, what)
+        self.bytes_received += count
         if count and not self._in_frame and self._message_timeout is not None:
             end = time.monotonic() + self._message_timeout
             self._deadline = end if self._deadline is None else min(self._deadline, end)

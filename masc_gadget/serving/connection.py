@@ -73,6 +73,11 @@ def check_header(header: Any, limits: ServerConfig) -> int:
     return limits.max_slices if limit is None else limit
 
 
+INTERRUPTED_SEND_S = 5.0
+"""How long one send may block once a connection is interrupted (a shutdown, a reclaimed
+slot): a client that stopped reading is given up, and what its connection holds is freed."""
+
+
 class Connection:
     """One client: the handshake, a slot, then an item iterator for :func:`process`.
 
@@ -140,6 +145,8 @@ class Connection:
         self.interrupted.set()
         try:
             self.stream.sock.shutdown(socket.SHUT_RD)  # wakes the reader; sending still works
+            # a client that does not read cannot hold the thread (and what it holds) for long
+            self.stream.sock.settimeout(min(self.limits.idle_timeout_s, INTERRUPTED_SEND_S))
         except OSError:
             pass
 

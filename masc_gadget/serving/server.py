@@ -65,6 +65,7 @@ class MascServer:
         self._lock = threading.Condition()
         self._pending: OrderedDict[Connection, None] = OrderedDict()  # oldest first
         self._slots: dict[Connection, None] = {}
+        self._waiting: dict[Connection, None] = {}  # handshake done, waiting for a slot
         self._connections: dict[Connection, threading.Thread] = {}
         self._accept: threading.Thread | None = None
 
@@ -142,11 +143,11 @@ class MascServer:
         with self._lock:
             same_peer = [c for c in self._pending if c.address == connection.address]
             if len(same_peer) >= self.scfg.max_pending_per_peer:
-                self._evict(same_peer[0], f"{self.scfg.max_pending_per_peer} connections from this address "
-                            "were in their handshake (server.max_pending_per_peer)")
+                self._evict(self._first_to_go(same_peer), f"{self.scfg.max_pending_per_peer} connections from "
+                            "this address were in their handshake (server.max_pending_per_peer)")
             elif len(self._pending) >= self.scfg.max_pending:
-                self._evict(next(iter(self._pending)), f"{self.scfg.max_pending} connections were in their "
-                            "handshake (server.max_pending)")
+                self._evict(self._first_to_go(list(self._pending)), f"{self.scfg.max_pending} connections were "
+                            "in their handshake (server.max_pending)")
             self._pending[connection] = None
             thread = threading.Thread(target=self._serve, args=(connection,), name=f"masc-{peer}", daemon=True)
             self._connections[connection] = thread
@@ -158,6 +159,16 @@ class MascServer:
                 self._pending.pop(connection, None)
                 self._connections.pop(connection, None)
             raise
+
+    def _first_to_go(self, candidates: list[Connection]) -> Connection:
+        """Which connection in its handshake makes room (lock held): one that has sent nothing
+        before one whose handshake is arriving, however slowly; among those, one from the
+        address with the most connections in their handshake, then the oldest. Idle sockets from
+        a few addresses cannot push out a real client's handshake."""
+        crowd: dict[str, int] = {}
+        for c in self._pending:
+            crowd[c.address] = crowd.get(c.address, 0) + 1
+        return min(candidates, key=lambda c: (c.stream.bytes_received > 0, -crowd.get(c.address, 0), c.opened))
 
     def _evict(self, connection: Connection, why: str) -> None:
         """Close the oldest connection still in its handshake (lock held) to make room."""
@@ -173,27 +184,47 @@ class MascServer:
         per_peer = self.scfg.max_connections_per_peer
         with self._lock:
             self._pending.pop(connection, None)
-            while not (self._stop.is_set() or connection.interrupted.is_set()):
-                held = sum(c.address == connection.address for c in self._slots)
-                if len(self._slots) < self.scfg.max_connections and held < per_peer:
-                    self._slots[connection] = None
-                    connection.slot = True
-                    return True
-                if held >= per_peer:
-                    connection.interrupt_reason = (
-                        f"server busy: this address holds {held} connection slots, the limit per address "
-                        "(server.max_connections_per_peer); try again later")
-                else:
-                    self._reclaim()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._lock.wait(min(0.1, left))
+            full = len(self._slots) >= self.scfg.max_connections
+            waiting = sum(c.address == connection.address for c in self._waiting)
+            if full and len(self._waiting) >= self.scfg.max_pending:
+                connection.interrupt_reason = (f"server busy: {len(self._waiting)} clients already wait for a "
+                                               "connection slot (server.max_pending); try again later")
+                return False
+            if full and waiting >= self.scfg.max_pending_per_peer:
+                connection.interrupt_reason = (f"server busy: {waiting} clients of this address already wait for "
+                                               "a connection slot (server.max_pending_per_peer); try again later")
+                return False
+            self._waiting[connection] = None
+            try:
+                return self._wait_for_slot(connection, deadline, per_peer)
+            finally:
+                self._waiting.pop(connection, None)
+
+    def _wait_for_slot(self, connection: Connection, deadline: float, per_peer: int) -> bool:
+        """:meth:`_take_slot`'s wait (lock held)."""
+        while not (self._stop.is_set() or connection.interrupted.is_set()):
+            held = sum(c.address == connection.address for c in self._slots)
+            if len(self._slots) < self.scfg.max_connections and held < per_peer:
+                self._slots[connection] = None
+                connection.slot = True
+                return True
+            if held >= per_peer:
+                connection.interrupt_reason = (
+                    f"server busy: this address holds {held} connection slots, the limit per address "
+                    "(server.max_connections_per_peer); try again later")
+            else:
+                self._reclaim()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._lock.wait(min(0.1, left))
         return False
 
     def _reclaim(self) -> None:
         """The slot holder silent for longest gives up its slot if it has been silent at least
-        ``reclaim_idle_s`` (lock held)."""
+        ``reclaim_idle_s`` (lock held): the slot is free at once (the waiter takes it; no other
+        holder is touched), and the holder gets its open slices, an error naming the rule and
+        the close, with sends that give up on a client that does not read."""
         now = time.monotonic()
         idle = [c for c in self._slots if not c.interrupted.is_set()
                 and now - c.last_activity >= self.scfg.reclaim_idle_s]
@@ -201,6 +232,8 @@ class MascServer:
             victim = min(idle, key=lambda c: c.last_activity)
             silent = now - victim.last_activity
             log.warning("%s silent for %.0f s while a client waits for a slot: closing it", victim.peer, silent)
+            self._slots.pop(victim, None)
+            victim.slot = False
             victim.interrupt(f"connection silent for {silent:.0f} s while another client waited for a slot "
                              f"(server.reclaim_idle_s = {self.scfg.reclaim_idle_s:g} s)")
 

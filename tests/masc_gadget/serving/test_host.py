@@ -131,6 +131,91 @@ def test_a_silent_slot_holder_gives_its_slot_to_a_waiting_client():
         holder.close()
 
 
+def _stuck_holder(port, n=256, slices=32):
+    """A client that opens ``slices`` slices of an n x n matrix and never reads: the images
+    owed to it (2 series x slices x n x n x 4 bytes, 16 MiB) fill both socket buffers."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    holder = MrdStream(sock)
+    holder.send_config_file("default")
+    holder.send_header(header_xml(n, n, slices=slices))
+    for slice_index in range(slices):
+        holder.send_acquisition(line(slice_index, n // 2, n_ro=n))
+    return holder
+
+
+def test_a_reclaimed_holder_that_never_reads_frees_its_slot_at_once():
+    """Regression (serving round 4, item 3): the reclaim closed a holder that never reads, but
+    its slot stayed taken while its images waited in a full socket (up to 300 s)."""
+    with running_server("server.max_connections=1", "server.reclaim_idle_s=0.3",
+                        "server.handshake_timeout_s=4") as (_, port):
+        holder = _stuck_holder(port)
+        time.sleep(0.6)
+        start = time.monotonic()
+        images, texts = good_scan(port)
+        assert sorted(images) == [0, 1] and not texts and time.monotonic() - start < 3.0
+        holder.close()
+
+
+def test_a_waiting_client_takes_only_the_longest_silent_holders_slot():
+    """Regression (serving round 4, item 3): one waiting client ended every silent holder's scan
+    (the first one's slot stayed taken while it did not read, so the next was closed too)."""
+    with running_server("server.max_connections=2", "server.reclaim_idle_s=0.3",
+                        "server.handshake_timeout_s=4") as (_, port):
+        older = _stuck_holder(port)
+        time.sleep(0.1)
+        younger = open_scan(port, (0, 8))
+        time.sleep(0.6)
+        images, texts = good_scan(port)
+        assert sorted(images) == [0, 1] and not texts
+        younger.send_close()
+        images, texts, ids = drain(younger)
+        assert sorted(images) == [0] and not texts and ids[-1] == ID_CLOSE  # untouched
+        older.close()
+        younger.close()
+
+
+def test_clients_waiting_for_a_slot_are_bounded():
+    """Regression (serving round 4, item 3): slot waiters were unbounded (771 threads)."""
+    with running_server("server.max_connections=1", "server.max_pending=2", "server.reclaim_idle_s=60") as (_, port):
+        holder = open_scan(port, (0, 8))
+        waiters = [open_scan(port) for _ in range(2)]
+        time.sleep(0.3)
+        _, texts, _ = errors_of(port, lambda st: (st.send_config_file("default"), st.send_header(header_xml())))
+        assert texts and "server busy: 2 clients already wait for a connection slot (server.max_pending)" in texts[0]
+        for stream in (holder, *waiters):
+            stream.close()
+
+
+def test_idle_sockets_from_a_few_addresses_do_not_push_out_a_slow_handshake():
+    """Regression (serving round 4, item 3): idle sockets from 8 loopback addresses evicted a
+    client whose handshake arrived in pieces (served 1 of 72 times)."""
+    with running_server("server.max_pending=4", "server.max_pending_per_peer=4",
+                        "server.handshake_timeout_s=5") as (_, port):
+        slow = connect(port)
+        frame = b"\x01\x00" + b"default".ljust(1024, b"\x00")
+        slow._sock.sendall(frame[:100])  # the handshake's first bytes
+        time.sleep(0.2)
+        idle = []
+        for i in range(24):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((f"127.0.0.{2 + i % 8}", 0))
+            sock.connect(("127.0.0.1", port))
+            idle.append(sock)
+        time.sleep(0.3)
+        slow._sock.sendall(frame[100:])
+        slow.send_header(header_xml())
+        for pe in LINES:
+            slow.send_acquisition(line(0, pe))
+        slow.send_close()
+        images, texts, _ = drain(slow)
+        slow.close()
+        for sock in idle:
+            sock.close()
+        assert sorted(images) == [0] and not texts
+
+
 def test_one_address_holds_at_most_its_share_of_the_slots():
     with running_server("server.max_connections_per_peer=1", "server.handshake_timeout_s=1") as (_, port):
         holder = open_scan(port, (0, 8))
