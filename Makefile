@@ -23,7 +23,7 @@ $(PY):
 
 $(STAMP): setup.cfg pyproject.toml | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
-	$(PY) -m pip install -e ".[train,test]"
+	$(PY) -m pip install -e ".[train,test,metrics]"
 	touch $(STAMP)
 
 install: $(STAMP)

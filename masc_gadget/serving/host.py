@@ -22,6 +22,7 @@ from masc_gadget.acquisition.batcher import DecisionBatcher
 from masc_gadget.acquisition.policies import POLICIES
 from masc_gadget.config import Config, ConfigError, load_config, quote
 from masc_gadget.mrd.feedback import DEFAULT_ZMQ_ALLOW, tcp_port
+from masc_gadget.serving.metrics import Metrics
 from masc_gadget.serving.models import ModelCache
 from masc_gadget.serving.settings import SETTINGS, GadgetSettings
 
@@ -56,6 +57,11 @@ class ServerConfig:
     """Address to listen on (loopback by default; any other address logs a warning)."""
     port: int = 9002
     """TCP port (9002 is the MRD / FIRE convention)."""
+    metrics_port: int = -1
+    """Operator port for ``GET /metrics`` (Prometheus) and ``GET /health``
+    (:mod:`masc_gadget.serving.metrics`; needs the ``metrics`` extra); -1: off, 0: a free port."""
+    metrics_host: str = "127.0.0.1"
+    """Address of the operator port (loopback by default; any other address logs a warning)."""
     max_connections: int = 32
     """Connections served at once (slots, taken after a valid header and token)."""
     max_connections_per_peer: int = 16
@@ -129,6 +135,8 @@ class ServerConfig:
         for name in ("idle_timeout_s", "handshake_timeout_s", "message_timeout_s", "reclaim_idle_s", "shutdown_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not -1 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be -1 (off), 0 (a free port) or a port, got {self.metrics_port}")
         if len(self.max_matrix) != 2 or min(self.max_matrix) < 1:
             raise ValueError(f"max_matrix must be two sizes >= 1 (PE lines, readout samples), got {self.max_matrix}")
         allowed_networks(self.allow)
@@ -346,6 +354,8 @@ class Host:
     """Endpoints a stream may point the ZeroMQ side channel at (``feedback.zmq_allow``)."""
     own_ports: set[int] = field(default_factory=set)
     """TCP ports this process listens on: a side channel aimed at one of them is refused."""
+    metrics: Metrics = field(init=False)
+    """What an operator watches (:mod:`masc_gadget.serving.metrics`): this host's own registry."""
     warmed: set[tuple] = field(default_factory=set)
     """The decision passes (models, matrix, device) its engines have warmed up: a later engine of
     the same ones starts at once (:class:`~masc_gadget.acquisition.engine.AcquisitionEngine`)."""
@@ -353,6 +363,7 @@ class Host:
     def __post_init__(self) -> None:
         if self.budget is None:
             self.budget = MemoryBudget(self.limits.memory_budget_bytes)
+        self.metrics = Metrics(lambda: (self.budget.used, self.budget.total))
 
     @classmethod
     def from_config(cls, config: Config, folders: list[Path] | None = None,

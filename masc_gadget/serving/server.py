@@ -35,6 +35,7 @@ from masc_gadget.config import Config, ConfigError
 from masc_gadget.mrd.frames import frame_close, frame_error, frame_text
 from masc_gadget.serving.connection import Connection
 from masc_gadget.serving.host import Host, ServerConfig, is_loopback, peer_allowed
+from masc_gadget.serving.metrics import MetricsServer
 from masc_gadget.serving.models import ModelCache, warm_up
 
 __all__ = ["MascServer", "ServerConfig", "serve_connect_mode"]
@@ -68,6 +69,7 @@ class MascServer:
         self._waiting: dict[Connection, None] = {}  # handshake done, waiting for a slot
         self._connections: dict[Connection, threading.Thread] = {}
         self._accept: threading.Thread | None = None
+        self.metrics_server: MetricsServer | None = None
 
     def start(self) -> tuple[str, int]:
         """Bind (so that a taken port fails at once), warm up, then listen: the port accepts
@@ -89,6 +91,15 @@ class MascServer:
         except BaseException:
             sock.close()
             raise
+        if self.scfg.metrics_port >= 0:
+            self.metrics_server = MetricsServer(self.serving.metrics, self.scfg.metrics_host, self.scfg.metrics_port)
+            try:
+                self.serving.own_ports.add(self.metrics_server.start())
+            except BaseException:
+                sock.close()
+                raise
+            if not is_loopback(self.scfg.metrics_host):
+                log.warning("metrics served on %s, reachable from other hosts", self.scfg.metrics_host)
         sock.listen(max(64, min(self.scfg.max_pending, 1024)))
         sock.settimeout(0.2)
         self._sock = sock
@@ -279,6 +290,8 @@ class MascServer:
         for thread in open_connections.values():
             thread.join(max(0.0, deadline - time.monotonic()))
         self.serving.close(max(0.0, deadline - time.monotonic()))
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         left = sum(thread.is_alive() for thread in open_connections.values())
         if left:
             log.warning("MASC server stopped with %d connection thread(s) still finishing", left)

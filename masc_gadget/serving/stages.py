@@ -17,6 +17,7 @@ import json
 import math
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -32,6 +33,7 @@ from masc_gadget.mrd.feedback import fire_feedback, ZmqFeedback, feedback_acquis
 from masc_gadget.mrd.header import (EncodingGeometry, encoding_geometry, is_imaging_line, receiver_channels,
                                     slice_limit)
 from masc_gadget.serving.host import Host, Reservation, size_text
+from masc_gadget.serving.metrics import served_kind
 from masc_gadget.serving.models import build_engine
 from masc_gadget.serving.settings import GadgetSettings, settings_from_json
 
@@ -123,9 +125,11 @@ class Context:
         if self.on_error is not None:
             self.on_error(message)
 
-    def reject(self, message: str) -> None:
-        """An acquisition is skipped: counted, logged and reported."""
+    def reject(self, message: str, reason: str = "line") -> None:
+        """An acquisition is skipped: counted (``reason``: one of
+        :data:`~masc_gadget.serving.metrics.REJECTIONS`), logged and reported."""
         self.stats["rejected"] += 1
+        self.host.metrics.rejected(reason)
         self.report(message)
 
     def start(self, first: ismrmrd.Acquisition | None = None) -> None:
@@ -157,6 +161,7 @@ class Context:
         except ValueError as err:  # the scan cannot run at all: not one line's fault
             raise ConfigError(str(err)) from None
         self.closed_loop = s.feedback in ("inband", "fire")
+        self.host.metrics.scan_started()
 
     @property
     def slice_bytes(self) -> int:
@@ -249,6 +254,8 @@ class Context:
     def close(self) -> None:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
+        if self.engine is not None:
+            self.host.metrics.scan_ended()
         if self.zmq_out is not None:
             self.zmq_out.close()
         self.reservation.close()
@@ -355,15 +362,15 @@ def well_formed(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[G
         data = acq.data
         if n_slices is not None and slice_index >= n_slices:
             ctx.reject(f"slice {slice_index} line {line}: beyond the header's slice limit "
-                       f"({n_slices} slices)")
+                       f"({n_slices} slices)", "slice_limit")
             continue
         if data.ndim != 2 or data.shape[0] == 0:
             ctx.reject(f"slice {slice_index} line {line}: the acquisition carries no receive channel "
-                       "(active_channels 0)")
+                       "(active_channels 0)", "no_channel")
             continue
         if not 1 <= data.shape[1] <= n_readout:
             ctx.reject(f"slice {slice_index} line {line}: {data.shape[-1]} samples, but the header's "
-                       f"encoded matrix has {n_readout} readout samples")
+                       f"encoded matrix has {n_readout} readout samples", "samples")
             continue
         channels = active_channels(acq)
         if not ctx.mask_warned:
@@ -376,7 +383,7 @@ def well_formed(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[G
         missing = [c for c in coils if c not in where]
         if missing:
             ctx.reject(f"slice {slice_index} line {line}: the acquisition carries channels {list(channels)[:16]}, "
-                       f"without {missing[:16]} that the scan's first line had ({len(coils)} coils)")
+                       f"without {missing[:16]} that the scan's first line had ({len(coils)} coils)", "channels")
             continue
         rows = [where[c] for c in coils]
         samples = data if rows == list(range(data.shape[0])) else data[rows]
@@ -387,7 +394,7 @@ def well_formed(acqs: Iterable[ismrmrd.Acquisition], ctx: Context) -> Iterator[G
         except ConfigError:  # the scan cannot run: ends the stream with its reason
             raise
         except ValueError as err:
-            ctx.reject(f"slice {slice_index} line {line}: {err}")
+            ctx.reject(f"slice {slice_index} line {line}: {err}", "grid")
             continue
         yield GridLine(acq, slice_index, row, samples)
 
@@ -404,8 +411,11 @@ def decide(lines: Iterable[GridLine], ctx: Context) -> Iterator[SliceResult]:
         opened = False
         try:
             opened = ctx.open_slice(slice_index)
+            started = time.perf_counter()
             decisions = engine.on_line(slice_index, row, samples)
+            ctx.host.metrics.decided(len(decisions), time.perf_counter() - started)
         except ConfigError as err:  # no room for a new slice: serve the open ones, then say why
+            ctx.host.metrics.rejected("memory")
             refused = err
             break
         except ValueError as err:
@@ -442,10 +452,12 @@ def decide(lines: Iterable[GridLine], ctx: Context) -> Iterator[SliceResult]:
 def images(results: Iterable[SliceResult], ctx: Context) -> Iterator[ismrmrd.Image]:
     """The ``ismrmrd.Image`` of each finished slice (series 1), and its zero-filled image
     (series 2) when ``return_zero_filled`` is set."""
+    mar_loaded = ctx.engine is not None and ctx.engine.mar is not None
     for result in results:
         template = ctx.templates.get(result.slice)
         yield make_image(result, template, ctx.header, series=1)
         ctx.stats["images"] += 1
+        ctx.host.metrics.image(served_kind(str(result.mar), mar_loaded))
         if ctx.settings.return_zero_filled:
             yield make_image(result, template, ctx.header, series=2, zero_filled=True)
 

@@ -680,3 +680,60 @@ def test_connect_mode_on_sigterm_sends_the_open_slices_and_exits():
         if proc.poll() is None:
             proc.kill()
         proc.stderr.close()
+
+
+# ------------------------------------------------------------------------------ metrics
+
+def _scrape(port: int, path: str = "/metrics") -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+        return response.read().decode()
+
+
+def _value(text: str, name: str) -> float:
+    for row in text.splitlines():
+        if row.startswith(name + " "):
+            return float(row.split()[-1])
+    raise AssertionError(f"{name} not in the scrape")
+
+
+def test_an_operator_scrapes_the_metrics_while_scans_run():
+    """Serving round 4, item 6: health and Prometheus metrics on an operator port, each host its
+    own registry, no label from a header."""
+    pytest.importorskip("prometheus_client")
+    with running_server("server.metrics_port=0") as (server, port):
+        metrics_port = server.metrics_server.port
+        assert metrics_port in server.serving.own_ports
+        holder = open_scan(port, (0, 8))
+        assert settle(lambda: '"scans_open": 1' in _scrape(metrics_port, "/health"))
+        images, texts = good_scan(port)
+        assert sorted(images) == [0, 1] and not texts
+        bad = line(0, 8, n_ro=2 * N_RO)  # more samples than the matrix: rejected
+        _, texts, _ = errors_of(port, lambda s: (s.send_config_file("default"), s.send_header(header_xml()),
+                                                 s.send_acquisition(bad)))
+        text = _scrape(metrics_port)
+        assert _value(text, "masc_scans_open") == 1.0 and _value(text, "masc_scans_total") >= 2
+        assert _value(text, "masc_decisions_total") >= 2 and _value(text, "masc_decision_seconds_count") >= 2
+        assert _value(text, 'masc_images_total{served="zero_filled"}') == 2.0  # tiny serves no network
+        assert _value(text, 'masc_rejections_total{reason="samples"}') == 1.0
+        assert _value(text, "masc_memory_budget_used_bytes") == N_PE * N_RO * 8  # the holder's slice
+        assert "MASC" not in text.replace("masc_", "")  # no header or protocol text in a label
+        holder.send_close()
+        drain(holder)
+        holder.close()
+        assert settle(lambda: _value(_scrape(metrics_port), "masc_scans_open") == 0.0)
+    other = Host()
+    other.metrics.scan_started()
+    assert server.serving.metrics.registry is not other.metrics.registry  # one registry per host
+
+
+def test_the_metrics_port_names_the_extra_it_needs(monkeypatch):
+    from masc_gadget.serving import metrics
+
+    monkeypatch.setattr(metrics, "available", lambda: False)
+    off = metrics.Metrics()
+    off.decided(3, 0.1)  # counts nothing, fails nothing
+    assert off.exposition() == b"" and not off.enabled
+    with pytest.raises(RuntimeError, match=r"pip install 'masc\[metrics\]'"):
+        metrics.MetricsServer(off)
