@@ -151,3 +151,14 @@ def test_the_gate_reads_the_lead_over_the_better_fixed_order():
     assert s["lead_best"]["mean"] == pytest.approx(0.02) and not s["passes"]  # 0.06 over the fit, 0.02 over centre-out
     assert s["subjects_oracle_ahead_best"] == 6
     assert "+0.0200 ± 0.0000 roi_ssim | 6 / 6" in render_candidates({"x": report})
+
+
+def test_one_captured_share_rule_for_every_share():
+    """A share of the oracle's lead is gain / lead, and not defined where the oracle does not
+    lead (the gated order's share divided by 1e-12 there, the policy's was NaN)."""
+    from training.evaluation.headroom.summary import captured_share
+
+    assert captured_share(0.01, 0.04) == pytest.approx(0.25)
+    assert np.isnan(captured_share(0.01, 0.0)) and np.isnan(captured_share(0.01, -0.02))
+    shares = captured_share(np.array([0.03, 0.01]), np.array([0.06, -0.01]))
+    assert shares[0] == pytest.approx(0.5) and np.isnan(shares[1])

@@ -22,7 +22,7 @@ from masc_gadget.models.checkpoint import load_mar
 from sim_scanner.physics.coils import body_array
 from training.data import SliceSet, load_split
 from training.evaluation.headroom.config import METHODS, HeadroomConfig, measured_slices
-from training.evaluation.headroom.summary import better_fixed, summarise
+from training.evaluation.headroom.summary import better_fixed, captured_share, summarise
 from training.evaluation.sense import SenseRecon
 from training.evaluation.stats import subject_folds, subject_tests
 from training.oracle import BeamOracle
@@ -359,4 +359,4 @@ def _captured(scores: dict[str, dict[str, np.ndarray]], key: str, best: str) -> 
     captures (NaN when the oracle does not lead)."""
     lead = float(np.mean(scores["oracle"][key]) - np.mean(scores[best][key]))
     gain = float(np.mean(scores["policy"][key]) - np.mean(scores[best][key]))
-    return gain / lead if lead > 0 else math.nan
+    return captured_share(gain, lead)

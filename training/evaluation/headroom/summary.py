@@ -11,6 +11,15 @@ from training.evaluation.headroom.config import METHODS
 from training.evaluation.stats import mean_std, paired_tests, subject_means
 
 
+def captured_share(gain: Any, lead: Any) -> Any:
+    """The share of the oracle's ``lead`` over the better fixed order that a ``gain`` over it
+    captures: ``gain / lead``, NaN where the oracle does not lead (``lead <= 0``): a share of
+    nothing is not defined. The one rule for every captured share (floats or arrays)."""
+    gain, lead = np.asarray(gain, dtype=float), np.asarray(lead, dtype=float)
+    out = np.where(lead > 0, gain / np.where(lead > 0, lead, 1.0), np.nan)
+    return float(out) if out.ndim == 0 else out
+
+
 def better_fixed(means: dict[str, dict[str, float]], key: str) -> str:
     """The better of the two fixed orders (the fitted one, or centre-out) by their mean ``key``:
     the baseline the gate and a learned policy are measured against."""
@@ -55,7 +64,7 @@ def summarise(report: dict[str, Any]) -> dict[str, Any]:
         out["gated"] = {
             "means": mean_std(np.array([r["means"]["gated"][key] for r in runs])),
             "gain": mean_std(gated_gain),
-            "captured": mean_std(gated_gain / np.maximum(best_leads, 1e-12)),
+            "captured": mean_std(captured_share(gated_gain, best_leads)),
         }
     if runs and all("policy" in r for r in runs):
         pooled_gain, gain_test = _pooled_over_subjects(runs, "policy", key, subjects, best=True)
