@@ -90,3 +90,15 @@ def tiny_masc(tmp_path_factory, tiny_dataset, perturbed_mar):
     train_masc(load_config(CONFIGS / "tiny.yaml", ["masc_train.rollouts=2"]), tiny_dataset, perturbed_mar, out,
                progress=False)
     return out
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread, restored afterwards: tiny networks run fastest on one thread, and on 2
+    cores shared with other processes torch's default pool oversubscribes them (10-100x slower)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

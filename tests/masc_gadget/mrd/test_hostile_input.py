@@ -19,17 +19,6 @@ from masc_gadget.mrd.protocol import MrdStream
 from tests.masc_gadget.mrd.test_protocol import HEADER_XML
 
 
-@pytest.fixture
-def raw_pair():
-    """(raw socket, MrdStream with a 5 s socket timeout)."""
-    a, b = socket.socketpair()
-    b.settimeout(5.0)
-    stream = MrdStream(b)
-    yield a, stream
-    a.close()
-    stream.close()
-
-
 def _drip(sock: socket.socket, data: bytes, every: float) -> threading.Thread:
     def run():
         for byte in data:

@@ -148,29 +148,6 @@ def pair():
     receiver.close()
 
 
-@pytest.fixture
-def raw_pair():
-    """(raw socket, MrdStream) to send hand-made bytes to a reader with a 5 s timeout."""
-    a, b = socket.socketpair()
-    b.settimeout(5.0)
-    stream = MrdStream(b)
-    yield a, stream
-    a.close()
-    stream.close()
-
-
-@pytest.fixture
-def tcp_pair():
-    """(client, server) MrdStreams over 127.0.0.1 TCP."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        client = socket.create_connection(listener.getsockname())
-        server, _ = listener.accept()
-    a, b = MrdStream(client), MrdStream(server)
-    yield a, b
-    a.close()
-    b.close()
-
-
 def assert_acquisitions_equal(got, want):
     assert isinstance(got, ismrmrd.Acquisition)
     assert header_bytes(got) == header_bytes(want)

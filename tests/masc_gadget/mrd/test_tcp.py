@@ -8,7 +8,8 @@ from masc_gadget.mrd import tcp
 
 
 @pytest.fixture
-def tcp_pair():
+def tcp_sockets():
+    """(client, server) raw sockets over 127.0.0.1 TCP."""
     listener = socket.create_server(("127.0.0.1", 0))
     client = socket.create_connection(listener.getsockname())
     server, _ = listener.accept()
@@ -17,16 +18,16 @@ def tcp_pair():
         s.close()
 
 
-def test_no_delay_sets_tcp_nodelay(tcp_pair):
-    client, _ = tcp_pair
+def test_no_delay_sets_tcp_nodelay(tcp_sockets):
+    client, _ = tcp_sockets
     assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0
     tcp.no_delay(client)
     assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
 
 
 @pytest.mark.skipif(not hasattr(socket, "TCP_QUICKACK"), reason="TCP_QUICKACK is Linux only")
-def test_quick_ack_sets_tcp_quickack(tcp_pair):
-    _, server = tcp_pair
+def test_quick_ack_sets_tcp_quickack(tcp_sockets):
+    _, server = tcp_sockets
     tcp.quick_ack(server)
     assert server.getsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK) != 0
 

@@ -25,14 +25,7 @@ TINY_POLICY = PolicyNetConfig(channels=(8, 16), hidden=32, pool_size=4)
 TINY_PPO = PPOConfig(rollout_steps=8, minibatch_size=4, epochs=1)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: on a loaded machine a 2-thread pool can make these tiny loops 10-100x
-    slower (threads wait for each other). Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

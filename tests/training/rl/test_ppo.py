@@ -297,16 +297,6 @@ def test_greedy_actions_pick_free_argmax():
     assert greedy_actions(net, obs, BUDGET).tolist() == [N_PE - 2, N_PE - 1]
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny networks run fastest on one thread; with 2 cores shared with other processes,
-    torch's default thread pool oversubscribes them and the smoke run slows down ~10x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _train(seed: int, iterations: int):
     env = GoodLinesEnv(8)
     net = make_net(seed)
