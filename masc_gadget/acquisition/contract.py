@@ -52,6 +52,9 @@ class EngineSettings:
     mar_fallback: str = "auto"
     """When a slice is served zero-filled instead of MAR-corrected (``gadget.mar_fallback``:
     ``auto``, ``off`` or a threshold; :func:`masc_gadget.core.ood.fallback_rule`)."""
+    decide_ahead: bool = True
+    """A policy that reads no image decides a slice's whole episode at its first decision, sent
+    at once (each decision with its step): no round trip per line (``gadget.decide_ahead``)."""
     rows: tuple[int, int] | None = None
     """(first, last) grid rows the scanner can acquire (its header's encoding limits); the policy
     chooses among these only. None: every row."""

@@ -169,6 +169,8 @@ class AcquisitionEngine:
         at the end of the scan, or (stage ``early``) at the first decision, switching the slice
         to centre-out (:mod:`masc_gadget.core.ood`)."""
         self.early = self.ood is not None and self.ood.stage == "early"
+        self.ahead = settings.decide_ahead and not policy.needs_image
+        """A slice's whole episode is decided at its first decision (the policy reads no image)."""
         self._slices: dict[int, _Slice] = {}
         self._outside = np.zeros(settings.n_pe, dtype=bool)
         """(n_pe,) rows the scanner cannot acquire: shown to the policy as taken, never chosen."""
@@ -443,7 +445,8 @@ class AcquisitionEngine:
                             "next line asks again", chosen, err)
                 return [], []
         else:
-            lines, finite, early = self.decision_pass(kspace, mask, states, rngs, unscored)
+            lines, finite, early = self.decision_pass(kspace, mask, states, rngs, unscored,
+                                                      k=max(s.steps_left for s in states) if self.ahead else None)
         for b, score in zip(bufs, early):
             if not np.isnan(score):
                 b.episode.switch(0, [score > self.ood.threshold], [score])
@@ -465,11 +468,13 @@ class AcquisitionEngine:
 
     def decision_pass(self, kspace: np.ndarray | None, mask: np.ndarray | None,
                       states: Sequence[AcquisitionState], rngs: Sequence[np.random.Generator | None],
-                      unscored: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                      unscored: np.ndarray | None = None,
+                      k: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One decision pass over B slices: zero-filled recon of ``kspace`` (B, n_coils, n_pe, n_readout)
         under ``mask`` (B, n_pe) -> MAR (when the policy observes it) -> the early OOD rule on the
         ``unscored`` slices ((B,) bool; an early rule only) -> one ``policy.select_batch``.
-        Policies that read no image take ``kspace = mask = None``.
+        Policies that read no image take ``kspace = mask = None``. ``k``: lines per slice
+        (default ``lines_per_decision``; a whole episode when deciding ahead).
 
         Returns ((B, lines_per_decision) int64 trains, -1 where not decided; (B,) bool whether
         the slice's reconstruction is finite: a slice whose image is NaN / inf is never decided on;
@@ -492,7 +497,7 @@ class AcquisitionEngine:
                 for i, flag in zip(rows, flagged.tolist()):
                     if flag:
                         states[i] = dataclasses.replace(states[i], switched=True)
-        k = self.settings.lines_per_decision
+        k = self.settings.lines_per_decision if k is None else k
         lines = np.full((len(states), k), -1, dtype=np.int64)
         keep = np.flatnonzero(finite)
         if keep.size:

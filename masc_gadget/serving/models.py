@@ -364,7 +364,7 @@ def build_engine(settings: GadgetSettings, n_pe: int, n_readout: int, cache: Mod
         n_pe=n_pe, n_readout=n_readout, initial=settings.initial if initial is None else initial,
         budget=settings.budget if budget is None else budget, seed=settings.seed, device=settings.device,
         n_coils=n_coils, coil_combine=settings.coil_combine, lines_per_decision=settings.lines_per_decision,
-        mar_fallback=settings.mar_fallback, rows=rows,
+        mar_fallback=settings.mar_fallback, rows=rows, decide_ahead=settings.decide_ahead,
     )
     policy = models.policy
     if policy is None:

@@ -71,6 +71,12 @@ class GadgetConfig:
     continues with centre-out's lines) when the network has one, else the end-of-scan rule;
     ``off`` never (the score is still reported), or a number: that threshold on the end-of-scan
     score. YAML's unquoted ``off`` (false) is ``off``."""
+    decide_ahead: bool = True
+    """A policy that reads no image (the fixed order, centre-out, equispaced, random, the learned
+    mask) decides a slice's whole episode as soon as its initial lines are in and sends every
+    decision at once, each with its step index (in-band ``user_int[0]``, FIRE's ``step``, the
+    side channel's ``step``): the scanner never waits for a round trip. false: one decision per
+    line, as a learned policy that reads the image is asked."""
     coil_combine: Literal["rss", "sensitivity"] = "rss"
     """How a multi-coil scan's channels become one image before MAR: ``rss`` (root-sum-of-squares)
     or ``sensitivity`` (adaptive combine with sensitivities from the acquired centre lines)."""

@@ -34,7 +34,8 @@ def test_train_refit_serve_and_score(tiny_dataset, perturbed_mar, tmp_path):
     policy, mar, _ = load_learned(out, "cpu")
     assert isinstance(policy, FixedOrder) and policy.order.tolist() == meta["order"] and mar is not None
 
-    # the gadget serves it like any policy: its decisions are the order
+    # the gadget serves it like any policy: its decisions are the order, all of it at the first
+    # decision (a policy that reads no image decides ahead)
     settings = GadgetSettings(policy=FIXED, policy_checkpoint=str(out), device="cpu", initial=acq.initial,
                               budget=acq.budget)
     engine = build_engine(settings, meta["n_pe"], meta["n_pe"])
@@ -44,7 +45,8 @@ def test_train_refit_serve_and_score(tiny_dataset, perturbed_mar, tmp_path):
     for line in initial_lines(n_pe, acq.initial):
         decisions = engine.on_line(0, line, (rng.standard_normal(n_pe) + 1j * rng.standard_normal(n_pe))
                                    .astype(np.complex64))
-    assert [d.line for d in decisions] == meta["order"][:1]
+    assert [d.line for d in decisions] == meta["order"][:acq.budget]
+    assert [d.step for d in decisions] == list(range(acq.budget))
 
     # refit on another protocol, network kept bit for bit
     refit = tmp_path / "refit.pt"

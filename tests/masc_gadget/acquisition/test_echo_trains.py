@@ -21,7 +21,7 @@ N = 32
 
 def _engine(k, policy="center-out", budget=7):
     settings = EngineSettings(n_pe=N, n_readout=8, initial=2, budget=budget, seed=0, device="cpu",
-                              lines_per_decision=k)
+                              lines_per_decision=k, decide_ahead=False)
     return AcquisitionEngine(settings, make_policy(policy))
 
 

@@ -22,7 +22,9 @@ N_PE, N_RO, INITIAL, BUDGET = 16, 16, 2, 6
 
 
 def settings(**kw):
-    base = dict(n_pe=N_PE, n_readout=N_RO, initial=INITIAL, budget=BUDGET, seed=0, device="cpu")
+    """One decision per line (these tests follow an episode step by step; deciding ahead has its
+    own tests below)."""
+    base = dict(n_pe=N_PE, n_readout=N_RO, initial=INITIAL, budget=BUDGET, seed=0, device="cpu", decide_ahead=False)
     return EngineSettings(**{**base, **kw})
 
 
@@ -544,3 +546,30 @@ def test_decision_is_a_frozen_record():
     with pytest.raises(AttributeError):
         d.line = 5
     assert d == Decision(1, 2, 3, 4)
+
+
+@pytest.mark.parametrize("policy", ["center-out", "equispaced", "random"])
+def test_a_policy_that_reads_no_image_decides_a_slice_ahead_with_the_same_lines(policy):
+    """Serving round 4, item 5: a policy that reads no image sends a slice's whole episode at its
+    first decision, each decision with its step: the lines a step-by-step scan gets."""
+    row = np.ones(N_RO, np.complex64)
+    ahead = make_engine(policy, decide_ahead=True)
+    assert ahead.ahead
+    stepwise = AcquisitionEngine(settings(), make_policy(policy))
+    for line in (N_PE // 2 - 1, N_PE // 2):
+        first = ahead.on_line(3, line, row)
+        decision = stepwise.on_line(3, line, row)
+    assert [d.step for d in first] == list(range(BUDGET)) and {d.slice for d in first} == {3}
+    assert len(decision) == 1
+    followed = []
+    while decision:  # the step-by-step engine, one decision per arriving line
+        followed.append(decision[0].line)
+        decision = stepwise.on_line(3, decision[0].line, row)
+    assert [d.line for d in first] == followed
+    for d in first:  # the decided lines arrive: nothing more is asked, the slice completes
+        assert ahead.on_line(3, d.line, row) == []
+    assert ahead.complete(3) and ahead.followed(3)
+
+
+def test_a_policy_that_reads_the_image_is_still_asked_line_by_line():
+    assert not make_engine(BrightestRow(), decide_ahead=True).ahead
