@@ -514,23 +514,3 @@ def run_episodes(
             images = image_fn(episodes.masks)
         episodes.acquire(select_next(policy, episodes, images=images))
     return episodes.chosen()
-
-
-def episode_masks(lines: np.ndarray, n_pe: int, initial: int) -> np.ndarray:
-    """(budget + 1, n_pe) bool masks after the initial lines and after each choice, for
-    per-step curves; ``lines``: (initial + budget,) in acquisition order (:func:`run_episode`)."""
-    lines = np.asarray(lines)
-    if lines.ndim != 1 or not np.issubdtype(lines.dtype, np.integer):
-        raise ValueError(f"lines must be a 1-D integer array, got {lines.dtype} {lines.shape}")
-    if not 1 <= initial <= lines.size:
-        raise ValueError(f"initial must be between 1 and len(lines) ({lines.size}), got {initial}")
-    if lines.size and (lines.min() < 0 or lines.max() >= n_pe):
-        raise ValueError(
-            f"lines must be in [0, {n_pe}) (n_pe = {n_pe}), got {lines.min()}..{lines.max()}"
-        )
-    if np.unique(lines).size != lines.size:
-        raise ValueError("lines must not repeat: an acquired line is never acquired again")
-    budget = lines.size - initial
-    step_of = np.full(n_pe, np.iinfo(np.int64).max, dtype=np.int64)
-    step_of[lines] = np.concatenate([np.zeros(initial, np.int64), np.arange(1, budget + 1)])
-    return step_of[None, :] <= np.arange(budget + 1)[:, None]

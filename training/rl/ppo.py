@@ -541,35 +541,3 @@ def run_ppo(
         cursor = rollout.cursor
         history.append(stats)
     return history
-
-
-def train_ppo(
-    env: BatchedEnv,
-    net: PolicyNet,
-    cfg: PPOConfig,
-    iterations: int,
-    generator: torch.Generator,
-    optimizer: torch.optim.Optimizer | None = None,
-    callback: RolloutHook | None = None,
-) -> list[dict[str, float]]:
-    """:func:`run_ppo` with a default optimizer (:func:`make_optimizer`) and a log line per
-    iteration.
-
-    Returns one stats dict per iteration: run_ppo's plus ``charts/episodic_length`` (mean length
-    of the episodes that finished in the rollout; NaN when none did) and ``charts/global_step``
-    (transitions so far). ``callback(iteration, rollout, stats)`` runs after each update.
-    """
-    optimizer = make_optimizer(net, cfg) if optimizer is None else optimizer
-
-    def on_rollout(iteration: int, rollout: Rollout, stats: dict[str, float]) -> None:
-        stats["charts/episodic_length"] = _mean_or_nan(rollout.episode_lengths)
-        stats["charts/global_step"] = float(iteration * rollout.num_steps * rollout.num_envs)
-        log.info(
-            "ppo iteration %d: step %d, episodic return %.4f, approx_kl %.4f, clipfrac %.3f",
-            iteration, stats["charts/global_step"], stats["charts/episodic_return"],
-            stats["losses/approx_kl"], stats["losses/clipfrac"],
-        )
-        if callback is not None:
-            callback(iteration, rollout, stats)
-
-    return run_ppo(env, net, cfg, optimizer, generator, iterations, on_rollout=on_rollout)

@@ -19,7 +19,6 @@ from masc_gadget.acquisition.policies import (
     RandomLowBias,
     SamplingPolicy,
     center_out_rank,
-    episode_masks,
     equispaced_lines,
     farthest_free_line,
     make_policy,
@@ -152,12 +151,6 @@ def test_episode_is_budget_exact(name, n_pe, initial, budget, global_rng_guard):
     assert lines.min() >= 0 and lines.max() < n_pe
     assert lines[:initial].tolist() == initial_lines(n_pe, initial).tolist()
     assert abs(lines[:initial].mean() - n_pe // 2) <= 0.5  # centred on the k-space centre
-    masks = episode_masks(lines, n_pe, initial)
-    assert masks.shape == (budget + 1, n_pe) and masks.dtype == bool
-    assert masks.sum(axis=1).tolist() == list(range(initial, initial + budget + 1))
-    assert np.flatnonzero(masks[0]).tolist() == initial_lines(n_pe, initial).tolist()
-    assert all(masks[t + 1, lines[initial + t]] and not masks[t, lines[initial + t]]
-               for t in range(budget))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -447,10 +440,3 @@ def test_slice_rng():
         slice_rng(0, 1.5)
 
 
-def test_episode_masks_errors():
-    with pytest.raises(ValueError, match="must not repeat"):
-        episode_masks(np.array([3, 4, 3]), 8, 2)
-    with pytest.raises(ValueError, match=r"\[0, 8\)"):
-        episode_masks(np.array([3, 4, 8]), 8, 2)
-    with pytest.raises(ValueError, match="initial must be between 1"):
-        episode_masks(np.array([3, 4]), 8, 3)

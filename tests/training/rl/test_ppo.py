@@ -23,7 +23,7 @@ from training.rl.ppo import (
     make_optimizer,
     ppo_loss,
     ppo_update,
-    train_ppo,
+    run_ppo,
 )
 
 N_PE = 16
@@ -301,7 +301,7 @@ def _train(seed: int, iterations: int):
     env = GoodLinesEnv(8)
     net = make_net(seed)
     cfg = PPOConfig(rollout_steps=64, lr=3e-3, minibatch_size=32, epochs=4, gamma=1.0, gae_lambda=0.95)
-    history = train_ppo(env, net, cfg, iterations, torch.Generator().manual_seed(seed))
+    history = run_ppo(env, net, cfg, make_optimizer(net, cfg), torch.Generator().manual_seed(seed), iterations)
     return net, history
 
 
