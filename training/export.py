@@ -77,12 +77,14 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, command: str = ""
     return record
 
 
-def check_record(results: dict[str, Any], name: str = "") -> dict[str, Any]:
+def check_record(results: dict[str, Any], name: str = "", promised: tuple[str, ...] = ()) -> dict[str, Any]:
     """What a shipped model's provenance keeps of a ``masc check mar`` run (its ``results.json``):
     the split, policy and lines checked and, per data folder, the subjects and slices, the
     identity SSIM, the MAR image against its zero-filled input, the harmed share and the
     promises (kept or broken). ``name``: the network's entry (default: the only one).
-    ValueError when the results hold no such entry or several and none is named."""
+    ``promised``: the folders whose promises the model is held to (``promises_kept``; default:
+    every folder); the others' figures are kept as measured. ValueError when the results hold
+    no such entry or several and none is named, or a promised folder is not in them."""
     folders = results.get("folders") or {}
     names = sorted({n for entries in folders.values() for n in entries})
     if not name:
@@ -101,7 +103,12 @@ def check_record(results: dict[str, Any], name: str = "") -> dict[str, Any]:
             "subjects": s["n_subjects"], "slices": s["n_slices"], "identity_ssim": s["identity_ssim"]["mean"],
             "mar_ssim": s["mar_ssim"]["mean"], "mar_vs_zf_ssim": s["mar_vs_zf_ssim"]["diff"],
             "harmed_fraction": s["harmed_fraction"], "promises": s.get("promises")}
-    record["promises_kept"] = all((f["promises"] or {}).get("all") is True for f in record["folders"].values())
+    missing = [f for f in promised if f not in record["folders"]]
+    if missing:
+        raise ValueError(f"the check has no folder {', '.join(missing)}; it has {', '.join(record['folders'])}")
+    record["promised_on"] = list(promised or record["folders"])
+    record["promises_kept"] = all((record["folders"][f]["promises"] or {}).get("all") is True
+                                  for f in record["promised_on"])
     return record
 
 

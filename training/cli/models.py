@@ -80,6 +80,10 @@ def register_export(subparsers: argparse._SubParsersAction, common: argparse.Arg
     ex.add_argument("--check", metavar="RESULTS.json[:NAME]", help="the masc check mar run of this network (entry "
                     "NAME of its results.json) whose promises and figures go into the provenance; a warning when "
                     "a promise is broken (such a network is not shipped)")
+    ex.add_argument("--promise-on", metavar="FOLDER[,FOLDER...]", default="",
+                    help="with --check: the data folders (as the check names them) whose promises the model is "
+                         "held to, e.g. the hip simulation; the other folders' figures are recorded as measured "
+                         "(default: every folder)")
     ex.set_defaults(func=cmd_export)
 
 
@@ -113,11 +117,13 @@ def cmd_export(args: argparse.Namespace) -> int:
         path, _, name = args.check.partition(":")
         try:
             notes = {"mar_check": {"results": Path(path).name,
-                                   **check_record(json.loads(Path(path).read_text()), name)}}
+                                   **check_record(json.loads(Path(path).read_text()), name,
+                                                  tuple(f for f in args.promise_on.split(",") if f))}}
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise CommandError(f"--check {args.check}: {err}") from None
         broken = [f"{folder}: {', '.join(k for k, v in (f['promises'] or {}).items() if k != 'all' and not v['kept'])}"
-                  for folder, f in notes["mar_check"]["folders"].items() if (f["promises"] or {}).get("all") is not True]
+                  for folder, f in notes["mar_check"]["folders"].items()
+                  if folder in notes["mar_check"]["promised_on"] and (f["promises"] or {}).get("all") is not True]
         if broken:
             print(f"MASC warning: {args.checkpoint} does not keep its promises ({'; '.join(broken)}); a network "
                   "that breaks one is not shipped (docs/mar-safety.md)", file=sys.stderr)

@@ -130,6 +130,10 @@ def test_the_command_checks_calibrates_and_the_export_carries_the_calibration(ti
     assert ("does not keep its promises" in capsys.readouterr().err) is not summary["promises"]["all"]
     assert main(["export", str(perturbed_mar), "--out", str(shipped), "--check", f"{out / 'results.json'}:q"]) == 2
     assert "no network 'q'; it holds p" in capsys.readouterr().err
+    assert kept["promised_on"] == [tiny_dataset.name]  # by default every folder of the check
+    assert main(["export", str(perturbed_mar), "--out", str(shipped), "--check", f"{out / 'results.json'}:p",
+                 "--promise-on", "real"]) == 2
+    assert f"no folder real; it has {tiny_dataset.name}" in capsys.readouterr().err
     assert main(["mar-check", "--config", str(CONFIGS / "tiny.yaml"), "--mar", f"p={perturbed_mar}",
                  "--data", f"{tiny_dataset}", "--split", "test", "--calibrate", "--out", str(out)]) == 2
     assert "use it on the validation split" in capsys.readouterr().err
