@@ -59,7 +59,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, command: str = ""
         "kind": ck.metadata.get("kind"),
         "command": command or (ck.metadata.get("provenance") or {}).get("command", ""),
         "provenance": ck.metadata.get("provenance"),
-        "seed": next((cfg[k]["seed"] for k in SEEDED if "seed" in cfg.get(k, {})), None),
+        "seed": next((c[k]["seed"] for c in (ck.metadata.get("finetune_config") or {}, cfg) for k in SEEDED
+                      if "seed" in c.get(k, {})), None),
         "code_version": ck.metadata.get("code_version", __version__),
         "trained_rollouts": ck.metadata.get("rollout"),
         "validation": ck.metadata.get("val"),

@@ -24,6 +24,7 @@ import torch
 from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
 from masc_gadget.models.checkpoint import load_checkpoint, load_mar
+from masc_gadget import __version__
 from training.data import data_dirs, load_split
 from training.evaluation.evaluate import run_method
 from training.finetune import FinetuneConfig, episode_pairs, finetune_to_masks
@@ -71,7 +72,7 @@ def finetune_policy(config: Config, data_dir: str | Path, policy_path: str | Pat
                    if key not in ("ood", "val", "best_val", "epoch", "step")},
                 "mar_model": mar_meta["mar_model"], "mar_pretrained": str(mar_path),
                 "mar_pretrained_epoch": mar_meta.get("epoch"), "masks_from": str(policy_path),
-                "recipe": recipe_name, "line_sets": sets, "data": str(data_dir),
+                "code_version": __version__, "recipe": recipe_name, "line_sets": sets, "data": str(data_dir),
                 "selected_on": str(select_on or data_dir),
                 "finetune_config": {"acquisition": to_dict(acq), recipe_name: to_dict(recipe)}}
     log.info("fine-tuning %s to %d (slice, mask) pairs (%s masks) by recipe %s: %d steps", mar_path,

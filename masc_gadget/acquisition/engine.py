@@ -164,10 +164,12 @@ class AcquisitionEngine:
         self.mar_name = mar_name or ("none" if mar is None else type(mar).__name__)
         self.sees_mar = policy.sees_mar(self.mar is not None)
         """Whether the policy is shown the MAR image (else the zero-filled one)."""
-        self.ood = fallback_rule(self.mar, settings.mar_fallback, reads_image=self.sees_mar)
+        self.ood = fallback_rule(self.mar, settings.mar_fallback, reads_image=True)
         """The rule that serves a slice zero-filled when its MAR image's OOD score is too high:
-        at the end of the scan, or (stage ``early``) at the first decision, switching the slice
-        to centre-out (:mod:`masc_gadget.core.ood`)."""
+        at the end of the scan, or (stage ``early``, the network's early calibration) at the
+        first decision, switching the slice to centre-out (:mod:`masc_gadget.core.ood`); for a
+        policy that reads no image the engine makes the initial lines' images for that score
+        alone, and a slice decided ahead gets centre-out's plan."""
         self.early = self.ood is not None and self.ood.stage == "early"
         self.ahead = settings.decide_ahead and not policy.needs_image
         """A slice's whole episode is decided at its first decision (the policy reads no image)."""
@@ -431,10 +433,10 @@ class AcquisitionEngine:
                     return [], []
         rngs = [b.episode.rngs[0] for b in bufs]
         kspace = mask = None
-        if self.policy.needs_image:
+        unscored = np.array([self.early and not b.episode.scored(0)[0] for b in bufs], dtype=bool)
+        if self.policy.needs_image or unscored.any():  # the policy's image, or the early rule's
             kspace = np.stack([b.kspace for b in bufs])  # (B, n_coils, n_pe, n_readout)
             mask = np.concatenate([b.episode.masks for b in bufs])  # (B, n_pe)
-        unscored = np.array([self.early and not b.episode.scored(0)[0] for b in bufs], dtype=bool)
         if self.batcher is not None and self.policy.needs_image:
             request = DecisionRequest(self._batch_key, DecisionPayload(self, kspace, mask, states, rngs, unscored),
                                       len(bufs))
@@ -482,12 +484,14 @@ class AcquisitionEngine:
         switched to centre-out from this decision on)."""
         finite = np.ones(len(states), dtype=bool)
         early = np.full(len(states), np.nan, dtype=np.float32)
-        if self.policy.needs_image:
-            zf, mar = self._reconstruct(kspace, mask, with_mar=self.sees_mar)
-            images = zf if mar is None else mar
+        scoring = self.early and unscored is not None and bool(np.any(unscored))
+        if self.policy.needs_image or scoring:
+            zf, mar = self._reconstruct(kspace, mask, with_mar=self.sees_mar or scoring)
             finite = _finite(zf) if mar is None else _finite(zf) & _finite(mar)
-            states = [dataclasses.replace(s, image=image) for s, image in zip(states, images)]
-            rows = np.flatnonzero(unscored & finite) if self.early and unscored is not None else np.zeros(0, int)
+            if self.policy.needs_image:
+                images = mar if self.sees_mar and mar is not None else zf
+                states = [dataclasses.replace(s, image=image) for s, image in zip(states, images)]
+            rows = np.flatnonzero(unscored & finite) if scoring else np.zeros(0, int)
             if rows.size:
                 on = self.device
                 flagged, scores = early_switch(self.ood, torch.from_numpy(zf[rows]).to(on),

@@ -29,12 +29,13 @@ Two stages of the rule (:class:`OodCalibration` ``stage``):
     it was acquired with. For lines scattered over k-space that image can be far worse than doing
     nothing (centre-out's zero-filled image with as many lines), so this stage can harm.
 ``early``
-    The early switch, for a policy that reads the MAR image anyway: the score of the image of the
-    initial centre lines, computed at the policy's first decision from the images it is shown. A
-    flagged slice is switched to centre-out for the rest of its lines
-    (:func:`masc_gadget.acquisition.policies.select_lines`) and served zero-filled: it is then
-    exactly doing nothing, never worse. A policy that reads no image keeps its order decidable
-    ahead of the scan and is judged by the ``end`` stage (:func:`fallback_rule`).
+    The early switch: the score of the image of the initial centre lines, computed at the
+    policy's first decision (from the images a policy that reads them is shown; made for the
+    score alone for a policy that reads none). A flagged slice is switched to centre-out for the
+    rest of its lines (:func:`masc_gadget.acquisition.policies.select_lines`) and served
+    zero-filled: it is then exactly doing nothing, never worse. A policy that reads no image
+    still decides each slice's lines at its first decision, all at once (its order, or
+    centre-out's when flagged), so the scanner still has them ahead.
 """
 
 from __future__ import annotations
@@ -173,9 +174,10 @@ def early_calibration_of(mar: Any) -> OodCalibration | None:
 
 def fallback_rule(mar: Any, setting: str, reads_image: bool = False) -> OodCalibration | None:
     """The rule a gadget serves ``mar``'s images by, from the ``gadget.mar_fallback`` setting:
-    ``auto`` the network's own calibration: its early switch when the policy reads the MAR
-    image (``reads_image``, :meth:`~masc_gadget.acquisition.policies.SamplingPolicy.sees_mar`)
-    and the network has one, else its end-of-scan rule (None without one: always its image);
+    ``auto`` the network's own calibration: its early switch when the network has one and
+    ``reads_image`` (the gadget's engine: every policy, the initial lines' images made for the
+    score when the policy reads none; False: a caller that cannot play the switch, the
+    oracle), else its end-of-scan rule (None without one: always its image);
     ``off`` scored by its end-of-scan calibration's score but never replaced; a number, that
     threshold on the end-of-scan calibration's score (``consistency`` for a network without
     one)."""

@@ -66,9 +66,9 @@ class GadgetConfig:
     mar_fallback: str | float | bool = "auto"
     """When a slice's MAR image is served zero-filled instead (:mod:`masc_gadget.core.ood`):
     ``auto`` when its OOD score passes the threshold calibrated for the network on validation
-    data (stored in its checkpoint; a network without one is always used): for a policy that
-    reads the MAR image, the early switch (scored on the initial lines' images; a flagged slice
-    continues with centre-out's lines) when the network has one, else the end-of-scan rule;
+    data (stored in its checkpoint; a network without one is always used): the early switch
+    (scored on the initial lines' images; a flagged slice continues with centre-out's lines,
+    for any policy) when the network has one, else the end-of-scan rule;
     ``off`` never (the score is still reported), or a number: that threshold on the end-of-scan
     score. YAML's unquoted ``off`` (false) is ``off``."""
     decide_ahead: bool = True

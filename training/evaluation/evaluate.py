@@ -110,16 +110,16 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
     lines from the image before each train (:func:`select_trains`); the curves still have one
     point per line. ``ood``: the gadget's rule for serving a slice zero-filled when its MAR
     image's OOD score is too high (:func:`masc_gadget.core.ood.fallback_rule`), applied to the
-    scored MAR images as the gadget applies it; an early rule (a policy that reads the MAR
-    image) scores the images of the initial lines before the first choice and switches the
-    slices it flags to centre-out (:func:`masc_gadget.core.ood.early_switch`), as the engine
-    does. ``score`` False plays the policy alone: the lines, no curves (and no network pass for
+    scored MAR images as the gadget applies it; an early rule (the network's early
+    calibration) scores the images of the initial lines before the first choice and switches
+    the slices it flags to centre-out (:func:`masc_gadget.core.ood.early_switch`), as the engine
+    does, whether or not the policy reads the image. ``score`` False plays the policy alone: the lines, no curves (and no network pass for
     a policy that reads no image)."""
     from tqdm.auto import tqdm
 
     early = ood is not None and ood.stage == "early"
-    if early and (mar is None or isinstance(policy, GreedyOracle) or not policy.sees_mar(True)):
-        raise ValueError("an early OOD rule needs a MAR network and a policy that reads its image")
+    if early and (mar is None or isinstance(policy, GreedyOracle)):
+        raise ValueError("an early OOD rule needs a MAR network and a policy (not the oracle)")
     n, n_pe = len(data), data.n_pe
     steps = budget + 1
     lines = np.zeros((n, initial + budget), dtype=np.int64)
@@ -138,7 +138,7 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
         for t in range(steps):
             if not score and t == budget:
                 break
-            needed = score or (policy.needs_image and not isinstance(policy, GreedyOracle))
+            needed = score or (policy.needs_image and not isinstance(policy, GreedyOracle)) or (early and t == 0)
             images = {False: zero_filled(kspace, episodes.mask)} if needed else {}  # what a policy observes
             if mar is not None and needed:
                 images[True] = mar(images[False])
@@ -394,8 +394,7 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
                               device, examples, progress=progress and isinstance(policy, GreedyOracle),
                               lines_per_decision=config["acquisition"].lines_per_decision,
                               ood=fallback_rule(method_mar[method], config["gadget"].mar_fallback,
-                                                reads_image=not isinstance(policy, GreedyOracle)
-                                                and policy.sees_mar(method_mar[method] is not None)))
+                                                reads_image=not isinstance(policy, GreedyOracle)))
             if acc not in results["accelerations"]:  # doing nothing: the reference of harm
                 nothing = do_nothing(data, initial, budget, batch_size=ecfg.batch_size)
             block = results["accelerations"].setdefault(acc, {

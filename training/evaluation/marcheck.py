@@ -355,10 +355,9 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
                 own = slice_rows(mar, sliceset, own_masks(policies[name], mar, sliceset, initial, budget,
                                                           batch_size), nothing, batch_size)
                 own_rows[folder.name][name] = own
-                if policies[name].sees_mar(True):  # the early switch: only for a policy that reads the MAR image
-                    own.update(early_rows(mar, sliceset, initial, batch_size))
-                    for key, value in own.items():
-                        pooled_own[name].setdefault(key, []).append(value)
+                own.update(early_rows(mar, sliceset, initial, batch_size))  # the early switch, any policy
+                for key, value in own.items():
+                    pooled_own[name].setdefault(key, []).append(value)
                 for key, value in own.items():
                     if not key.startswith("early_"):
                         pooled[name].setdefault(key, []).append(value)
@@ -374,7 +373,7 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
                                    "subjects": subjects_of[folder.name]} for folder in data_dirs(data)]}
         calibration = {name: {**calibrate({k: np.concatenate(v) for k, v in pooled[name].items()}),
                               "calibrated_on": calibrated_on} for name in mars}
-        for name in mars:  # the early switch, for a network whose policy reads its image
+        for name in mars:  # the early switch, for a network that carries its policy
             if pooled_own[name]:
                 calibration[name]["early"] = calibrate({k: np.concatenate(v) for k, v in pooled_own[name].items()},
                                                        "early")

@@ -181,3 +181,49 @@ def test_the_early_switch_is_played_served_and_scored_alike(tiny_dataset, tmp_pa
             assert sl.lines == safe and abs(mar_ssim[i] - nomar[i]) < 1e-6, label
         else:  # MASC's own lines and its MAR image (the end rule is not applied)
             assert sl.lines == own["lines"][i] and abs(mar_ssim[i] - own["per_slice"]["ssim"][i]) < 1e-6, label
+
+
+def test_a_fixed_order_decided_ahead_takes_the_early_switch_alike(tiny_dataset, tmp_path, learned_checkpoints):
+    """A fixed order (reads no image, decided ahead) whose network carries an early rule that
+    flags about half the slices: the gadget scores each slice's initial lines at its first
+    decision and sends the whole plan at once, the order's or centre-out's (served zero-filled:
+    doing nothing); masc eval plays and scores exactly the same."""
+    from masc_gadget.acquisition.policies import make_policy, run_episode
+    from masc_gadget.core.kspace import zero_filled
+    from masc_gadget.core.ood import residual_score
+    from masc_gadget.models.checkpoint import load_checkpoint, load_mar
+    from training.data import load_split
+    from training.scoring import line_masks
+
+    fixed = learned_checkpoints["fixed-order"]
+    data = load_split(tiny_dataset, "test")
+    mar = load_mar(fixed)[0]
+    with torch.no_grad():
+        zf = zero_filled(data.kspace_metal, torch.as_tensor(line_masks(len(data), N, INITIAL, [])))
+        scores = residual_score(zf, mar(zf))
+    ranked = scores.sort().values
+    threshold = float(ranked[len(ranked) // 2 - 1] + ranked[len(ranked) // 2]) / 2  # between two slices
+    ck = load_checkpoint(fixed)
+    calibrated = save_checkpoint(tmp_path / "fixed_early.pt", ck.state_dicts, {
+        **ck.metadata, "ood": {"score": "flip", "threshold": 1e-9, "early": {"score": "residual", "threshold": threshold}}})
+    served = _scan(tiny_dataset, tmp_path / "scan", "fixed-order",
+                   [f"acquisition.seed={SEED}", f"gadget.policy_checkpoint={calibrated}"])
+    config = load_config(CONFIGS / "tiny.yaml", [
+        f"eval.accelerations={{10x: [{INITIAL}, {BUDGET}]}}", f"eval.seed={SEED}", "eval.examples=0"])
+    results, _ = evaluate(config, tiny_dataset, "test", ["fixed-order"], None, progress=False, checkpoint=calibrated)
+    rows = {r["key"]: r for r in results["accelerations"]["10x"]["rows"]}
+    from masc_gadget.acquisition.episode import initial_lines
+
+    order = [int(x) for x in initial_lines(N, INITIAL)] + ck.metadata["order"]
+    safe = run_episode(make_policy("center-out"), N, INITIAL, BUDGET).tolist()
+    switched = (scores > threshold).numpy()
+    assert switched.any() and not switched.all() and order != safe
+    mar_ssim, nomar = rows["fixed-order"]["per_slice"]["ssim"], rows["fixed-order+nomar"]["per_slice"]["ssim"]
+    for i, label in enumerate(results["slices"]):
+        sl = served[label]
+        assert sl.lines == rows["fixed-order"]["lines"][i], label
+        assert abs(sl.metrics["ssim"] - mar_ssim[i]) < 1e-5, label
+        if switched[i]:  # centre-out's plan, served zero-filled: doing nothing
+            assert sl.lines == safe and abs(mar_ssim[i] - nomar[i]) < 1e-6, label
+        else:  # the order's plan and its network's image
+            assert sl.lines == order, label

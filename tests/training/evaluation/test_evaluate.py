@@ -10,7 +10,7 @@ from masc_gadget.config import load_config
 from masc_gadget.core.kspace import zero_filled
 from masc_gadget.core.metrics import slice_metrics
 from masc_gadget.acquisition.policies import make_policy, run_episode, slice_rng
-from training.cli import cmd_eval  # noqa: F401  (the CLI module imports cleanly)
+from training.cli.evaluate import cmd_eval  # noqa: F401  (the CLI module imports cleanly)
 from training.data import load_split
 from training.evaluation.evaluate import evaluate
 from training.evaluation.stats import paired_tests

@@ -168,9 +168,11 @@ def test_a_network_with_its_own_policy_is_calibrated_on_its_lines_too(tiny_datas
     both = mar_check({"p": mar}, str(tiny_dataset), "val", 1, 2, tmp_path / "b", do_calibrate=True,
                      policies={"p": make_policy("equispaced")})
     assert both["calibration"]["p"]["n_slices"] == 2 * alone["calibration"]["p"]["n_slices"] == 2 * len(data)
-    # a policy that reads no image keeps its lines decidable ahead: no early switch for it
-    assert "early" not in alone["calibration"]["p"] and "early" not in both["calibration"]["p"]
-    # one that reads the MAR image gets the early switch's calibration on its own lines
+    # without a policy there are no own lines: no early switch; any policy gets one on its own
+    # lines (one that reads no image too: the engine scores the initial lines for it and sends
+    # the whole plan ahead, its order's or centre-out's)
+    assert "early" not in alone["calibration"]["p"]
+    assert both["calibration"]["p"]["early"]["n_slices"] == len(data)
     from masc_gadget.acquisition.learned import LearnedPolicy
     from masc_gadget.models.policy_net import PolicyNet, PolicyNetConfig
 
