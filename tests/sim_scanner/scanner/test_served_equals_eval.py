@@ -138,6 +138,34 @@ def test_the_ood_fallback_is_served_and_scored_alike(tiny_dataset, tmp_path, per
     assert np.abs(np.subtract(mar, nomar))[~fell_back].max() > 1e-3
 
 
+def _with_early_rule(checkpoint, mar, data, out):
+    """``checkpoint`` with an early rule (residual score) whose threshold lies between the two
+    middle slices of ``data``: about half are flagged. Returns (calibrated path, early scores,
+    threshold)."""
+    from masc_gadget.core.kspace import zero_filled
+    from masc_gadget.core.ood import residual_score
+    from masc_gadget.models.checkpoint import load_checkpoint
+    from training.scoring import line_masks
+
+    with torch.no_grad():
+        zf = zero_filled(data.kspace_metal, torch.as_tensor(line_masks(len(data), N, INITIAL, [])))
+        scores = residual_score(zf, mar(zf))
+    ranked = scores.sort().values
+    threshold = float(ranked[len(ranked) // 2 - 1] + ranked[len(ranked) // 2]) / 2
+    ck = load_checkpoint(checkpoint)
+    calibrated = save_checkpoint(out, ck.state_dicts, {
+        **ck.metadata, "ood": {"score": "flip", "threshold": 1e-9, "early": {"score": "residual", "threshold": threshold}}})
+    return calibrated, scores, threshold
+
+
+def _eval_rows(tiny_dataset, policy, checkpoint):
+    """masc eval's rows of ``policy`` from ``checkpoint`` on the tiny test split, by key."""
+    config = load_config(CONFIGS / "tiny.yaml", [
+        f"eval.accelerations={{10x: [{INITIAL}, {BUDGET}]}}", f"eval.seed={SEED}", "eval.examples=0"])
+    results, _ = evaluate(config, tiny_dataset, "test", [policy], None, progress=False, checkpoint=checkpoint)
+    return results["slices"], {r["key"]: r for r in results["accelerations"]["10x"]["rows"]}
+
+
 def test_the_early_switch_is_played_served_and_scored_alike(tiny_dataset, tmp_path, masc_checkpoint):
     """A MASC checkpoint whose early rule flags about half the slices from the image of their
     initial lines: the gadget plays centre-out's lines on those and serves them zero-filled
@@ -145,35 +173,21 @@ def test_the_early_switch_is_played_served_and_scored_alike(tiny_dataset, tmp_pa
     exactly the same."""
     from masc_gadget.acquisition.learned import load_masc
     from masc_gadget.acquisition.policies import make_policy, run_episode
-    from masc_gadget.core.kspace import zero_filled
-    from masc_gadget.core.ood import residual_score
-    from masc_gadget.models.checkpoint import load_checkpoint
     from training.data import load_split
-    from training.scoring import line_masks
 
     data = load_split(tiny_dataset, "test")
     _, mar, _ = load_masc(masc_checkpoint, "cpu")
-    with torch.no_grad():
-        zf = zero_filled(data.kspace_metal, torch.as_tensor(line_masks(len(data), N, INITIAL, [])))
-        scores = residual_score(zf, mar(zf))
-    threshold = float(scores.median())
-    ck = load_checkpoint(masc_checkpoint)
-    calibrated = save_checkpoint(tmp_path / "masc_early.pt", ck.state_dicts, {
-        **ck.metadata, "ood": {"score": "flip", "threshold": 1e-9, "early": {"score": "residual", "threshold": threshold}}})
+    calibrated, scores, threshold = _with_early_rule(masc_checkpoint, mar, data, tmp_path / "masc_early.pt")
     served = _scan(tiny_dataset, tmp_path / "scan", "masc",
                    [f"acquisition.seed={SEED}", f"gadget.policy_checkpoint={calibrated}"])
-    config = load_config(CONFIGS / "tiny.yaml", [
-        f"eval.accelerations={{10x: [{INITIAL}, {BUDGET}]}}", f"eval.seed={SEED}", "eval.examples=0"])
-    results, _ = evaluate(config, tiny_dataset, "test", ["masc"], None, progress=False, checkpoint=calibrated)
-    rows = {r["key"]: r for r in results["accelerations"]["10x"]["rows"]}
-    plain, _ = evaluate(config, tiny_dataset, "test", ["masc"], None, progress=False, checkpoint=masc_checkpoint)
-    own = next(r for r in plain["accelerations"]["10x"]["rows"] if r["key"] == "masc")
+    slices, rows = _eval_rows(tiny_dataset, "masc", calibrated)
+    own = _eval_rows(tiny_dataset, "masc", masc_checkpoint)[1]["masc"]
     safe = run_episode(make_policy("center-out"), N, INITIAL, BUDGET).tolist()
     switched = (scores > threshold).numpy()
     assert switched.any() and not switched.all()
     assert any(own["lines"][i] != safe for i in np.flatnonzero(switched))  # the switch changes lines
     mar_ssim, nomar = rows["masc"]["per_slice"]["ssim"], rows["masc+nomar"]["per_slice"]["ssim"]
-    for i, label in enumerate(results["slices"]):
+    for i, label in enumerate(slices):
         sl = served[label]
         assert sl.lines == rows["masc"]["lines"][i], label
         assert abs(sl.metrics["ssim"] - mar_ssim[i]) < 1e-5, label
@@ -188,38 +202,24 @@ def test_a_fixed_order_decided_ahead_takes_the_early_switch_alike(tiny_dataset, 
     flags about half the slices: the gadget scores each slice's initial lines at its first
     decision and sends the whole plan at once, the order's or centre-out's (served zero-filled:
     doing nothing); masc eval plays and scores exactly the same."""
+    from masc_gadget.acquisition.episode import initial_lines
     from masc_gadget.acquisition.policies import make_policy, run_episode
-    from masc_gadget.core.kspace import zero_filled
-    from masc_gadget.core.ood import residual_score
     from masc_gadget.models.checkpoint import load_checkpoint, load_mar
     from training.data import load_split
-    from training.scoring import line_masks
 
     fixed = learned_checkpoints["fixed-order"]
     data = load_split(tiny_dataset, "test")
-    mar = load_mar(fixed)[0]
-    with torch.no_grad():
-        zf = zero_filled(data.kspace_metal, torch.as_tensor(line_masks(len(data), N, INITIAL, [])))
-        scores = residual_score(zf, mar(zf))
-    ranked = scores.sort().values
-    threshold = float(ranked[len(ranked) // 2 - 1] + ranked[len(ranked) // 2]) / 2  # between two slices
-    ck = load_checkpoint(fixed)
-    calibrated = save_checkpoint(tmp_path / "fixed_early.pt", ck.state_dicts, {
-        **ck.metadata, "ood": {"score": "flip", "threshold": 1e-9, "early": {"score": "residual", "threshold": threshold}}})
+    calibrated, scores, threshold = _with_early_rule(fixed, load_mar(fixed)[0], data, tmp_path / "fixed_early.pt")
     served = _scan(tiny_dataset, tmp_path / "scan", "fixed-order",
                    [f"acquisition.seed={SEED}", f"gadget.policy_checkpoint={calibrated}"])
-    config = load_config(CONFIGS / "tiny.yaml", [
-        f"eval.accelerations={{10x: [{INITIAL}, {BUDGET}]}}", f"eval.seed={SEED}", "eval.examples=0"])
-    results, _ = evaluate(config, tiny_dataset, "test", ["fixed-order"], None, progress=False, checkpoint=calibrated)
-    rows = {r["key"]: r for r in results["accelerations"]["10x"]["rows"]}
-    from masc_gadget.acquisition.episode import initial_lines
-
+    slices, rows = _eval_rows(tiny_dataset, "fixed-order", calibrated)
+    ck = load_checkpoint(fixed)
     order = [int(x) for x in initial_lines(N, INITIAL)] + ck.metadata["order"]
     safe = run_episode(make_policy("center-out"), N, INITIAL, BUDGET).tolist()
     switched = (scores > threshold).numpy()
     assert switched.any() and not switched.all() and order != safe
     mar_ssim, nomar = rows["fixed-order"]["per_slice"]["ssim"], rows["fixed-order+nomar"]["per_slice"]["ssim"]
-    for i, label in enumerate(results["slices"]):
+    for i, label in enumerate(slices):
         sl = served[label]
         assert sl.lines == rows["fixed-order"]["lines"][i], label
         assert abs(sl.metrics["ssim"] - mar_ssim[i]) < 1e-5, label
