@@ -122,3 +122,18 @@ def test_scoring_on_subjects_that_selected_or_calibrated_the_model_is_named(tmp_
     assert len(said) == 2 and "selected it" in said[0] and "calibrated its OOD rule" in said[1]
     assert warn_repeated_anatomies([str(touched)], tiny_dataset, "test") == []  # other subjects: nothing to say
     assert warn_repeated_anatomies([str(perturbed_mar)], tiny_dataset, "val") == []
+
+
+def test_every_shipped_model_keeps_its_promises_and_says_so():
+    """A network that breaks a promise of masc check mar is not shipped (docs/mar-safety.md): each
+    shipped model's provenance carries the check it passed, on the folders it is held to."""
+    from masc_gadget.models.shipped import available, provenance
+
+    for name in available():
+        check = provenance(name).get("mar_check")
+        assert check is not None, f"{name}: no masc check mar in its provenance"
+        assert check["promises_kept"] is True and check["promised_on"], name
+        for folder in check["promised_on"]:
+            promises = check["folders"][folder]["promises"]
+            assert promises["identity_ssim"]["value"] >= 0.98 and promises["noise_share"]["value"] >= 0.95, name
+            assert all(promises[k]["kept"] for k in ("identity_ssim", "noise_share", "center_out")), name
