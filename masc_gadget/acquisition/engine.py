@@ -103,6 +103,8 @@ class DecisionPayload(NamedTuple):
     rngs: list[np.random.Generator | None]
     unscored: np.ndarray
     """(B,) bool: slices the early OOD rule has not scored yet."""
+    k: int | None = None
+    """Lines per slice (None: ``lines_per_decision``; a whole episode when deciding ahead)."""
 
 
 @dataclass(eq=False)
@@ -183,7 +185,7 @@ class AcquisitionEngine:
         self.batcher = batcher
         self._batch_key = (id(policy), id(self.mar), self.sees_mar, str(self.device),
                            settings.n_pe, settings.n_readout, settings.n_coils, settings.coil_combine,
-                           settings.lines_per_decision)
+                           settings.lines_per_decision, self.ahead)
         # the first engine of a model, matrix and device of a serving host warms them up; the
         # host's next engines start at once (its warm-up already ran the same passes)
         done = warmed is not None and self._batch_key in warmed
@@ -437,8 +439,9 @@ class AcquisitionEngine:
         if self.policy.needs_image or unscored.any():  # the policy's image, or the early rule's
             kspace = np.stack([b.kspace for b in bufs])  # (B, n_coils, n_pe, n_readout)
             mask = np.concatenate([b.episode.masks for b in bufs])  # (B, n_pe)
-        if self.batcher is not None and self.policy.needs_image:
-            request = DecisionRequest(self._batch_key, DecisionPayload(self, kspace, mask, states, rngs, unscored),
+        k = max(s.steps_left for s in states) if self.ahead else None
+        if self.batcher is not None and kspace is not None:  # a network pass: shared with other scans
+            request = DecisionRequest(self._batch_key, DecisionPayload(self, kspace, mask, states, rngs, unscored, k),
                                       len(bufs))
             try:
                 lines, finite, early = self.batcher(request)
@@ -447,8 +450,7 @@ class AcquisitionEngine:
                             "next line asks again", chosen, err)
                 return [], []
         else:
-            lines, finite, early = self.decision_pass(kspace, mask, states, rngs, unscored,
-                                                      k=max(s.steps_left for s in states) if self.ahead else None)
+            lines, finite, early = self.decision_pass(kspace, mask, states, rngs, unscored, k=k)
         for b, score in zip(bufs, early):
             if not np.isnan(score):
                 b.episode.switch(0, [score > self.ood.threshold], [score])
@@ -520,7 +522,8 @@ class AcquisitionEngine:
         states = [s for p in payloads for s in p.states]
         rngs = [g for p in payloads for g in p.rngs]
         unscored = np.concatenate([p.unscored for p in payloads])
-        lines, finite, early = engine.decision_pass(kspace, mask, states, rngs, unscored)
+        ks = [p.k for p in payloads if p.k is not None]  # deciding ahead: each slice's whole episode
+        lines, finite, early = engine.decision_pass(kspace, mask, states, rngs, unscored, k=max(ks) if ks else None)
         return list(zip(split_rows(lines, sizes), split_rows(finite, sizes), split_rows(early, sizes)))
 
     def on_line(self, slice: int, line: int, data: np.ndarray) -> list[Decision]:
