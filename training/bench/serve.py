@@ -275,7 +275,8 @@ def bare_decisions_per_s(config: Config, n_pe: int, n_readout: int, batch: int, 
         group = captured[:batch]
         if len(group) < batch:
             raise RuntimeError(f"policy {settings.policy} made {len(group)} decision requests for {batch} slices "
-                               "(a policy without an image decides without the batcher)")
+                               "(a decision that needs no network pass, a policy without an image and no early OOD rule, "
+                               "decides without the batcher)")
         AcquisitionEngine.run_group(group)  # warm
         passes, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:

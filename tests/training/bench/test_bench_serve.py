@@ -77,6 +77,7 @@ def test_the_bare_decision_pass_is_timed_as_the_worker_runs_it():
     config = load_config(CONFIGS / "small.yaml", ["gadget.device=cpu"])  # the shipped MASC model
     bare = bare_decisions_per_s(config, 128, 128, batch=2, threads=1, seconds=0.2)
     assert bare["batch"] == 2 and bare["passes"] >= 1 and bare["decisions_per_s"] > 0
-    with pytest.raises(RuntimeError, match="decides without the batcher"):
-        bare_decisions_per_s(load_config(CONFIGS / "small.yaml", ["acquisition.policy=center-out"]), 128, 128,
+    with pytest.raises(RuntimeError, match="decides without the batcher"):  # no image, no early rule
+        bare_decisions_per_s(load_config(CONFIGS / "small.yaml", ["acquisition.policy=center-out",
+                                                                  "gadget.mar_fallback=off"]), 128, 128,
                              batch=2, seconds=0.1)
