@@ -129,6 +129,8 @@ class GadgetLink:
         self.warnings: list[str] = [] if warnings is None else warnings
         """The gadget's ``MASC warning:`` texts (a setting it did not apply)."""
         self.images: list[ismrmrd.Image] = []
+        self.image_times: list[float] = []
+        """When each image of ``images`` arrived (``time.perf_counter()``)."""
         self.lost_reason = ""
         self.server_closed = False
         self._close_sent = False
@@ -229,6 +231,7 @@ class GadgetLink:
                 elif mid == protocol.ID_FEEDBACK:
                     self._feedback(payload)
                 elif mid == protocol.ID_IMAGE:
+                    self.image_times.append(time.perf_counter())
                     self.images.append(payload)
                 elif mid in (protocol.ID_TEXT, protocol.ID_ERROR):
                     text = str(payload).strip("\x00").strip()

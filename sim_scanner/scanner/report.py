@@ -68,6 +68,9 @@ class SliceReport:
     mismatch with ``lines`` is reported as a gadget error."""
     policy: str = ""
     """The policy the returned image says chose its lines (meta ``MASC.policy``), "" when none came back."""
+    image_latency_ms: float | None = None
+    """From sending the slice's last line to receiving its image, ms (None when no image came
+    back); a slice whose image came before its last line (the gadget ended it early) is 0."""
     served: str = ""
     """What the returned image is (meta ``MASC.mar``): the MAR network, or ``none (...)`` when the
     gadget served it zero-filled (MAR off, the OOD fallback, a non-finite output)."""
@@ -140,6 +143,8 @@ class ScanTotals:
     """Scanner-side decision latencies, every decision received (late ones included)."""
     gadget_latency_ms: LatencySummary = field(default_factory=lambda: LatencySummary.of([]))
     """Latencies the gadget reported for the decisions that arrived in time."""
+    image_latency_ms: LatencySummary = field(default_factory=lambda: LatencySummary.of([]))
+    """From each slice's last line to its returned image (slices whose image came back)."""
     metrics_mean: dict[str, float] = field(default_factory=dict)
     metrics_std: dict[str, float] = field(default_factory=dict)
 
@@ -181,6 +186,10 @@ class ScanReport:
                 f"decision latency ms: p50 {lat.p50:.2f}, p90 {lat.p90:.2f}, p99 {lat.p99:.2f}, "
                 f"max {lat.max:.2f} ({lat.count} decisions)"
             )
+        if t.image_latency_ms.count:
+            img = t.image_latency_ms
+            lines.append(f"last line to image ms: p50 {img.p50:.2f}, p99 {img.p99:.2f}, max {img.max:.2f} "
+                         f"({img.count} images)")
         if t.metrics_mean:
             lines.append(
                 "images: "
@@ -235,6 +244,7 @@ def scan_totals(subjects: list[SubjectReport]) -> ScanTotals:
     t = ScanTotals(subjects=len(subjects))
     latencies: list[float] = []
     gadget_latencies: list[float] = []
+    image_latencies: list[float] = []
     metrics: dict[str, list[float]] = {k: [] for k in METRICS}
     for sub in subjects:
         t.slices += len(sub.slices)
@@ -253,6 +263,8 @@ def scan_totals(subjects: list[SubjectReport]) -> ScanTotals:
                 g for v, g in zip(rep.latencies_ms, rep.gadget_latencies_ms)
                 if v is not None and g is not None
             ]
+            if rep.image_latency_ms is not None:
+                image_latencies.append(rep.image_latency_ms)
             t.images_from_gadget += rep.image_source == IMAGE_FROM_GADGET
             t.images_zero_filled += rep.image_source == IMAGE_ZERO_FILLED
             for k in METRICS:
@@ -260,6 +272,7 @@ def scan_totals(subjects: list[SubjectReport]) -> ScanTotals:
                     metrics[k].append(rep.metrics[k])
     t.latency_ms = LatencySummary.of(latencies)
     t.gadget_latency_ms = LatencySummary.of(gadget_latencies)
+    t.image_latency_ms = LatencySummary.of(image_latencies)
     t.metrics_mean = {k: float(np.mean(v)) for k, v in metrics.items() if v}
     t.metrics_std = {k: float(np.std(v)) for k, v in metrics.items() if v}
     return t

@@ -72,13 +72,22 @@ def score_images(preds: np.ndarray, targets: np.ndarray) -> dict[str, list[float
 
 
 def collect_images(
-    report: SubjectReport, images: list[ismrmrd.Image], board: DecisionBoard, n_slices: int
+    report: SubjectReport, images: list[ismrmrd.Image], board: DecisionBoard, n_slices: int,
+    arrived: list[float] | None = None, states: list[_SliceState] | None = None,
 ) -> dict[int, ismrmrd.Image]:
-    """Record the returned images and late decisions; the first returned image of each slice."""
+    """Record the returned images and late decisions; the first returned image of each slice.
+    With ``arrived`` (each image's arrival time) and ``states`` (when each slice's last line
+    went out), each slice's last-line-to-image latency goes into its ``image_latency_ms``."""
     report.images_returned = len(images)
     report.late_decisions = len(board.late_latencies_ms)
     report.late_latencies_ms = [float(v) for v in board.late_latencies_ms]
-    return images_by_slice(images, n_slices, report.gadget_errors)
+    by_slice = images_by_slice(images, n_slices, report.gadget_errors)
+    if arrived is not None and states is not None:
+        when = {id(image): t for image, t in zip(images, arrived)}
+        for s, image in by_slice.items():
+            if id(image) in when and s < len(states):
+                states[s].report.image_latency_ms = max(when[id(image)] - states[s].last_sent, 0.0) * 1e3
+    return by_slice
 
 
 def score_slices(

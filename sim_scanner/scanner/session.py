@@ -377,7 +377,8 @@ def scan_subject(
             pump.close()
 
     images = run.link.images if run.link is not None else []
-    by_slice = collect_images(report, images, run.board, n_slices)
+    arrived = run.link.image_times if run.link is not None else []
+    by_slice = collect_images(report, images, run.board, n_slices, arrived, run.states)
     zero_filled_written, served = score_slices(
         report, run.states, by_slice, run.acquired, run.episodes.mask, data.clean[:n_slices]
     )

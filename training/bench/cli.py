@@ -238,6 +238,9 @@ def _register_serve(actions: argparse._SubParsersAction, common: argparse.Argume
                        "as fast as decisions come")
     serve.add_argument("--line-period-ms", type=float, default=None, metavar="MS",
                        help="with --pace: ms between lines (default: the sequence's, from the data)")
+    serve.add_argument("--stagger-s", type=float, default=0.0, metavar="S",
+                       help="spread the scans' starts evenly over S seconds (scan i starts i*S/N s "
+                       "after the first; default 0: all at once)")
     serve.add_argument("--capacity", action="store_true",
                        help="instead of --scans: find the most concurrent scans that get every "
                        "decision in time (1, 2, 4, ... then bisection; use with --pace)")
@@ -372,7 +375,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     "not how many paced scans keep up")
     server_overrides = [*args.overrides, *args.server_set]
     result = bench_serve(config, args.data, args.split, args.scans, scanner, args.config,
-                         server_overrides, args.server, capacity=args.capacity, max_scans=args.max_scans)
+                         server_overrides, args.server, capacity=args.capacity, max_scans=args.max_scans,
+                         stagger_s=args.stagger_s)
     if args.bare:
         from masc_gadget.serving.host import ServerConfig
         from sim_scanner.dataset.layout import read_manifest

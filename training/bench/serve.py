@@ -36,7 +36,8 @@ from sim_scanner.scanner.session import scan_subject
 log = logging.getLogger(__name__)
 
 ROW_KEYS = ("scans", "decisions", "in_deadline", "in_deadline_frac", "fallbacks", "p50_ms", "p90_ms",
-            "p99_ms", "max_ms", "first_decision_max_ms", "decisions_per_s", "paced_late_max_ms", "wall_s",
+            "p99_ms", "max_ms", "first_decision_max_ms", "decisions_per_s", "paced_late_max_ms", "slices",
+            "images", "image_p50_ms", "image_p99_ms", "wall_s",
             "rss_before_mb", "rss_after_mb")
 
 
@@ -91,6 +92,9 @@ def _summary(n: int, reports: list[SubjectReport], wall_s: float, rss: tuple[Any
     in_deadline = sum(r.from_gadget for r in reports)
     lat = np.asarray(latencies, dtype=np.float64)
     pct = (lambda q: float(np.percentile(lat, q))) if lat.size else (lambda q: None)
+    image_lat = np.asarray([s.image_latency_ms for r in reports for s in r.slices
+                            if s.image_latency_ms is not None], dtype=np.float64)
+    image_pct = (lambda q: float(np.percentile(image_lat, q))) if image_lat.size else (lambda q: None)
     return {
         "scans": n,
         "decisions": decisions,
@@ -102,6 +106,9 @@ def _summary(n: int, reports: list[SubjectReport], wall_s: float, rss: tuple[Any
         "first_decision_max_ms": max((v for v in firsts if v is not None), default=None),
         "decisions_per_s": decisions / wall_s if wall_s > 0 else None,
         "paced_late_max_ms": max((r.paced_late_ms for r in reports), default=0.0),
+        "slices": sum(len(r.slices) for r in reports),
+        "images": int(image_lat.size),
+        "image_p50_ms": image_pct(50), "image_p99_ms": image_pct(99),
         "wall_s": wall_s,
         "rss_before_mb": rss[0], "rss_after_mb": rss[1],
         "deadline_ms": deadline_ms,
@@ -109,14 +116,18 @@ def _summary(n: int, reports: list[SubjectReport], wall_s: float, rss: tuple[Any
 
 
 def run_level(n: int, paths: list[tuple[str, Path]], scfg: ScannerConfig, config: Config,
-              server_pid: int | None) -> dict[str, Any]:
-    """N concurrent scans (one thread each) against ``scfg.server``; one summary row."""
+              server_pid: int | None, stagger_s: float = 0.0) -> dict[str, Any]:
+    """N concurrent scans (one thread each) against ``scfg.server``; one summary row. With
+    ``stagger_s`` scan i starts ``i * stagger_s / n`` seconds after the first (scanners of a
+    site do not start in the same millisecond), else all at once."""
     acq = config["acquisition"]
     reports: list[SubjectReport | None] = [None] * n
     errors: list[str] = []
 
     def scan(i: int) -> None:
         sid, path = paths[i % len(paths)]
+        if stagger_s > 0:
+            time.sleep(i * stagger_s / n)
         try:
             reports[i] = scan_subject(path, f"{sid}#{i}", scfg, acq, require_gadget=True)
         except (ConnectionError, OSError, ValueError) as err:
@@ -135,6 +146,7 @@ def run_level(n: int, paths: list[tuple[str, Path]], scfg: ScannerConfig, config
     row = _summary(n, [r for r in reports if r is not None], wall, (rss_before, _rss_mb(server_pid)),
                    scfg.deadline_ms)
     row["paced"] = scfg.pace
+    row["stagger_s"] = stagger_s
     log.info("%d scans: %d/%d decisions in deadline, p50 %s ms, p99 %s ms", n, row["in_deadline"],
              row["decisions"], row["p50_ms"], row["p99_ms"])
     return row
@@ -171,7 +183,7 @@ def capacity_levels(run, max_scans: int) -> tuple[list[dict[str, Any]], int]:
 def bench_serve(config: Config, data_dir: str | Path, split: str, levels: Sequence[int],
                 scanner: ScannerConfig, config_path: str | None = None,
                 server_overrides: Sequence[str] = (), external_server: str = "",
-                capacity: bool = False, max_scans: int = 64) -> dict[str, Any]:
+                capacity: bool = False, max_scans: int = 64, stagger_s: float = 0.0) -> dict[str, Any]:
     """Every concurrency level of ``levels`` against one server (started here unless
     ``external_server`` is HOST:PORT), or with ``capacity`` the search of
     :func:`capacity_levels` up to ``max_scans``; returns ``{"rows": [...], "server": ...,
@@ -193,7 +205,7 @@ def bench_serve(config: Config, data_dir: str | Path, split: str, levels: Sequen
 
     def run(n: int) -> dict[str, Any]:
         try:
-            return run_level(n, paths, scanner, config, pid)
+            return run_level(n, paths, scanner, config, pid, stagger_s)
         except RuntimeError as err:
             if not capacity:
                 raise
@@ -214,28 +226,35 @@ def bench_serve(config: Config, data_dir: str | Path, split: str, levels: Sequen
             except subprocess.TimeoutExpired:
                 proc.kill()
     return {"rows": rows, "server": scanner.server, "started_here": proc is not None, "capacity": found,
-            "server_overrides": list(server_overrides), "scanner": dataclasses.asdict(scanner),
+            "server_overrides": list(server_overrides), "scanner": dataclasses.asdict(scanner), "stagger_s": stagger_s,
             "cpu_count": os.cpu_count()}
+
+
+def _images(row: dict[str, Any], f: Any) -> str:
+    """``returned / slices (p50 / p99)`` of a row (rows written before the images were timed: -)."""
+    if "images" not in row:
+        return "-"
+    return f"{row['images']} / {row['slices']} ({f(row['image_p50_ms'])} / {f(row['image_p99_ms'])})"
 
 
 def format_serve_table(result: dict[str, Any]) -> str:
     """The rows as a Markdown table (and the capacity, when searched)."""
     out = ["| scans | decisions | in deadline | p50 ms | p90 ms | p99 ms | max ms | slowest first ms "
-           "| decisions/s | wall s | server RSS MB (before -> after) |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "| images (last line -> image p50 / p99 ms) | decisions/s | wall s | server RSS MB (before -> after) |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
 
     def f(v: Any, digits: int = 1) -> str:
         return "-" if v is None else f"{v:.{digits}f}"
 
     for r in result["rows"]:
         if r.get("error"):
-            out.append(f"| {r['scans']} | failed: {r['error'][:80]} |||||||||")
+            out.append(f"| {r['scans']} | failed: {r['error'][:80]} ||||||||||")
             continue
         share = "-" if r["in_deadline_frac"] is None else f"{100 * r['in_deadline_frac']:.1f} %"
         late = f", a line {r['paced_late_max_ms']:.0f} ms late" if r.get("paced_late_max_ms") else ""
         out.append(f"| {r['scans']} | {r['decisions']} | {r['in_deadline']} ({share}{late}) | {f(r['p50_ms'], 2)} "
                    f"| {f(r['p90_ms'], 2)} | {f(r['p99_ms'], 2)} | {f(r['max_ms'])} "
-                   f"| {f(r['first_decision_max_ms'])} | {f(r.get('decisions_per_s'))} | {f(r['wall_s'])} "
+                   f"| {f(r['first_decision_max_ms'])} | {_images(r, f)} | {f(r.get('decisions_per_s'))} | {f(r['wall_s'])} "
                    f"| {f(r['rss_before_mb'], 0)} -> {f(r['rss_after_mb'], 0)} |")
     if result.get("capacity") is not None:
         paced = "paced " if result["scanner"].get("pace") else ""

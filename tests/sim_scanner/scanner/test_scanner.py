@@ -252,6 +252,7 @@ def test_gadget_decisions_are_obeyed(config, tiny_dataset, tmp_path, gadgets):
             assert all(0 <= v < FAST_MS for v in rep.latencies_ms)
             assert rep.gadget_latencies_ms == [0.123, 0.123]
             assert rep.image_source == IMAGE_FROM_GADGET
+            assert rep.image_latency_ms is not None and rep.image_latency_ms >= 0
             # the fake returns the zero-filled image of the lines it got: same as the scanner's
             assert rep.metrics == pytest.approx(rep.zero_filled_metrics, rel=1e-4, abs=1e-5)
             assert set(rep.metrics) == {"ssim", "psnr", "mse", "nmse", "mae"}
@@ -262,6 +263,7 @@ def test_gadget_decisions_are_obeyed(config, tiny_dataset, tmp_path, gadgets):
     assert (t.from_gadget, t.fallbacks, t.misses, t.invalid) == (16, 0, 0, 0)
     assert t.latency_ms.count == 16 and t.latency_ms.p50 <= t.latency_ms.p90 <= t.latency_ms.max
     assert t.images_from_gadget == 8 and t.images_zero_filled == 0
+    assert t.image_latency_ms.count == 8 and 0 <= t.image_latency_ms.p50 <= t.image_latency_ms.max
 
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["totals"]["from_gadget"] == 16
@@ -275,6 +277,7 @@ def test_gadget_decisions_are_obeyed(config, tiny_dataset, tmp_path, gadgets):
         finally:
             dset.close()
     assert "decisions from gadget: 16" in report.summary()
+    assert "last line to image ms: p50" in report.summary()
 
 
 def test_silent_gadget_falls_back_on_every_step(config, tiny_dataset, tmp_path, gadgets):

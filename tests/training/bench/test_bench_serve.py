@@ -27,7 +27,10 @@ def test_sixteen_concurrent_scans(tiny_dataset):
         assert row["in_deadline"] == row["decisions"] and row["fallbacks"] == 0
         assert row["p99_ms"] is not None and row["p99_ms"] <= row["max_ms"]
         assert row["rss_after_mb"] is not None and row["rss_after_mb"] - row["rss_before_mb"] < 300
+        assert row["slices"] == row["images"] == row["scans"] * 2  # every image came back, timed
+        assert 0 <= row["image_p50_ms"] <= row["image_p99_ms"] < 5000
     assert "| 16 |" in format_serve_table(result)
+    assert f"| {2 * 16} / {2 * 16} (" in format_serve_table(result)
     json.dumps(result, default=str)
 
 
@@ -67,6 +70,10 @@ def test_paced_scans_keep_the_sequence_timing(tiny_dataset):
     lines = config["acquisition"].initial + config["acquisition"].budget
     assert row["paced"] and row["in_deadline"] == row["decisions"] > 0
     assert row["wall_s"] >= (lines - 1) * 0.040  # the last line's slot; unpaced this takes ~ms
+    staggered = bench_serve(config, tiny_dataset, "test", [2], scanner, str(CONFIGS / "tiny.yaml"),
+                            ["gadget.device=cpu"], stagger_s=0.5)["rows"][0]
+    assert staggered["stagger_s"] == 0.5 and staggered["in_deadline"] == staggered["decisions"]
+    assert staggered["wall_s"] >= (lines - 1) * 0.040 + 0.25  # the second scan started 0.25 s later
     with pytest.raises(ValueError, match="line_period_ms"):
         ScannerConfig(line_period_ms=-1.0)
 
