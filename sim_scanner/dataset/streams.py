@@ -7,12 +7,13 @@ rewrites a stream (header + acquisitions) the way a scanner would have recorded 
 
 * ``readout_oversampling``: 2 samples the readout over twice the field of view (Siemens and GE
   default): the encoded space is 2n x n_pe over 2 FOV_x, the recon space n x n_pe over FOV_x;
-* ``coils``: a receive array of N loops on a ring around the object, each with a smooth
-  magnitude fall-off and a phase that turns with its angle (the sensitivities are normalised
-  to a root-sum-of-squares of 1 over the object, so the combined image is the original one);
-* ``noise`` and ``noise_correlation``: complex Gaussian noise of that standard deviation per
-  sample, correlated between neighbouring channels (covariance ``rho^|i-j|``), as receive
-  chains are;
+* ``coils``: the simulator's receive array (:func:`sim_scanner.physics.coils.body_array`: N
+  loops on an ellipse around the field of view, normalised to a root-sum-of-squares of 1, so
+  the combined image is the original one);
+* ``noise`` and ``noise_correlation``: the simulator's receive-chain noise
+  (:func:`sim_scanner.physics.coils.correlated_noise`): complex Gaussian of that standard
+  deviation per sample (``E|n|^2 = noise^2``), correlated between neighbouring elements of the
+  ring (covariance ``rho^(ring distance)``);
 * ``order``: the lines of each slice ``linear`` (0..n-1), ``reverse``, ``centric`` (centre out,
   alternating) or ``interleaved`` (even lines, then odd ones);
 * ``asymmetric_echo``: drop this fraction of the readout samples before the echo (the centre
@@ -44,8 +45,9 @@ import numpy as np
 
 from masc_gadget.core.kspace import fft2c, ifft2c
 from masc_gadget.mrd.header import parse_header, serialize_header
+from sim_scanner.physics.coils import body_array, correlated_noise, noise_covariance
 
-__all__ = ["ORDERS", "StreamStyle", "coil_sensitivities", "line_order", "read_stream", "scanner_like",
+__all__ = ["ORDERS", "StreamStyle", "field_of_view_mm", "line_order", "read_stream", "scanner_like",
            "styled_acquisition", "styled_header", "styled_kspace", "write_stream"]
 
 ORDERS = ("linear", "reverse", "centric", "interleaved")
@@ -63,7 +65,8 @@ class StreamStyle:
     coils: int = 0
     """Receive coils; 0 keeps the stream's own channels."""
     noise: float = 0.0
-    """Standard deviation of the complex noise per sample (real and imaginary part each)."""
+    """Standard deviation of the complex noise per sample (``E|n|^2 = noise^2``, the simulator's
+    definition)."""
     noise_correlation: float = 0.0
     """Correlation of the noise of neighbouring channels, in [0, 1)."""
     order: str = "linear"
@@ -107,25 +110,10 @@ def line_order(n_pe: int, order: str, lines: Sequence[int] | None = None) -> lis
     raise ValueError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
 
 
-def coil_sensitivities(n_coils: int, shape: tuple[int, int], radius: float = 0.75) -> np.ndarray:
-    """(n_coils, H, W) complex64 sensitivities of loops on a ring of ``radius`` (in half the image
-    size) around the image centre: magnitude ``(1 + (d / r0)^2)^-1.5`` of the distance d to the
-    loop (a loop's on-axis fall-off, r0 a fifth of the image), phase the loop's angle plus a slow
-    ramp; normalised to a root-sum-of-squares of 1 everywhere."""
-    h, w = shape
-    y, x = np.mgrid[:h, :w].astype(np.float64)
-    y = (y - h / 2) / (h / 2)
-    x = (x - w / 2) / (w / 2)
-    maps = []
-    for c in range(n_coils):
-        angle = 2 * math.pi * c / n_coils
-        cy, cx = radius * math.sin(angle), radius * math.cos(angle)
-        d2 = (y - cy) ** 2 + (x - cx) ** 2
-        magnitude = (1 + d2 / 0.4 ** 2) ** -1.5
-        phase = angle + 0.5 * (x * math.cos(angle) + y * math.sin(angle))
-        maps.append(magnitude * np.exp(1j * phase))
-    maps = np.stack(maps)
-    return (maps / np.sqrt((np.abs(maps) ** 2).sum(axis=0))).astype(np.complex64)
+def field_of_view_mm(header_xml: str) -> tuple[float, float]:
+    """(phase encoding, readout) field of view of a header's encoded space, mm."""
+    fov = parse_header(header_xml).encoding[0].encodedSpace.fieldOfView_mm
+    return float(fov.y), float(fov.x)
 
 
 def _slices(acquisitions: Sequence[ismrmrd.Acquisition], n_pe: int, n_ro: int
@@ -150,30 +138,31 @@ def _kept_lines(n_pe: int, style: StreamStyle) -> list[int]:
     return list(range(n_pe - count, n_pe))
 
 
-def styled_kspace(kspace: np.ndarray, style: StreamStyle, rng: np.random.Generator) -> np.ndarray:
+def styled_kspace(kspace: np.ndarray, style: StreamStyle, rng: np.random.Generator,
+                  fov_mm: tuple[float, float] | None = None) -> np.ndarray:
     """(S, C, n_pe, n_ro) k-space of S slices -> (S, C', n_pe, n_ro x oversampling) complex64 as the
     scanner's receive array records it: the same pixels in the middle of the oversampled field
-    of view, through ``style.coils`` loops (C' = C when 0), plus correlated noise."""
+    of view, through ``style.coils`` elements of the simulator's body array placed around the
+    (phase, readout) field of view ``fov_mm`` (None: 1 mm pixels; C' = C when 0), plus the
+    simulator's correlated noise."""
     n_slices, own, n_pe, n_ro = kspace.shape
     coils = style.coils or own
     n_out = n_ro * style.readout_oversampling
-    maps = coil_sensitivities(coils, (n_pe, n_out)) if style.coils else None
-    cov = style.noise_correlation ** np.abs(np.subtract.outer(np.arange(coils), np.arange(coils)))
-    chol = np.linalg.cholesky(cov)
+    maps = body_array(coils, (n_pe, n_ro), fov_mm or (float(n_pe), float(n_ro))) if style.coils else None
+    cov = noise_covariance(coils, style.noise_correlation)
     out = np.zeros((n_slices, coils, n_pe, n_out), np.complex64)
     for s in range(n_slices):
         image = ifft2c(torch.from_numpy(kspace[s].astype(np.complex128))).numpy()  # (own coils, n_pe, n_ro)
-        if style.readout_oversampling == 2:
-            pad = np.zeros((*image.shape[:-1], n_out), np.complex128)
-            pad[..., n_ro // 2:n_ro // 2 + n_ro] = image
-            image = pad
         if maps is not None:
             combined = image[0] if own == 1 else np.sqrt((np.abs(image) ** 2).sum(0)) * np.exp(1j * np.angle(image[0]))
             image = maps * combined[None]
+        if style.readout_oversampling == 2:  # the object in the middle of twice the field of view
+            pad = np.zeros((*image.shape[:-1], n_out), np.complex128)
+            pad[..., n_ro // 2:n_ro // 2 + n_ro] = image
+            image = pad
         k = fft2c(torch.from_numpy(image)).numpy()
         if style.noise > 0:
-            white = rng.normal(size=(2, coils, n_pe, n_out)) * style.noise
-            k = k + np.einsum("ij,jyx->iyx", chol, white[0] + 1j * white[1])
+            k = k + correlated_noise((coils, n_pe, n_out), cov, style.noise, rng)
         out[s] = k
     return out
 
@@ -235,7 +224,7 @@ def scanner_like(header_xml: str, acquisitions: Sequence[ismrmrd.Acquisition], s
     keys = sorted(by_slice)
     if not keys:
         raise ValueError("the stream has no imaging acquisition")
-    kspace = styled_kspace(np.stack([by_slice[s][1] for s in keys]), style, rng)
+    kspace = styled_kspace(np.stack([by_slice[s][1] for s in keys]), style, rng, field_of_view_mm(header_xml))
     order = line_order(n_pe, style.order, _kept_lines(n_pe, style))
     out: list[ismrmrd.Acquisition] = []
     for i, s in enumerate(keys):

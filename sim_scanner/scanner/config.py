@@ -105,7 +105,8 @@ class ScannerConfig:
     encoded space says so; the gadget removes it). 1: as simulated."""
     coils: int = 0
     """Send the lines through a receive array of this many loops
-    (:func:`sim_scanner.dataset.streams.coil_sensitivities`); 0: the dataset's own channels."""
+    (the simulator's body array, :func:`sim_scanner.physics.coils.body_array`); 0: the dataset's own
+    channels."""
     noise: float = 0.0
     """Receive-chain noise per sample, as a fraction of the subject's largest k-space magnitude."""
     noise_correlation: float = 0.0

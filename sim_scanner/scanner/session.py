@@ -66,7 +66,8 @@ from masc_gadget.acquisition.policies import SamplingPolicy, make_policy, run_ep
 from masc_gadget.config import Config, to_dict
 from masc_gadget.mrd.header import flag_mask
 from sim_scanner.dataset import mrd_hdf5 as mrd
-from sim_scanner.dataset.streams import StreamStyle, line_order, styled_acquisition, styled_header, styled_kspace
+from sim_scanner.dataset.streams import (StreamStyle, field_of_view_mm, line_order, styled_acquisition, styled_header,
+                                         styled_kspace)
 from sim_scanner.dataset.layout import (
     ScanInput,
     read_manifest,
@@ -339,7 +340,7 @@ def scan_subject(
     header_xml = data.header_xml
     if run.style is not None:
         rng = np.random.default_rng(np.random.SeedSequence([scfg.noise_seed, zlib.crc32(str(subject_id).encode())]))
-        run.sent = styled_kspace(data.kspace[:n_slices], run.style, rng)
+        run.sent = styled_kspace(data.kspace[:n_slices], run.style, rng, field_of_view_mm(data.header_xml))
         header_xml = styled_header(data.header_xml, run.style, run.sent.shape[1])
     schedule = _schedule(n_slices, acq.initial, acq.budget, scfg.interleave, acq.lines_per_decision)
     period_ticks = (

@@ -29,6 +29,27 @@ def test_body_array_is_normalised_and_the_noise_correlated():
     np.testing.assert_allclose(empirical, 4.0 * psi, atol=0.25)
 
 
+def test_scanner_like_streams_use_the_simulators_array_and_noise():
+    """One receive model: a scanner-like stream's channels are the body array's maps times the
+    image, and its noise has the simulator's covariance (ring distance, E|n|^2 = sigma^2)."""
+    from masc_gadget.core.kspace import fft2c, ifft2c
+    import torch
+    from sim_scanner.dataset.streams import StreamStyle, styled_kspace
+
+    rng = np.random.default_rng(3)
+    image = rng.normal(size=(1, 24, 20)) + 1j * rng.normal(size=(1, 24, 20))
+    kspace = fft2c(torch.from_numpy(image)).numpy()[None]  # (1 slice, 1 coil, 24, 20)
+    fov = (240.0, 200.0)
+    out = styled_kspace(kspace, StreamStyle(coils=8), rng, fov)[0]
+    channels = ifft2c(torch.from_numpy(out.astype(np.complex128))).numpy()
+    np.testing.assert_allclose(channels, body_array(8, (24, 20), fov) * image, atol=1e-5)
+    silent = styled_kspace(np.zeros((1, 1, 32, 32), np.complex64), StreamStyle(coils=8, noise=2.0,
+                                                                                noise_correlation=0.4), rng, fov)[0]
+    samples = silent.reshape(8, -1).T
+    empirical = (samples.T @ samples.conj()).real / len(samples)
+    np.testing.assert_allclose(empirical, 4.0 * noise_covariance(8, 0.4), atol=0.3)
+
+
 @pytest.fixture(scope="module")
 def multicoil(tmp_path_factory):
     base = tmp_path_factory.mktemp("coils")
