@@ -71,7 +71,7 @@ def _served(policy: Any, mar: torch.nn.Module, data: Any, initial: int, budget: 
     from masc_gadget.core.ood import fallback_rule
     from training.evaluation.evaluate import run_method
 
-    rule = fallback_rule(mar, "auto", reads_image=True)
+    rule = fallback_rule(mar, "auto", switches_early=True)
     traj = run_method(policy, data, initial, budget, mar, seed=0, batch_size=32, device=torch.device("cpu"), ood=rule)
     return traj.curves[True]["ssim"][:, -1]
 

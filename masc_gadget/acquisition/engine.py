@@ -166,7 +166,7 @@ class AcquisitionEngine:
         self.mar_name = mar_name or ("none" if mar is None else type(mar).__name__)
         self.sees_mar = policy.sees_mar(self.mar is not None)
         """Whether the policy is shown the MAR image (else the zero-filled one)."""
-        self.ood = fallback_rule(self.mar, settings.mar_fallback, reads_image=True)
+        self.ood = fallback_rule(self.mar, settings.mar_fallback, switches_early=True)
         """The rule that serves a slice zero-filled when its MAR image's OOD score is too high:
         at the end of the scan, or (stage ``early``, the network's early calibration) at the
         first decision, switching the slice to centre-out (:mod:`masc_gadget.core.ood`); for a

@@ -172,12 +172,12 @@ def early_calibration_of(mar: Any) -> OodCalibration | None:
     return found if isinstance(found, OodCalibration) and found.stage == "early" else None
 
 
-def fallback_rule(mar: Any, setting: str, reads_image: bool = False) -> OodCalibration | None:
+def fallback_rule(mar: Any, setting: str, switches_early: bool = False) -> OodCalibration | None:
     """The rule a gadget serves ``mar``'s images by, from the ``gadget.mar_fallback`` setting:
-    ``auto`` the network's own calibration: its early switch when the network has one and
-    ``reads_image`` (the gadget's engine: every policy, the initial lines' images made for the
-    score when the policy reads none; False: a caller that cannot play the switch, the
-    oracle), else its end-of-scan rule (None without one: always its image);
+    ``auto`` the network's own calibration: its early switch when the network has one and the
+    caller ``switches_early`` (can switch a flagged slice to centre-out after its initial lines:
+    the gadget's engine, for every policy; False: a caller that cannot, the oracle), else its
+    end-of-scan rule (None without one: always its image);
     ``off`` scored by its end-of-scan calibration's score but never replaced; a number, that
     threshold on the end-of-scan calibration's score (``consistency`` for a network without
     one)."""
@@ -185,7 +185,7 @@ def fallback_rule(mar: Any, setting: str, reads_image: bool = False) -> OodCalib
         return None
     calibration = calibration_of(mar)
     if setting == "auto":
-        early = early_calibration_of(mar) if reads_image else None
+        early = early_calibration_of(mar) if switches_early else None
         return early if early is not None else calibration
     kind = calibration.score if calibration is not None else "consistency"
     if setting == "off":

@@ -40,8 +40,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from masc_gadget.serving.server import MascServer
 
     config = serving_config(getattr(args, "config", None), getattr(args, "overrides", []))
-    server = MascServer(config, host=args.host, port=args.port)
-    settings = server.serving.default
+    server = MascServer(config, address=args.host, port=args.port)
+    settings = server.host.default
     log.info("default settings: policy %s, %d + %d lines, MAR %s, device %s", settings.policy,
              settings.initial, settings.budget, settings.mar_checkpoint or "off", settings.device)
     server.serve_forever()

@@ -44,22 +44,23 @@ log = logging.getLogger(__name__)
 
 
 class MascServer:
-    """Threaded MRD server; ``start()`` binds, warms up, listens and returns (host, port).
+    """Threaded MRD server; ``start()`` binds, warms up, listens and returns (address, port).
 
     ``dialect``: ``mrd`` (``masc serve``) or ``gadgetron`` (connect mode, Gadgetron is the
-    client). ``serving`` is the :class:`~masc_gadget.serving.host.Host` every connection gets."""
+    client). ``address`` is where it listens (config ``server.host``, ``--host``); ``host`` the
+    :class:`~masc_gadget.serving.host.Host` record every connection gets."""
 
-    def __init__(self, config: Config, host: str | None = None, port: int | None = None,
+    def __init__(self, config: Config, address: str | None = None, port: int | None = None,
                  config_folders: list[Path] | None = None, cache: ModelCache | None = None,
                  dialect: str = "mrd") -> None:
         scfg: ServerConfig = config["server"]
-        self.host = host or scfg.host
+        self.address = address or scfg.host
         self.port = scfg.port if port is None else port
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in [0, 65535] (0: any free port), got {self.port}")
         self.scfg = scfg
         self.dialect = dialect
-        self.serving = Host.from_config(config, config_folders, cache)
+        self.host = Host.from_config(config, config_folders, cache)
         self._networks = scfg.networks()
         self._sock: socket.socket | None = None
         self._stop = threading.Event()
@@ -74,16 +75,16 @@ class MascServer:
     def start(self) -> tuple[str, int]:
         """Bind (so that a taken port fails at once), warm up, then listen: the port accepts
         connections only once the server can answer them."""
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        family = socket.AF_INET6 if ":" in self.address else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((self.host, self.port))
+            sock.bind((self.address, self.port))
         except OSError as err:
             sock.close()
-            raise OSError(f"cannot listen on {self.host}:{self.port}: {err.strerror or err}") from None
+            raise OSError(f"cannot listen on {self.address}:{self.port}: {err.strerror or err}") from None
         self.port = sock.getsockname()[1]
-        self.serving.own_ports.add(self.port)
+        self.host.own_ports.add(self.port)
         if self.scfg.threads:
             torch.set_num_threads(self.scfg.threads)
         try:
@@ -92,9 +93,9 @@ class MascServer:
             sock.close()
             raise
         if self.scfg.metrics_port >= 0:
-            self.metrics_server = MetricsServer(self.serving.metrics, self.scfg.metrics_host, self.scfg.metrics_port)
+            self.metrics_server = MetricsServer(self.host.metrics, self.scfg.metrics_host, self.scfg.metrics_port)
             try:
-                self.serving.own_ports.add(self.metrics_server.start())
+                self.host.own_ports.add(self.metrics_server.start())
             except BaseException:
                 sock.close()
                 raise
@@ -105,15 +106,15 @@ class MascServer:
         self._sock = sock
         self._accept = threading.Thread(target=self._accept_loop, name="masc-accept", daemon=True)
         self._accept.start()
-        if not is_loopback(self.host):
-            log.warning("listening on %s, reachable from other hosts: %s", self.host,
+        if not is_loopback(self.address):
+            log.warning("listening on %s, reachable from other hosts: %s", self.address,
                         "; ".join(self._access_summary()))
         if self.dialect == "gadgetron" and self.scfg.token:
             log.warning("server.token is not asked of Gadgetron streams (Gadgetron forwards no text "
                         "messages): keep connect mode on loopback or behind server.allow")
         what = "MASC gadget (connect mode)" if self.dialect == "gadgetron" else "MASC server"
-        log.info("%s listening on %s:%d", what, self.host, self.port)
-        return self.host, self.port
+        log.info("%s listening on %s:%d", what, self.address, self.port)
+        return self.address, self.port
 
     def _access_summary(self) -> list[str]:
         return [f"allow-list {', '.join(self.scfg.allow)}" if self.scfg.allow
@@ -124,7 +125,7 @@ class MascServer:
     def warm_up(self, n_pe: int = 64, n_readout: int = 64) -> float:
         """Load the default models and run one decision and one reconstruction before the first
         client (:func:`masc_gadget.serving.models.warm_up`); returns the seconds it took."""
-        return warm_up(self.serving.default, self.serving.cache, n_pe, n_readout, self.serving.warmed)
+        return warm_up(self.host.default, self.host.cache, n_pe, n_readout, self.host.warmed)
 
     # ---------------------------------------------------------------------------- connections
 
@@ -150,7 +151,7 @@ class MascServer:
             log.warning("refused %s: not in the allow-list (server.allow)", peer)
             _refuse(conn, "this client address is not allowed to connect (server.allow)", self.dialect)
             return
-        connection = Connection(conn, peer, self.serving, self.dialect, self._take_slot)
+        connection = Connection(conn, peer, self.host, self.dialect, self._take_slot)
         with self._lock:
             same_peer = [c for c in self._pending if c.address == connection.address]
             if len(same_peer) >= self.scfg.max_pending_per_peer:
@@ -263,7 +264,7 @@ class MascServer:
         and queued slices (with the network for the first 40 % of ``timeout``, zero-filled
         after) and an error naming the shutdown, then closes; what is still open at 90 % of
         ``timeout`` s (default ``server.shutdown_s``) is closed."""
-        timeout = self.serving.limits.shutdown_s if timeout is None else timeout
+        timeout = self.host.limits.shutdown_s if timeout is None else timeout
         start = time.monotonic()
         deadline = start + timeout
         self._stop.set()
@@ -289,7 +290,7 @@ class MascServer:
                 connection.force_close()
         for thread in open_connections.values():
             thread.join(max(0.0, deadline - time.monotonic()))
-        self.serving.close(max(0.0, deadline - time.monotonic()))
+        self.host.close(max(0.0, deadline - time.monotonic()))
         if self.metrics_server is not None:
             self.metrics_server.close()
         left = sum(thread.is_alive() for thread in open_connections.values())
@@ -322,14 +323,14 @@ class MascServer:
         self.shutdown()
 
 
-def serve_connect_mode(config: Config, port: int, host: str = "127.0.0.1", cache: ModelCache | None = None,
+def serve_connect_mode(config: Config, port: int, address: str = "127.0.0.1", cache: ModelCache | None = None,
                        stop: threading.Event | None = None, ready: Callable[[int], None] | None = None) -> None:
-    """Gadgetron's connect mode (``<external><connect port=.../>``): listen on ``host:port`` and
+    """Gadgetron's connect mode (``<external><connect port=.../>``): listen on ``address:port`` and
     serve every stream Gadgetron opens, concurrently, with ``masc serve``'s limits (the config's
     ``server`` section, but its host and port) and its shutdown, until SIGTERM / SIGINT or
     ``stop``. The models of the config are warmed up before the port opens; ``ready(port)`` is
     called once listening (port 0 picks a free one)."""
-    MascServer(config, host=host, port=port, cache=cache, dialect="gadgetron").serve_forever(stop, ready)
+    MascServer(config, address=address, port=port, cache=cache, dialect="gadgetron").serve_forever(stop, ready)
 
 
 def _refuse(conn: socket.socket, message: str, dialect: str = "mrd") -> None:

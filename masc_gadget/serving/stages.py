@@ -507,9 +507,8 @@ def process(items: Iterable[Any], header: Any, settings: GadgetSettings, send: C
 
     Returns counters (acquisitions, decisions, images, rejected)."""
     ctx = Context(header, settings, send, on_error=on_error, host=host or Host(), trusted=trusted,
-                  background_images=background_images, on_warning=on_warning)
-    if hurry is not None:
-        ctx.hurry = hurry
+                  background_images=background_images, on_warning=on_warning,
+                  hurry=threading.Event() if hurry is None else hurry)
     try:
         if eager:
             ctx.start()

@@ -394,7 +394,7 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
                               device, examples, progress=progress and isinstance(policy, GreedyOracle),
                               lines_per_decision=config["acquisition"].lines_per_decision,
                               ood=fallback_rule(method_mar[method], config["gadget"].mar_fallback,
-                                                reads_image=not isinstance(policy, GreedyOracle)))
+                                                switches_early=not isinstance(policy, GreedyOracle)))
             if acc not in results["accelerations"]:  # doing nothing: the reference of harm
                 nothing = do_nothing(data, initial, budget, batch_size=ecfg.batch_size)
             block = results["accelerations"].setdefault(acc, {

@@ -88,7 +88,7 @@ def test_a_connection_asking_for_a_huge_train_gets_an_error():
 
 @pytest.mark.parametrize("interleave", [False, True])
 def test_closed_loop_scan_with_echo_trains(tiny_dataset, tmp_path, interleave):
-    server = MascServer(load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu"]), host="127.0.0.1", port=0)
+    server = MascServer(load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu"]), address="127.0.0.1", port=0)
     _, port = server.start()
     try:
         config = load_config(CONFIGS / "tiny.yaml", [

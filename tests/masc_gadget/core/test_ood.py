@@ -126,10 +126,10 @@ def test_the_early_rule_is_chosen_only_for_a_policy_that_reads_the_image():
     net = Net()
     net.ood = OodCalibration("flip", 0.25)
     net.ood_early = OodCalibration("residual", 0.5, "early")
-    assert fallback_rule(net, "auto", reads_image=True) == net.ood_early
+    assert fallback_rule(net, "auto", switches_early=True) == net.ood_early
     assert fallback_rule(net, "auto") == net.ood  # a fixed order keeps its lines decidable ahead
-    assert fallback_rule(net, "off", reads_image=True) == OodCalibration("flip", math.inf)
-    assert fallback_rule(net, "0.1", reads_image=True) == OodCalibration("flip", 0.1)
+    assert fallback_rule(net, "off", switches_early=True) == OodCalibration("flip", math.inf)
+    assert fallback_rule(net, "0.1", switches_early=True) == OodCalibration("flip", 0.1)
     section = {"score": "flip", "threshold": 0.2, "early": {"score": "residual", "threshold": 0.4, "auc": {}}}
     assert OodCalibration.early_from_metadata(section, "x.pt") == OodCalibration("residual", 0.4, "early")
     assert OodCalibration.early_from_metadata({"score": "flip", "threshold": 0.2}, "x.pt") is None

@@ -55,7 +55,7 @@ def line(slice_index: int, pe: int, seed: int = 0, n_ro: int = N_RO) -> ismrmrd.
 def running_server(*overrides: str, host: str = "127.0.0.1", folders=None):
     """A live ``masc serve`` on a free port with the tiny config and ``server.x=...`` overrides."""
     config = load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu", "server.port=0", *overrides])
-    server = MascServer(config, host=host, port=0, config_folders=folders, cache=CACHE)
+    server = MascServer(config, address=host, port=0, config_folders=folders, cache=CACHE)
     _, port = server.start()
     try:
         yield server, port

@@ -72,7 +72,7 @@ def test_the_readme_recipe_serves_the_operators_model_whatever_the_scan_config_s
     config = load_config(CONFIGS / "tiny.yaml", [
         "gadget.device=cpu", "server.client_overrides=[]", "acquisition.policy=fixed-order",
         f"gadget.policy_checkpoint={checkpoint}", f"gadget.mar_checkpoint={checkpoint}"])
-    server = MascServer(config, host="127.0.0.1", port=0)
+    server = MascServer(config, address="127.0.0.1", port=0)
     _, port = server.start()
     try:
         common = ["scan", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset), "--server",

@@ -35,7 +35,7 @@ def mar_ckpt(perturbed_mar):
 @pytest.fixture(scope="module")
 def server():
     config = load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu", "server.port=0"])
-    srv = MascServer(config, host="127.0.0.1", port=0)
+    srv = MascServer(config, address="127.0.0.1", port=0)
     host, port = srv.start()
     yield srv, port
     srv.shutdown()
@@ -149,7 +149,7 @@ def test_closed_loop_with_mar_equals_offline(subject, mar_ckpt):
 
     config = load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu", "server.port=0",
                                                  f"models.directory={mar_ckpt.parent}"])
-    srv = MascServer(config, host="127.0.0.1", port=0, cache=ModelCache())
+    srv = MascServer(config, address="127.0.0.1", port=0, cache=ModelCache())
     _, port = srv.start()
     header, acqs, kspace = subject
     try:

@@ -162,10 +162,12 @@ def test_a_waiting_client_takes_only_the_longest_silent_holders_slot():
     """Regression (serving round 4, item 3): one waiting client ended every silent holder's scan
     (the first one's slot stayed taken while it did not read, so the next was closed too)."""
     with running_server("server.max_connections=2", "server.reclaim_idle_s=0.3",
-                        "server.handshake_timeout_s=4") as (_, port):
+                        "server.handshake_timeout_s=4") as (server, port):
         older = _stuck_holder(port)
-        time.sleep(0.1)
+        # the older holder's last line read (its 32 slices of 256 x 256 open) before the younger's
+        assert settle(lambda: server.host.budget.used == 32 * 256 * 256 * 8, seconds=10)
         younger = open_scan(port, (0, 8))
+        assert settle(lambda: server.host.budget.used == 32 * 256 * 256 * 8 + N_PE * N_RO * 8, seconds=10)
         time.sleep(0.6)
         images, texts = good_scan(port)
         assert sorted(images) == [0, 1] and not texts
@@ -315,14 +317,14 @@ def test_the_memory_budget_covers_all_connections():
     with running_server(f"server.memory_budget_bytes={2 * one_slice + 100}") as (server, port):
         holder = open_scan(port, (0, 8), (1, 8))
         time.sleep(0.3)
-        assert server.serving.budget.used == 2 * one_slice
+        assert server.host.budget.used == 2 * one_slice
         images, texts = good_scan(port)
         assert not images and "memory budget for all scans (4.1 KiB, server.memory_budget_bytes)" in texts[0]
         holder.send_close()
         images, texts, _ = drain(holder)
         holder.close()
         assert sorted(images) == [0, 1] and not texts  # the first scan went on
-        assert settle(lambda: server.serving.budget.used == 0)
+        assert settle(lambda: server.host.budget.used == 0)
         assert_serves(port)
 
 
@@ -339,14 +341,14 @@ def test_a_scan_holds_what_it_sent_lines_for_and_keeps_its_open_slices_when_refu
         stream.send_header(header)
         for slice_index in (0, 1):
             stream.send_acquisition(line(slice_index, 8))
-        assert settle(lambda: server.serving.budget.used == 2 * one_slice)
+        assert settle(lambda: server.host.budget.used == 2 * one_slice)
         stream.send_acquisition(line(2, 8))  # a third open slice: over the scan's limit
         images, texts, _ = drain(stream)
         stream.close()
         assert sorted(images) == [0, 1]  # nothing acquired is lost
         assert "slice 2's k-space (1 coils x 16 x 16 samples, 2.0 KiB) beside the 4.0 KiB this scan holds " \
                "exceeds this server's limit of 4.0 KiB per scan (server.max_kspace_bytes)" in texts[-1]
-        assert settle(lambda: server.serving.budget.used == 0)
+        assert settle(lambda: server.host.budget.used == 0)
         assert_serves(port)
 
 
@@ -524,7 +526,7 @@ def test_a_shutdown_sends_every_open_and_queued_slice_then_names_itself(perturbe
         for slice_index in range(8):
             for pe in LINES[:2]:
                 stream.send_acquisition(line(slice_index, pe))
-        assert settle(lambda: server.serving.budget.used == 8 * N_PE * N_RO * 8)  # 8 slices open
+        assert settle(lambda: server.host.budget.used == 8 * N_PE * N_RO * 8)  # 8 slices open
         t0 = time.monotonic()
         server.shutdown()
         took = time.monotonic() - t0
@@ -642,7 +644,7 @@ def test_soak_good_and_hostile_clients_leave_nothing_behind():
             for stream in hostile:
                 stream.close()
         assert settle(lambda: threads_named("masc-127.0.0.1") == baseline, 5)
-        assert server.serving.budget.used == 0 and not server._slots and not server._pending
+        assert server.host.budget.used == 0 and not server._slots and not server._pending
 
 
 def test_a_port_out_of_range_is_a_one_line_error():
@@ -704,7 +706,7 @@ def test_an_operator_scrapes_the_metrics_while_scans_run():
     pytest.importorskip("prometheus_client")
     with running_server("server.metrics_port=0") as (server, port):
         metrics_port = server.metrics_server.port
-        assert metrics_port in server.serving.own_ports
+        assert metrics_port in server.host.own_ports
         holder = open_scan(port, (0, 8))
         assert settle(lambda: '"scans_open": 1' in _scrape(metrics_port, "/health"))
         images, texts = good_scan(port)
@@ -725,7 +727,7 @@ def test_an_operator_scrapes_the_metrics_while_scans_run():
         assert settle(lambda: _value(_scrape(metrics_port), "masc_scans_open") == 0.0)
     other = Host()
     other.metrics.scan_started()
-    assert server.serving.metrics.registry is not other.metrics.registry  # one registry per host
+    assert server.host.metrics.registry is not other.metrics.registry  # one registry per host
 
 
 def test_the_metrics_port_names_the_extra_it_needs(monkeypatch):

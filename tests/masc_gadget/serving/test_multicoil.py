@@ -124,7 +124,7 @@ def test_server_refuses_a_scan_whose_coils_exceed_its_kspace_budget():
 
     # one slice of 8 coils x 32 x 32 x 8 bytes = 64 KiB > the 32 KiB a scan may hold; one coil fits
     config = load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu", "server.max_kspace_bytes=32768"])
-    server = MascServer(config, host="127.0.0.1", port=0)
+    server = MascServer(config, address="127.0.0.1", port=0)
     _, port = server.start()
     try:
         def scan(coils):

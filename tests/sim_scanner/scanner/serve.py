@@ -10,7 +10,7 @@ from tests.conftest import CONFIGS
 def scan_against_serve(dataset, out, gadget=(), scan=(), config="tiny.yaml"):
     """Start masc serve with ``config`` and the ``gadget`` overrides, scan the test split of
     ``dataset`` into ``out`` with the ``scan`` overrides, stop the server; (report, scan config)."""
-    server = MascServer(load_config(CONFIGS / config, ["gadget.device=cpu", *gadget]), host="127.0.0.1", port=0)
+    server = MascServer(load_config(CONFIGS / config, ["gadget.device=cpu", *gadget]), address="127.0.0.1", port=0)
     _, port = server.start()
     try:
         scan_config = load_config(CONFIGS / config, [f"scanner.server=127.0.0.1:{port}", "scanner.deadline_ms=5000",

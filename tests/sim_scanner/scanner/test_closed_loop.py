@@ -43,7 +43,7 @@ def _start_serve(port, *extra):
 @pytest.mark.parametrize("interleave, feedback", [(False, "inband"), (True, "inband"), (False, "fire")])
 def test_masc_scan_closed_loop_equals_offline(tiny_dataset, tmp_path, interleave, feedback):
     config = load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu"])
-    server = MascServer(config, host="127.0.0.1", port=0)
+    server = MascServer(config, address="127.0.0.1", port=0)
     _, port = server.start()
     try:
         scan_config = load_config(CONFIGS / "tiny.yaml", [
@@ -115,7 +115,7 @@ def test_sigterm_stops_the_server_cleanly(tmp_path):
 
 def test_masc_scan_sends_the_token_a_server_requires(tiny_dataset, tmp_path):
     config = load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu", "server.token=sesame"])
-    server = MascServer(config, host="127.0.0.1", port=0)
+    server = MascServer(config, address="127.0.0.1", port=0)
     _, port = server.start()
     try:
         scan = [f"scanner.server=127.0.0.1:{port}", "scanner.deadline_ms=2000", "scanner.max_subjects=1"]
@@ -134,7 +134,7 @@ def test_masc_scan_fails_when_the_gadget_refused_what_it_asked(tiny_dataset, tmp
     """Regression: a misspelt policy ran the whole scan on the fallback order and exited 0."""
     from masc_gadget.cli import main
 
-    server = MascServer(load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu"]), host="127.0.0.1", port=0)
+    server = MascServer(load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu"]), address="127.0.0.1", port=0)
     _, port = server.start()
     try:
         code = main(["scan", "--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset), "--server",

@@ -93,7 +93,7 @@ def test_a_stream_file_in_any_order_over_the_wire(tiny_dataset, tmp_path, order)
     header_xml, acqs = scanner_like(*read_stream(subject, "metal"), StreamStyle(
         readout_oversampling=2, coils=4, noise=1e-3, noise_correlation=0.3, order=order, asymmetric_echo=0.1),
         np.random.default_rng(3))
-    server = MascServer(load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu"]), host="127.0.0.1", port=0)
+    server = MascServer(load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu"]), address="127.0.0.1", port=0)
     _, port = server.start()
     errors = []
     try:
