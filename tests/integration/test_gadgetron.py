@@ -4,9 +4,9 @@
 Runs when ``gadgetron`` and ``gadgetron_ismrmrd_client`` are on PATH (their libraries on
 LD_LIBRARY_PATH); skipped otherwise, so CI stays fast. The XMLs are sent with the client's
 local-config option (-C), so nothing is installed into Gadgetron's config folder. They ship
-naming the recommended model on its 128-line protocol; for the tiny data here they are sent with
-that model's properties replaced by centre-out on 2 + 18 lines (:func:`_variant`), everything
-else as shipped.
+naming the recommended model on its 128-line protocol: one test scans a simulated subject of that
+protocol through them as shipped; for the tiny data of the others they are sent with that model's
+properties replaced by centre-out on 2 + 18 lines (:func:`_variant`), everything else as shipped.
 """
 
 from __future__ import annotations
@@ -243,3 +243,39 @@ def test_a_siemens_like_stream_matches_gadgetrons_default_recon(gadgetron, tmp_p
         scale = float((got[s] * ref[s]).sum() / (got[s] ** 2).sum())
         nmse = float(((scale * got[s] - ref[s]) ** 2).sum() / (ref[s] ** 2).sum())
         assert nmse < 1e-3, (s, nmse, scale)
+
+
+@pytest.fixture(scope="module")
+def small_dataset(tmp_path_factory):
+    """One subject of 2 slices on the recommended model's protocol (configs/small.yaml: 128 lines)."""
+    from masc_gadget.config import load_config
+    from sim_scanner.dataset.simulate import simulate_dataset
+
+    config = load_config(CONFIGS / "small.yaml", ["dataset.subjects=1", "dataset.split_fractions=[0.0, 0.0, 1.0]",
+                                                  "sequence.n_slices=2", "dataset.workers=1"])
+    out = tmp_path_factory.mktemp("small")
+    simulate_dataset(config, out, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("xml", ["masc_external.xml", "masc_connect.xml"])
+def test_the_shipped_xmls_serve_the_recommended_model_as_shipped(gadgetron, connect_module, small_dataset, xml,
+                                                                 tmp_path):
+    """The XMLs unchanged (the recommended model, 2 + 11 of 128 lines) in closed loop: every
+    image is the fixed order's, with its MAR network or its early switch, for the 13 lines the
+    scanner acquired; the connect-mode module started with no config serves the same model."""
+    out = tmp_path / "scan"
+    cmd = [sys.executable, "-m", "masc_gadget.cli", "scan", "--config", str(CONFIGS / "small.yaml"),
+           "--data", str(small_dataset), "--split", "test", "--server", f"127.0.0.1:{gadgetron}",
+           "--feedback", "zmq", "--deadline-ms", "5000", "--config-xml", str(SHIPPED_XMLS / xml),
+           "--out", str(out), "--no-progress", "--log-level", "WARNING"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    totals = report["totals"]
+    assert totals["gadget_errors"] == 0 and totals["images_from_gadget"] == totals["slices"] == 2
+    assert totals["from_gadget"] == 2 * 11 and totals["fallbacks"] == 0  # a generous deadline: all the gadget's
+    for rep in report["subjects"][0]["slices"]:
+        assert rep["policy"] == "fixed-order" and len(rep["lines"]) == 13
+        assert sorted(rep["image_lines"]) == sorted(rep["lines"])
+        assert rep["served"] == "shipped:fixed_small" or rep["served"].startswith("none (early OOD")  # or its switch
