@@ -125,19 +125,24 @@ def register_headroom(subparsers: argparse._SubParsersAction, common: argparse.A
 
 
 
-def cmd_headroom(args: argparse.Namespace) -> int:
-    import json
+def _read_headroom(folder: str):
+    from masc_gadget.cli import CommandError
+    from training.evaluation.headroom import read_headroom
 
+    try:
+        return read_headroom(folder)
+    except (FileNotFoundError, ValueError) as err:
+        raise CommandError(str(err)) from None
+
+
+def cmd_headroom(args: argparse.Namespace) -> int:
     from masc_gadget.cli import CommandError, config_from_args
     from training.evaluation.headroom import add_policies, headroom, render_candidates, render_headroom, write_headroom
 
     if args.from_dir:
-        path = Path(args.from_dir) / "headroom.json"
-        if not path.is_file():
-            raise CommandError(f"{args.from_dir}: no headroom.json (run masc check headroom --out {args.from_dir} first)")
         if not args.policy:
             raise CommandError("--from scores learned policies against an earlier measurement: give --policy CKPT,...")
-        report = add_policies(config_from_args(args), json.loads(path.read_text()),
+        report = add_policies(config_from_args(args), _read_headroom(args.from_dir),
                               [p.strip() for p in args.policy.split(",") if p.strip()])
         paths = write_headroom(report, args.out)
         print(render_headroom(report), end="")
@@ -146,10 +151,7 @@ def cmd_headroom(args: argparse.Namespace) -> int:
     if args.combine:
         reports = {}
         for folder in (f.strip() for f in args.combine.split(",") if f.strip()):
-            path = Path(folder) / "headroom.json"
-            if not path.is_file():
-                raise CommandError(f"{folder}: no headroom.json (run masc check headroom --out {folder} first)")
-            reports[Path(folder).name] = json.loads(path.read_text())
+            reports[Path(folder).name] = _read_headroom(folder)
         text = render_candidates(reports)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "candidates.md").write_text(text)

@@ -57,11 +57,11 @@ def test_headroom_with_corruption(tiny_dataset, perturbed_mar):
     config = load_config(CONFIGS / "tiny.yaml", ["headroom.corruption=0.5", "headroom.corruption_kind=spike",
                                                   "headroom.slices_per_subject=0"])
     report = headroom(config, tiny_dataset, "train", [perturbed_mar], progress=False)
-    run = report["runs"][0]
-    assert set(run["corruption"]) == {"repeats_per_slice", "repeats_per_slice_gated", "corrupted_lines_fixed",
-                                      "corrupted_lines_oracle"}
-    assert run["corruption"]["corrupted_lines_fixed"] > 0
-    assert len(run["slices"]["oracle"]["ssim"]) == len(load_split(tiny_dataset, "train"))
+    run = report.runs[0]
+    assert set(run.corruption) == {"repeats_per_slice", "repeats_per_slice_gated", "corrupted_lines_fixed",
+                                   "corrupted_lines_oracle"}
+    assert run.corruption["corrupted_lines_fixed"] > 0
+    assert len(run.slices["oracle"]["ssim"]) == len(load_split(tiny_dataset, "train"))
     with pytest.raises(ValueError, match="set beam 1"):
         load_config(CONFIGS / "tiny.yaml", ["headroom.corruption=0.1", "headroom.beam=2"])
 
@@ -90,7 +90,7 @@ def test_headroom_with_sense_needs_no_mar(tiny_dataset, perturbed_mar):
     config = load_config(CONFIGS / "tiny.yaml", ["headroom.recon=sense", "headroom.coils=4",
                                                   "headroom.sense_iterations=3"])
     report = headroom(config, tiny_dataset, "train", [], progress=False)
-    assert report["runs"][0]["mar"] == "none (4-coil SENSE)" and report["summary"]["n_subjects"] == 2
+    assert report.runs[0].mar == "none (4-coil SENSE)" and report.summary["n_subjects"] == 2
     with pytest.raises(ValueError, match="drop --mar"):
         headroom(config, tiny_dataset, "train", [perturbed_mar], progress=False)
     with pytest.raises(ValueError, match="give at least one --mar"):

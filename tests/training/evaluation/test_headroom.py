@@ -12,8 +12,8 @@ from masc_gadget.config import load_config
 from masc_gadget.models.checkpoint import load_mar
 from tests.conftest import CONFIGS, write_perturbed_mar
 from training.data import load_split
-from training.evaluation.headroom import (HeadroomConfig, headroom, measured_slices, render_headroom,
-                                          subject_folds)
+from training.evaluation.headroom import (HeadroomConfig, headroom, measured_slices, read_headroom, render_headroom,
+                                          subject_folds, write_headroom)
 from training.population import population_order
 
 
@@ -49,23 +49,36 @@ def test_headroom_cross_fits_the_order_and_reports_over_subjects(tiny_dataset, p
     config = load_config(CONFIGS / "tiny.yaml", ["headroom.slices_per_subject=0", "headroom.batch_size=4"])
     report = headroom(config, tiny_dataset, "train", [perturbed_mar, second], progress=False)
     data = load_split(tiny_dataset, "train")
-    assert report["n_slices"] == len(data) and len(report["runs"]) == 2
-    run = report["runs"][0]
-    folds = np.asarray(run["folds"])
+    assert report.n_slices == len(data) and len(report.runs) == 2
+    run = report.runs[0]
+    folds = np.asarray(run.folds)
     mar = load_mar(perturbed_mar, "cpu")[0].eval()
     for k in (0, 1):  # fold k plays the order fitted on the other fold only
         refit = population_order(data.subset(np.flatnonzero(folds != k)), 1, 2, mar, torch.device("cpu"))
-        assert run["orders"][k] == refit.tolist()
+        assert run.orders[k] == refit.tolist()
     for method in ("oracle", "fixed", "center-out"):
-        assert len(run["slices"][method]["ssim"]) == len(data)
-        assert run["means"][method]["ssim"] == pytest.approx(np.mean(run["slices"][method]["ssim"]))
-    lead = np.subtract(run["slices"]["oracle"]["ssim"], run["slices"]["fixed"]["ssim"])
-    assert run["lead"]["diff"] == pytest.approx(lead.mean()) and run["lead"]["n_subjects"] == 2
-    summary = report["summary"]
-    assert summary["lead"]["mean"] == pytest.approx(np.mean([r["lead"]["diff"] for r in report["runs"]]))
+        assert len(run.slices[method]["ssim"]) == len(data)
+        assert run.means[method]["ssim"] == pytest.approx(np.mean(run.slices[method]["ssim"]))
+    lead = np.subtract(run.slices["oracle"]["ssim"], run.slices["fixed"]["ssim"])
+    assert run.lead["diff"] == pytest.approx(lead.mean()) and run.lead["n_subjects"] == 2
+    summary = report.summary
+    assert summary["lead"]["mean"] == pytest.approx(np.mean([r.lead["diff"] for r in report.runs]))
     assert summary["passes"] == (summary["lead"]["mean"] >= 0.03) and summary["n_subjects"] == 2
     text = render_headroom(report)
     assert "Gate (0.03 ssim)" in text and summary["verdict"] in text
+    # the typed report is what headroom.json holds, and reads back equal
+    paths = write_headroom(report, tmp_path / "hr")
+    written = json.loads(paths["json"].read_text())
+    assert written["runs"][0]["lead"] == run.lead and "policy" not in written["runs"][0]  # not measured: absent
+    again = read_headroom(tmp_path / "hr")
+    assert again.runs[0].orders == run.orders and again.summary["lead"] == pytest.approx(summary["lead"])
+    assert render_headroom(again) == text
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "headroom.json").write_text(json.dumps({"data": "x"}))
+    with pytest.raises(ValueError, match="has no 'split': not a headroom report"):
+        read_headroom(tmp_path / "bad")
+    with pytest.raises(FileNotFoundError, match="run masc check headroom --out"):
+        read_headroom(tmp_path / "none")
 
 
 def test_headroom_command_and_eval_flag(tiny_dataset, perturbed_mar, tmp_path, capsys):
@@ -92,13 +105,13 @@ def test_headroom_can_fit_the_order_on_another_split(tiny_dataset, perturbed_mar
     config = load_config(CONFIGS / "tiny.yaml", ["headroom.slices_per_subject=1", "headroom.fit_split=train",
                                                  "headroom.region=implant", "headroom.margin=2"])
     report = headroom(config, tiny_dataset, "val", [perturbed_mar], progress=False)
-    run = report["runs"][0]
+    run = report.runs[0]
     train = load_split(tiny_dataset, "train")
     fit = train.subset(measured_slices(train, 1))
     mar = load_mar(perturbed_mar, "cpu")[0].eval()
     refit = population_order(fit, 1, 2, mar, torch.device("cpu"), roi=fit.periprosthetic_roi(2))
-    assert run["orders"] == [refit.tolist()]  # one order, the train split's, region objective included
-    assert np.all(np.asarray(run["folds"]) == 0)
+    assert run.orders == [refit.tolist()]  # one order, the train split's, region objective included
+    assert np.all(np.asarray(run.folds) == 0)
     text = render_headroom(report)
     assert "fixed order fitted on the train split" in text and "| fixed (fitted on train) |" in text
     with pytest.raises(ValueError, match="is the measured split"):
@@ -135,17 +148,20 @@ def test_headroom_scores_a_learned_policy_against_the_oracle_s_lead(tiny_dataset
 
 
 def test_the_gate_reads_the_lead_over_the_better_fixed_order():
-    from training.evaluation.headroom import render_candidates, summarise
+    from training.evaluation.headroom import HeadroomReport, render_candidates, summarise
 
     rng = np.random.default_rng(0)
     labels = [f"sub-{i:02d}/0" for i in range(6)]
     base = rng.uniform(0.1, 0.2, 6)
     slices = {"oracle": base + 0.05, "fixed": base - 0.01, "center-out": base + 0.03}  # centre-out beats the fit
-    run = {"mar": "m.pt", "slices": {m: {"roi_ssim": v.tolist()} for m, v in slices.items()},
+    run = {"mar": "m.pt", "orders": [], "folds": [], "oracle_lines": [],
+           "slices": {m: {"roi_ssim": v.tolist()} for m, v in slices.items()},
            "means": {m: {"roi_ssim": float(v.mean())} for m, v in slices.items()},
-           "lead": {"diff": 0.06}, "lead_psnr": {"diff": 1.0}}
-    report = {"metric": "roi_ssim", "labels": labels, "runs": [run], "acquisition": {"initial": 2, "budget": 3},
-              "config": {"headroom": {"gate": 0.03, "region": "implant", "margin": 8, "beam": 4}}}
+           "lead": {"diff": 0.06}, "lead_psnr": {"diff": 1.0}, "fixed_vs_center_out": {"diff": -0.04}}
+    report = HeadroomReport.from_json({
+        "data": "d", "split": "val", "n_slices": 6, "n_subjects": 6, "metric": "roi_ssim", "labels": labels,
+        "runs": [run], "acquisition": {"initial": 2, "budget": 3},
+        "config": {"headroom": {"gate": 0.03, "region": "implant", "margin": 8, "beam": 4}}})
     s = summarise(report)
     assert s["best_fixed"] == ["center-out"] and s["lead"]["mean"] == pytest.approx(0.06)
     assert s["lead_best"]["mean"] == pytest.approx(0.02) and not s["passes"]  # 0.06 over the fit, 0.02 over centre-out

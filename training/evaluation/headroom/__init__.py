@@ -32,14 +32,20 @@ the better fixed order (the fitted one, or centre-out) below ``gate`` (0.03 SSIM
 order refit per population is the method to deploy there, and an adaptive policy is not worth
 training for it. ``policy_paths`` adds learned policies, judged by the share of that lead they
 capture.
+
+Reports are typed (:mod:`training.evaluation.headroom.types`: :class:`HeadroomReport` of one
+:class:`HeadroomRun` per network, to and from ``headroom.json``).
 """
 
 from training.data import REGIONS
 from training.evaluation.headroom.config import METHODS, RECONS, HeadroomConfig, measured_slices
 from training.evaluation.headroom.measure import add_policies, gated_policy, headroom
-from training.evaluation.headroom.report import describe, render_candidates, render_headroom, write_headroom
+from training.evaluation.headroom.report import (describe, read_headroom, render_candidates, render_headroom,
+                                                  write_headroom)
 from training.evaluation.headroom.summary import summarise
+from training.evaluation.headroom.types import HeadroomReport, HeadroomRun
 from training.evaluation.stats import subject_folds
 
-__all__ = ["HeadroomConfig", "METHODS", "RECONS", "REGIONS", "add_policies", "describe", "gated_policy", "headroom",
-           "measured_slices", "render_candidates", "render_headroom", "subject_folds", "summarise", "write_headroom"]
+__all__ = ["HeadroomConfig", "HeadroomReport", "HeadroomRun", "METHODS", "RECONS", "REGIONS", "add_policies",
+           "describe", "gated_policy", "headroom", "measured_slices", "read_headroom", "render_candidates",
+           "render_headroom", "subject_folds", "summarise", "write_headroom"]

@@ -30,6 +30,7 @@ from training.population import population_order
 from training.rl.corruption import ReacquireOracle, draw_attempts, kspace_of
 from training.rl.env import BatchedAcquisitionEnv
 from training.scoring import Recon, line_masks, score_masks
+from training.evaluation.headroom.types import HeadroomReport, HeadroomRun
 
 log = logging.getLogger("training.evaluation.headroom")
 
@@ -62,8 +63,10 @@ def gated_policy(order: np.ndarray, n_pe: int) -> Callable[[Any], torch.Tensor]:
 def _measure_one(data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionConfig, hcfg: HeadroomConfig,
                  roi: torch.Tensor, device: torch.device, progress: bool,
                  recon: Recon = zero_filled,
-                 fit_data: SliceSet | None = None, fit_roi: torch.Tensor | None = None) -> dict[str, Any]:
-    """The three methods' lines and scores under one MAR network (or none)."""
+                 fit_data: SliceSet | None = None, fit_roi: torch.Tensor | None = None
+                 ) -> tuple[dict[str, Any], dict[str, dict[str, np.ndarray]]]:
+    """The three methods' lines and scores under one MAR network (or none): (the
+    :class:`HeadroomRun` fields of the lines played, the scores by method)."""
     from tqdm.auto import tqdm
 
     n, n_pe = len(data), data.n_pe
@@ -139,7 +142,7 @@ def _measure_one(data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionCo
             "corrupted_lines_oracle": float(np.mean([corrupted[i, np.clip(count[i] - 1, 0, None), np.arange(n_pe)]
                                                      [count[i] > 0].sum() for i in range(n)])),
         }
-    return {**record, "scores": scores}
+    return record, scores
 
 
 def _key(region: str) -> str:
@@ -147,7 +150,7 @@ def _key(region: str) -> str:
 
 
 def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[str | Path],
-             progress: bool = True, policy_paths: list[str | Path] | None = None) -> dict[str, Any]:
+             progress: bool = True, policy_paths: list[str | Path] | None = None) -> HeadroomReport:
     """Measure the oracle's lead over the fixed order (module docstring) on ``split`` of
     ``data_dir`` under each MAR network of ``mar_paths``; returns the report.
 
@@ -203,114 +206,115 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
         mar, meta = (None, {}) if path is None else load_mar(path, device)
         if mar is not None:
             mar.eval()
-        one = _measure_one(data, mar, acq, hcfg, roi, device, progress, recon, fit_data, fit_roi)
-        scores = one.pop("scores")
+        record, scores = _measure_one(data, mar, acq, hcfg, roi, device, progress, recon, fit_data, fit_roi)
+        psnr = key.replace("ssim", "psnr")
+        one = HeadroomRun(
+            mar=f"none ({hcfg.coils}-coil SENSE)" if path is None else str(path),
+            mar_metadata={k: meta.get(k) for k in ("kind", "epoch", "code_version") if k in meta},
+            slices={m: {k: v.tolist() for k, v in scores[m].items()} for m in scores},
+            means={m: {k: float(np.mean(v)) for k, v in scores[m].items()} for m in scores},
+            lead=subject_tests(scores["oracle"][key], scores["fixed"][key], data.subjects),
+            lead_psnr=subject_tests(scores["oracle"][psnr], scores["fixed"][psnr], data.subjects),
+            fixed_vs_center_out=subject_tests(scores["fixed"][key], scores["center-out"][key], data.subjects),
+            **record,
+        )
         _judge_against_best(one, scores, key, data.subjects)
         if "gated" in scores:
-            one["gated_vs_fixed"] = subject_tests(scores["gated"][key], scores["fixed"][key], data.subjects)
-            one["lead_gated"] = subject_tests(scores["oracle"][key], scores["gated"][key], data.subjects)
+            one.gated_vs_fixed = subject_tests(scores["gated"][key], scores["fixed"][key], data.subjects)
+            one.lead_gated = subject_tests(scores["oracle"][key], scores["gated"][key], data.subjects)
         if policy_paths:
             _attach_policy(one, scores, policy_paths[j], data, mar, acq, roi, device, hcfg, key, progress)
-        one.update({
-            "mar": f"none ({hcfg.coils}-coil SENSE)" if path is None else str(path),
-            "mar_metadata": {k: meta.get(k) for k in ("kind", "epoch", "code_version") if k in meta},
-            "slices": {m: {k: v.tolist() for k, v in scores[m].items()} for m in scores},
-            "means": {m: {k: float(np.mean(v)) for k, v in scores[m].items()} for m in scores},
-            "lead": subject_tests(scores["oracle"][key], scores["fixed"][key], data.subjects),
-            "lead_psnr": subject_tests(scores["oracle"][key.replace("ssim", "psnr")],
-                                       scores["fixed"][key.replace("ssim", "psnr")], data.subjects),
-            "fixed_vs_center_out": subject_tests(scores["fixed"][key], scores["center-out"][key], data.subjects),
-        })
+            one.slices["policy"] = {k: v.tolist() for k, v in scores["policy"].items()}
+            one.means["policy"] = {k: float(np.mean(v)) for k, v in scores["policy"].items()}
         log.info("headroom under %s: oracle %.4f, fixed %.4f, centre-out %.4f %s; lead %+.4f (subject p %.2g)",
-                 one["mar"], one["means"]["oracle"][key], one["means"]["fixed"][key], one["means"]["center-out"][key],
-                 key, one["lead"]["diff"], one["lead"]["p_ttest"])
+                 one.mar, one.means["oracle"][key], one.means["fixed"][key], one.means["center-out"][key],
+                 key, one.lead["diff"], one.lead["p_ttest"])
         runs.append(one)
-    report: dict[str, Any] = {
-        "data": str(data_dir), "split": split, "n_slices": len(data), "n_subjects": len(set(data.subjects)),
-        "labels": [data.label(i) for i in range(len(data))],
-        "acquisition": {"initial": acq.initial, "budget": acq.budget, "n_pe": data.n_pe},
-        "config": {"headroom": to_dict(hcfg)}, "metric": key, "runs": runs,
-    }
-    report["summary"] = summarise(report)
+    report = HeadroomReport(
+        data=str(data_dir), split=split, n_slices=len(data), n_subjects=len(set(data.subjects)),
+        labels=[data.label(i) for i in range(len(data))],
+        acquisition={"initial": acq.initial, "budget": acq.budget, "n_pe": data.n_pe},
+        config={"headroom": to_dict(hcfg)}, metric=key, runs=runs,
+    )
+    report.summary = summarise(report)
     return report
 
 
-def _attach_policy(run: dict[str, Any], scores: dict[str, dict[str, np.ndarray]], path: str | Path,
+def _attach_policy(run: HeadroomRun, scores: dict[str, dict[str, np.ndarray]], path: str | Path,
                    data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionConfig, roi: torch.Tensor,
                    device: torch.device, hcfg: HeadroomConfig, key: str, progress: bool) -> None:
-    """Play the learned policy ``path`` under ``mar`` and add its lines, scores, tests against
-    the fitted and the better fixed order (``run["best_fixed"]``, :func:`_judge_against_best`),
-    and captured share to ``run`` (and ``scores``). With corruption the policy plays the
+    """Play the learned policy ``path`` under ``mar`` and add its lines, tests against the
+    fitted and the better fixed order (``run.best_fixed``, :func:`_judge_against_best`) and
+    captured share to ``run``, its scores to ``scores``. With corruption the policy plays the
     measurement's draws, sees the scanner's flags and may acquire a flagged line again; it is
     also tested against the gated order."""
-    best = run["best_fixed"]
-    run["policy"] = str(path)
+    best = run.best_fixed
+    run.policy = str(path)
     if hcfg.corruption > 0:
-        run["policy_lines"], scores["policy"] = _play_reacquiring(path, data, mar, acq, roi, device, hcfg)
-        run["policy_vs_gated"] = subject_tests(scores["policy"][key], scores["gated"][key], data.subjects)
+        run.policy_lines, scores["policy"] = _play_reacquiring(path, data, mar, acq, roi, device, hcfg)
+        run.policy_vs_gated = subject_tests(scores["policy"][key], scores["gated"][key], data.subjects)
     else:
-        run["policy_lines"], scores["policy"] = _play_policy(path, data, mar, acq, roi, device, hcfg.batch_size,
-                                                             progress)
-    run["policy_vs_fixed"] = subject_tests(scores["policy"][key], scores["fixed"][key], data.subjects)
-    run["policy_vs_best"] = subject_tests(scores["policy"][key], scores[best][key], data.subjects)
-    run["captured"] = _captured(scores, key, best)
+        run.policy_lines, scores["policy"] = _play_policy(path, data, mar, acq, roi, device, hcfg.batch_size,
+                                                          progress)
+    run.policy_vs_fixed = subject_tests(scores["policy"][key], scores["fixed"][key], data.subjects)
+    run.policy_vs_best = subject_tests(scores["policy"][key], scores[best][key], data.subjects)
+    run.captured = _captured(scores, key, best)
     log.info("policy %s: %.4f %s, %+.4f over the better fixed order (%s, subject p %.2g), %.0f%% of the oracle's "
-             "lead", path, float(np.mean(scores["policy"][key])), key, run["policy_vs_best"]["diff"], best,
-             run["policy_vs_best"]["p_ttest"], 100 * run["captured"])
+             "lead", path, float(np.mean(scores["policy"][key])), key, run.policy_vs_best["diff"], best,
+             run.policy_vs_best["p_ttest"], 100 * run.captured)
 
 
-def _judge_against_best(run: dict[str, Any], scores: dict[str, dict[str, np.ndarray]], key: str,
+def _judge_against_best(run: HeadroomRun, scores: dict[str, dict[str, np.ndarray]], key: str,
                         subjects: list[str]) -> None:
     """Name the run's better fixed order (:func:`better_fixed`) and test the oracle's lead over
     it over subjects (``best_fixed``, ``lead_best``)."""
     best = better_fixed({m: {key: float(np.mean(scores[m][key]))} for m in ("fixed", "center-out")}, key)
-    run["best_fixed"] = best
-    run["lead_best"] = subject_tests(scores["oracle"][key], scores[best][key], subjects)
+    run.best_fixed = best
+    run.lead_best = subject_tests(scores["oracle"][key], scores[best][key], subjects)
 
 
-def add_policies(config: Config, report: dict[str, Any], policy_paths: list[str | Path],
-                 progress: bool = True) -> dict[str, Any]:
+def add_policies(config: Config, report: HeadroomReport, policy_paths: list[str | Path],
+                 progress: bool = True) -> HeadroomReport:
     """A headroom report with learned policies scored on its slices, one per MAR network (same
     order), without measuring the oracle and the fixed order again: how a policy trained after
     the gate is judged against the headroom it was trained for. Returns a new report."""
     import copy
 
-    runs = report["runs"]
+    runs = report.runs
     if len(policy_paths) != len(runs):
         raise ValueError(f"give one policy checkpoint per MAR network of the report: {len(policy_paths)} --policy "
-                         f"for {len(runs)} network(s) ({', '.join(r['mar'] for r in runs)})")
-    h, rec = report["config"]["headroom"], report["acquisition"]
+                         f"for {len(runs)} network(s) ({', '.join(r.mar for r in runs)})")
+    h, rec = report.settings, report.acquisition
     if h.get("recon") == "sense":
         raise ValueError("learned policies are scored on the zero-filled image: this report measured SENSE")
-    if h.get("corruption", 0) > 0 and "gated" not in runs[0]["slices"]:
+    if h.get("corruption", 0) > 0 and "gated" not in runs[0].slices:
         raise ValueError("this corruption report has no gated order (it was measured before the scanner's flags "
                          "were modelled): measure it again, with --policy")
     acq: AcquisitionConfig = config["acquisition"]
     if (acq.initial, acq.budget) != (rec["initial"], rec["budget"]):
         raise ValueError(f"the report measured {rec['initial']} + {rec['budget']} lines, the config gives "
                          f"{acq.initial} + {acq.budget}: pass the same --set acquisition.* as the measurement")
-    full = load_split(report["data"], report["split"])
+    full = load_split(report.data, report.split)
     where = {full.label(i): i for i in range(len(full))}
-    missing = [lab for lab in report["labels"] if lab not in where]
+    missing = [lab for lab in report.labels if lab not in where]
     if missing:
-        raise ValueError(f"{report['data']}/{report['split']} no longer holds the measured slices "
+        raise ValueError(f"{report.data}/{report.split} no longer holds the measured slices "
                          f"({len(missing)} missing, e.g. {missing[0]})")
-    data = full.subset(np.asarray([where[lab] for lab in report["labels"]]))
+    data = full.subset(np.asarray([where[lab] for lab in report.labels]))
     roi = data.periprosthetic_roi(h["margin"])
     known = {f.name for f in dataclasses.fields(HeadroomConfig)}
     hcfg = HeadroomConfig(**{k: v for k, v in h.items() if k in known})  # the measurement's settings
     device = resolve_device(h.get("device", "auto"))
-    key = report["metric"]
+    key = report.metric
     out = copy.deepcopy(report)
-    for run, path in zip(out["runs"], policy_paths):
-        mar = load_mar(run["mar"], device)[0].eval()
-        scores = {m: {k: np.asarray(v) for k, v in run["slices"][m].items()} for m in (*METHODS, "gated")
-                  if m in run["slices"]}
+    for run, path in zip(out.runs, policy_paths):
+        mar = load_mar(run.mar, device)[0].eval()
+        scores = {m: v for m, v in run.scores().items() if m in (*METHODS, "gated")}
         _judge_against_best(run, scores, key, data.subjects)  # a report written before the rule has none
         _attach_policy(run, scores, path, data, mar, acq, roi, device, hcfg, key, progress)
-        run["slices"]["policy"] = {k: v.tolist() for k, v in scores["policy"].items()}
-        run["means"]["policy"] = {k: float(np.mean(v)) for k, v in scores["policy"].items()}
-    out["summary"] = summarise(out)
+        run.slices["policy"] = {k: v.tolist() for k, v in scores["policy"].items()}
+        run.means["policy"] = {k: float(np.mean(v)) for k, v in scores["policy"].items()}
+    out.summary = summarise(out)
     return out
 
 

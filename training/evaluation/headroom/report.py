@@ -8,16 +8,17 @@ from pathlib import Path
 from typing import Any
 
 from training.evaluation.headroom.summary import summarise
+from training.evaluation.headroom.types import HeadroomReport
 
 
 def _fmt(value: float, digits: int = 4) -> str:
     return "-" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
 
 
-def render_headroom(report: dict[str, Any]) -> str:
+def render_headroom(report: HeadroomReport) -> str:
     """The report as Markdown."""
-    s, acq, key = report["summary"], report["acquisition"], report["metric"]
-    h = report["config"]["headroom"]
+    s, acq, key = report.summary, report.acquisition, report.metric
+    h = report.settings
     region = "whole image" if h["region"] == "image" else f"periprosthetic region (implant + {h['margin']} px)"
     oracle = "greedy oracle" if h["beam"] == 1 else f"beam-{h['beam']} oracle"
     if h.get("corruption", 0) > 0:
@@ -26,21 +27,21 @@ def render_headroom(report: dict[str, Any]) -> str:
     if h.get("recon") == "sense":
         oracle += f"; {h['coils']}-coil CG-SENSE ({h['sense_iterations']} iterations), no MAR network"
     lines = [
-        f"# Headroom of adaptive line choice: {report['data']} / {report['split']}",
+        f"# Headroom of adaptive line choice: {report.data} / {report.split}",
         "",
-        f"{report['n_slices']} slices of {report['n_subjects']} subjects, {acq['initial']} + {acq['budget']} of "
+        f"{report.n_slices} slices of {report.n_subjects} subjects, {acq['initial']} + {acq['budget']} of "
         f"{acq['n_pe']} lines, scored in the {region} ({key}); {_fitted(h)}; {oracle}"
-        + ("." if h.get("recon") == "sense" else f"; {len(report['runs'])} MAR network(s)."),
+        + ("." if h.get("recon") == "sense" else f"; {len(report.runs)} MAR network(s)."),
         "",
         f"| MAR | oracle | fixed ({_fitted(h, short=True)}) | centre-out | lead (oracle - fixed) | subject p "
         "| lead, dB |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for r in report["runs"]:
-        m = r["means"]
-        lines.append(f"| {Path(r['mar']).name} | {_fmt(m['oracle'][key])} | {_fmt(m['fixed'][key])} | "
-                     f"{_fmt(m['center-out'][key])} | {r['lead']['diff']:+.4f} | {r['lead']['p_ttest']:.2g} | "
-                     f"{r['lead_psnr']['diff']:+.2f} |")
+    for r in report.runs:
+        m = r.means
+        lines.append(f"| {Path(r.mar).name} | {_fmt(m['oracle'][key])} | {_fmt(m['fixed'][key])} | "
+                     f"{_fmt(m['center-out'][key])} | {r.lead['diff']:+.4f} | {r.lead['p_ttest']:.2g} | "
+                     f"{r.lead_psnr['diff']:+.2f} |")
     lead = s["lead"]
     lines += [
         "",
@@ -69,11 +70,11 @@ def render_headroom(report: dict[str, Any]) -> str:
         p = s["policy"]
         lines += ["", "| MAR | learned policy | policy - fitted order | policy - better fixed order | subject p "
                   "| share of the oracle's lead |", "| --- | --- | --- | --- | --- | --- |"]
-        for r in report["runs"]:
-            lines.append(f"| {Path(r['mar']).name} | {_fmt(r['means']['policy'][key])} | "
-                         f"{r['policy_vs_fixed']['diff']:+.4f} | {r['policy_vs_best']['diff']:+.4f} "
-                         f"({r['best_fixed']}) | {r['policy_vs_best']['p_ttest']:.2g} | {_percent(r['captured'])} |")
-        lines += ["", f"The learned policies ({', '.join(Path(r['policy']).name for r in report['runs'])}) gain "
+        for r in report.runs:
+            lines.append(f"| {Path(r.mar).name} | {_fmt(r.means['policy'][key])} | "
+                         f"{r.policy_vs_fixed['diff']:+.4f} | {r.policy_vs_best['diff']:+.4f} "
+                         f"({r.best_fixed}) | {r.policy_vs_best['p_ttest']:.2g} | {_percent(r.captured)} |")
+        lines += ["", f"The learned policies ({', '.join(Path(r.policy).name for r in report.runs)}) gain "
                   f"**{p['gain']['mean']:+.4f} +- {p['gain']['std']:.4f} {key}** over the better fixed order, "
                   f"{_percent(p['captured']['mean'])} of the oracle's lead; ahead for {p['subjects_ahead']} of "
                   f"{s['n_subjects']} subjects (paired t-test over subjects p {p['p_subjects']:.2g})."]
@@ -95,19 +96,31 @@ def _fitted(h: dict[str, Any], short: bool = False) -> str:
     return "cross-fitted" if short else f"fixed order cross-fitted over {h['folds']} subject folds"
 
 
-def write_headroom(report: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
+def write_headroom(report: HeadroomReport, out_dir: str | Path) -> dict[str, Path]:
     """``headroom.json`` and ``headroom.md`` in ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "headroom.json", "md": out / "headroom.md"}
-    paths["json"].write_text(json.dumps(report, indent=1))
+    paths["json"].write_text(json.dumps(report.to_json(), indent=1))
     paths["md"].write_text(render_headroom(report))
     return paths
 
 
-def describe(report: dict[str, Any]) -> str:
+def read_headroom(folder: str | Path) -> HeadroomReport:
+    """``FOLDER/headroom.json`` (:func:`write_headroom`); FileNotFoundError naming the command
+    that writes it, ValueError when it is not a headroom report."""
+    path = Path(folder) / "headroom.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder}: no headroom.json (run masc check headroom --out {folder} first)")
+    try:
+        return HeadroomReport.from_json(json.loads(path.read_text()))
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"{path}: not a headroom report ({err})") from None
+
+
+def describe(report: HeadroomReport) -> str:
     """What a headroom report measured, in a few words (its row of :func:`render_candidates`)."""
-    h, acq = report["config"]["headroom"], report["acquisition"]
+    h, acq = report.settings, report.acquisition
     parts = [f"{acq['initial']} + {acq['budget']} lines"]
     parts.append("whole image" if h["region"] == "image" else f"implant + {h['margin']} px")
     if h.get("recon") == "sense":
@@ -121,7 +134,7 @@ def describe(report: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def render_candidates(reports: dict[str, dict[str, Any]]) -> str:
+def render_candidates(reports: dict[str, HeadroomReport]) -> str:
     """One Markdown table over several headroom reports (name -> report): per candidate, the
     oracle, the fixed order (cross-fitted, or fitted on another split) and centre-out (mean over
     the MAR networks), the lead over the fitted order and over the better fixed order (the gate's),
