@@ -16,8 +16,9 @@ def _fmt(value: float, digits: int = 4) -> str:
 
 
 def render_headroom(report: HeadroomReport) -> str:
-    """The report as Markdown."""
-    s, acq, key = report.summary, report.acquisition, report.metric
+    """The report as Markdown (its summary recomputed from the runs: a report written by an
+    older version reads as the rules stand)."""
+    s, acq, key = summarise(report), report.acquisition, report.metric
     h = report.settings
     region = "whole image" if h["region"] == "image" else f"periprosthetic region (implant + {h['margin']} px)"
     oracle = "greedy oracle" if h["beam"] == 1 else f"beam-{h['beam']} oracle"
