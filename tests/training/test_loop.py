@@ -1,5 +1,5 @@
 """The trainer loop written once (:meth:`training.run.TrainingRun.loop`): a hand-made trainer
-keeps its best, logs its rows and resumes exactly."""
+keeps its best, logs its rows and resumes exactly; every trainer goes through it."""
 
 from __future__ import annotations
 
@@ -9,10 +9,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
+from masc_gadget.config import load_config
 from masc_gadget.models.checkpoint import load_checkpoint
 from training.run import Checkpoints, Trainer, TrainingRun, seeded, snapshot
+
+from tests.conftest import CONFIGS
 
 SCORES = (0.5, 0.7, 0.6, 0.65)
 """The toy's validation SSIM after each epoch: the second is the best."""
@@ -105,3 +109,40 @@ def test_a_period_that_is_not_due_logs_its_row_without_validating(tmp_path):
     rows = _rows(tmp_path / "c.csv")
     assert [r["epoch"] for r in rows] == ["1", "2", "3"] and [r["val_ssim"] for r in rows] == ["", "0.7", ""]
     assert all(float(r["seconds"]) >= 0 for r in rows)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """The trainers that went through the shared loop, in order (their class names)."""
+    seen: list[str] = []
+    loop = TrainingRun.loop
+
+    def spying(self, trainer, *args, **kwargs):
+        seen.append(type(trainer).__name__)
+        return loop(self, trainer, *args, **kwargs)
+
+    monkeypatch.setattr(TrainingRun, "loop", spying)
+    return seen
+
+
+def test_every_trainer_goes_through_the_shared_loop(tiny_dataset, perturbed_mar, tmp_path, spy, one_thread):
+    from training.coadapt import train_masc
+    from training.fixed_order import train_fixed_order
+    from training.loupe import train_loupe
+    from training.mar import train_mar
+    from training.rl.dqn import train_dqn
+
+    def config(*extra):
+        return load_config(CONFIGS / "tiny.yaml", list(extra))
+
+    train_mar(config("mar_train.epochs=1"), tiny_dataset, tmp_path / "mar.pt", progress=False)
+    train_loupe(config("loupe.epochs=1", "loupe.device=cpu"), tiny_dataset, perturbed_mar, tmp_path / "loupe.pt",
+                progress=False)
+    train_dqn(config("dqn.steps=8", "dqn.val_every=8", "dqn.batch_size=4", "dqn.device=cpu"), tiny_dataset,
+              perturbed_mar, tmp_path / "dqn.pt", progress=False)
+    train_masc(config("masc_train.rollouts=1"), tiny_dataset, perturbed_mar, tmp_path / "masc.pt", progress=False)
+    train_fixed_order(config("fixed_order.population_slices=1", "fixed_order.device=cpu", "finetune.epochs=1"),
+                      tiny_dataset, perturbed_mar, tmp_path / "fixed.pt", progress=False)
+    assert spy == ["_MarTrainer", "_LoupeTrainer", "_DQNTrainer", "_MascTrainer", "_FinetuneTrainer"]
+    for name in ("mar", "loupe", "dqn", "masc", "fixed"):
+        assert _rows(tmp_path / f"{name}.csv") and (tmp_path / f"{name}.last.pt").exists()
