@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,20 +27,20 @@ import numpy as np
 import torch
 
 from masc_gadget import __version__
-from masc_gadget.models.checkpoint import Checkpoint, load_mar
+from masc_gadget.models.checkpoint import load_mar
 from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
 from masc_gadget.acquisition.learned import KIND, policy_metadata
 from masc_gadget.models.policy_net import PolicyNet
 from training.csvlog import append_row, plot_training
-from training.run import TrainingRun, seeded
+from training.run import Checkpoints, Trainer, TrainingRun, seeded, snapshot
 from training.data import SliceSet, load_split, spread_subset
 from training.distributed import Dist, setup
 from training.imitation import ImitationConfig, imitate, load_or_make_demonstrations
 from training.population import population_order
 from training.rl.env import BatchedAcquisitionEnv, EnvConfig
 from training.finetune import finetune_mar
-from training.rl.ppo import Rollout, greedy_actions, make_optimizer, run_ppo
+from training.rl.ppo import Rollout, greedy_actions, make_optimizer, ppo_rounds
 
 log = logging.getLogger(__name__)
 
@@ -144,30 +145,21 @@ class _Recorder:
         return slices, masks
 
 
-def _resume(ck: Checkpoint, net: PolicyNet, optimizer: torch.optim.Optimizer, gen: torch.Generator,
-            mar: torch.nn.Module | None, mar_opt: torch.optim.Optimizer | None) -> int:
-    """Load a ``.last.pt`` checkpoint into the networks, optimizers and generator; returns the
-    rollouts done."""
-    net.load_state_dict(ck.state_dicts["policy"])
-    optimizer.load_state_dict(ck.extra["optimizer"])
-    gen.set_state(ck.extra["generator"])
-    if mar is not None and "mar" in ck.state_dicts:
-        mar.load_state_dict(ck.state_dicts["mar"])
-    if mar_opt is not None and "mar_optimizer" in ck.extra:
-        mar_opt.load_state_dict(ck.extra["mar_optimizer"])
-    return int(ck.metadata["rollout"])
-
-
 @dataclass(eq=False)
-class _Run:
-    """One co-adaptive training run: what :meth:`after_rollout`, the ``on_rollout`` hook of
-    :func:`~training.rl.ppo.run_ppo`, needs between two rollouts."""
+class _MascTrainer(Trainer):
+    """One co-adaptive training run as the shared loop (:meth:`~training.run.TrainingRun.loop`)
+    drives it: a period is one PPO rollout and update (:func:`~training.rl.ppo.ppo_rounds`),
+    then, in joint mode, the MAR fine-tuning on the images the rollout visited; every
+    ``val_every`` rollouts, and after the last, a validation."""
 
     config: Config
+    tcfg: MascTrainConfig
+    total: int
     ecfg: EnvConfig
     data_dir: str | Path
     mar_path: str | Path | None
-    files: TrainingRun
+    run: TrainingRun
+    train: SliceSet
     net: PolicyNet
     optimizer: torch.optim.Optimizer
     gen: torch.Generator
@@ -178,22 +170,41 @@ class _Run:
     env: BatchedAcquisitionEnv
     val_env: BatchedAcquisitionEnv
     recorder: _Recorder
+    rounds: Iterator[tuple[Rollout, dict[str, float]]]
+    """PPO's rounds on the recorder's environments."""
     kspace: torch.Tensor
     target: torch.Tensor
     n_steps: int
-    bar: Any = None
-    t0: float = 0.0
+    done: int = 0
     dist: Dist = Dist()
     clean_kspace: torch.Tensor | None = None
     """The clean k-space of the training slices, where ``mar_train.clean_fraction`` > 0."""
+    stat_keys: list[str] = field(default_factory=list)
+    """The last rollout's statistics, sorted (the CSV's columns after ``global_step``)."""
+    name = "train masc"
+    unit = "rollout"
+    clock = "run"
 
-    @property
-    def tcfg(self) -> MascTrainConfig:
-        return self.config["masc_train"]
+    def train_period(self, bar: Any) -> dict[str, Any]:
+        rollout, stats = next(self.rounds)
+        self.done += 1
+        slices, masks = self.recorder.take()
+        if self.mar_opt is not None:
+            stats["losses/mar"] = self._finetune(slices, masks)
+            self.env.set_mar(self.mar)
+            rollout.cursor.obs = self.env.observation
+        self.stat_keys = sorted(stats)
+        return {"rollout": self.done, "global_step": self.done * self.n_steps * self.ecfg.n_envs, **stats}
 
-    @property
-    def best(self) -> dict[str, Any]:
-        return self.files.best
+    def _finetune(self, slices: torch.Tensor, masks: torch.Tensor) -> float:
+        """The MAR network fine-tuned on the rollout's (slice, pre-action mask) pairs; its loss."""
+        tcfg, mcfg = self.tcfg, self.config["mar_train"]
+        return finetune_mar(self.mar, self.mar_opt, self.kspace, self.target, slices, masks, tcfg.mar_epochs,
+                            tcfg.mar_batch_size, self.gen, self.lambda_ssim, self.dist, self.clean_kspace,
+                            mcfg.clean_fraction, anchor_snr=mcfg.anchor_snr)
+
+    def due(self) -> bool:
+        return self.done % self.tcfg.val_every == 0 or self.done == self.tcfg.rollouts
 
     def validate(self) -> dict[str, float]:
         """Greedy episodes on the validation split, through the current MAR network."""
@@ -206,67 +217,45 @@ class _Run:
         config, mar = self.config, self.mar
         return policy_metadata(
             self.net, observes_mar=self.ecfg.observe_mar and mar is not None, mar=mar, rollout=rollout,
-            val=val_metrics, best_val=self.best, code_version=__version__, data=str(self.data_dir),
+            val=val_metrics, best_val=self.run.best, code_version=__version__, data=str(self.data_dir),
             mar_pretrained=str(self.mar_path) if self.mar_path else None,
             mar_pretrained_epoch=self.mar_meta.get("epoch"),
             config={k: to_dict(config[k]) for k in ("acquisition", "env", "ppo", "policy_net", "masc_train")},
         )
 
-    def after_rollout(self, rollout_number: int, rollout: Rollout, stats: dict[str, float]) -> None:
-        """After the PPO update of rollout ``rollout_number`` (from 1): fine-tune the MAR network
-        on the images the rollout visited (joint mode), validate and checkpoint every
-        ``val_every`` rollouts, append the CSV row."""
-        tcfg = self.tcfg
-        slices, masks = self.recorder.take()
-        if self.mar_opt is not None:
-            stats["losses/mar"] = finetune_mar(self.mar, self.mar_opt, self.kspace, self.target, slices, masks,
-                                               tcfg.mar_epochs, tcfg.mar_batch_size, self.gen, self.lambda_ssim,
-                                               self.dist, self.clean_kspace,
-                                               self.config["mar_train"].clean_fraction,
-                                               anchor_snr=self.config["mar_train"].anchor_snr)
-            self.env.set_mar(self.mar)
-            rollout.cursor.obs = self.env.observation
-        row: dict[str, Any] = {"rollout": rollout_number,
-                               "global_step": rollout_number * self.n_steps * self.ecfg.n_envs, **stats}
-        if rollout_number % tcfg.val_every == 0 or rollout_number == tcfg.rollouts:
-            row.update(self._validate_and_save(rollout_number, stats))
-            self._save_served()
-        row["seconds"] = time.perf_counter() - self.t0
-        self._append_csv(row, stats)
-        metric = self.files.metric
-        self.bar.set_postfix(ret=f"{stats['charts/episodic_return']:.3f}",
-                             **{f"best_{metric}": f"{self.best[metric]:.4f}"})
-        self.bar.update()
-
-    def _validate_and_save(self, rollout_number: int, stats: dict[str, float]) -> dict[str, float]:
-        """Validate; save the best checkpoint when SSIM improved and the latest always.
-        Returns the ``val/...`` columns."""
-        val_metrics = self.validate()
+    def checkpoints(self, metrics: dict[str, float]) -> Checkpoints:
         nets = {"policy": self.net, **({"mar": self.mar} if self.mar is not None else {})}
-        extra = {"optimizer": self.optimizer.state_dict(), "generator": self.gen.get_state()}
-        if self.mar_opt is not None:
-            extra["mar_optimizer"] = self.mar_opt.state_dict()
-        improved = self.files.record(val_metrics, {"rollout": rollout_number}, nets, nets,
-                                     self.metadata(rollout_number, val_metrics), extra, dist=self.dist,
-                                     sync=self.net)
-        region = f", region SSIM {val_metrics['roi_ssim']:.4f}" if "roi_ssim" in val_metrics else ""
-        log.info("rollout %d: return %.3f, val SSIM %.4f, PSNR %.2f%s%s", rollout_number,
-                 stats["charts/episodic_return"], val_metrics["ssim"], val_metrics["psnr"], region,
+        states = {"optimizer": self.optimizer, "generator": self.gen,
+                  **({"mar_optimizer": self.mar_opt} if self.mar_opt is not None else {})}
+        return Checkpoints({"rollout": self.done}, nets, nets, self.metadata(self.done, metrics), snapshot(states),
+                           sync=self.net)
+
+    def columns(self, metrics: dict[str, float]) -> dict[str, Any]:
+        return {f"val/{m}": v for m, v in metrics.items()}
+
+    def fields(self, row: dict[str, Any]) -> list[str]:
+        return list(dict.fromkeys(["rollout", "global_step", *self.stat_keys, "losses/mar", *val_fields(self.ecfg),
+                                   "seconds"]))
+
+    def report(self, row: dict[str, Any], metrics: dict[str, float], improved: bool) -> None:
+        region = f", region SSIM {metrics['roi_ssim']:.4f}" if "roi_ssim" in metrics else ""
+        log.info("rollout %d: return %.3f, val SSIM %.4f, PSNR %.2f%s%s", self.done,
+                 row.get("charts/episodic_return", math.nan), metrics["ssim"], metrics["psnr"], region,
                  " *best*" if improved else "")
-        return {f"val/{m}": v for m, v in val_metrics.items()}
+        if self.done:  # rollout 0 (the imitated or the prior policy) played no episode yet
+            self._save_served()
+
+    def postfix(self, row: dict[str, Any]) -> dict[str, str]:
+        metric = self.run.metric
+        return {"ret": f"{row['charts/episodic_return']:.3f}", f"best_{metric}": f"{self.run.best[metric]:.4f}"}
 
     def _save_served(self) -> None:
         """``<out>.served.npz``: the training slice and final served mask of every episode so
         far (this process's; a resumed run starts it anew), the masks MASC's own lines give
         ``masc train finetune``'s recipes to compare with."""
-        if self.dist.main:
-            slices, masks = self.recorder.served()
-            np.savez_compressed(served_path(self.files.out), slice=slices, mask=np.packbits(masks, axis=1),
-                                n_pe=masks.shape[1])
-
-    def _append_csv(self, row: dict[str, Any], stats: dict[str, float]) -> None:
-        fields = ["rollout", "global_step", *sorted(stats), "losses/mar", *val_fields(self.ecfg), "seconds"]
-        self.files.log_row(row, list(dict.fromkeys(fields)))
+        slices, masks = self.recorder.served()
+        np.savez_compressed(served_path(self.run.out), slice=slices, mask=np.packbits(masks, axis=1),
+                            n_pe=masks.shape[1])
 
 
 def served_path(out: str | Path) -> Path:
@@ -281,25 +270,105 @@ def load_served(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
         return f["slice"], np.unpackbits(f["mask"], axis=1, count=int(f["n_pe"])).astype(bool)
 
 
-def warm_start(run: _Run, train: SliceSet, demos_path: str | Path | None, progress: bool) -> None:
+def warm_start(trainer: _MascTrainer, demos_path: str | Path | None, progress: bool) -> None:
     """Imitation of the greedy oracle (section ``imitation``) on training slices, before PPO;
     the imitated policy is validated and checkpointed as rollout 0 (its ``val/...`` columns end
     ``<out>.imitation.csv``), so model selection on the validation split keeps it when PPO does
     not improve on it."""
-    icfg: ImitationConfig = run.config["imitation"]
-    acq = run.config["acquisition"]
-    demos = load_or_make_demonstrations(demos_path, train, icfg, run.ecfg, acq.initial, acq.budget, run.mar,
-                                        next(run.net.parameters()).device, progress)
-    history = imitate(run.net, demos, icfg, run.gen, progress)
-    history[-1].update(run._validate_and_save(0, {"charts/episodic_return": math.nan}))
-    fields = list(dict.fromkeys([*history[0], *val_fields(run.ecfg)]))
+    icfg: ImitationConfig = trainer.config["imitation"]
+    acq = trainer.config["acquisition"]
+    demos = load_or_make_demonstrations(demos_path, trainer.train, icfg, trainer.ecfg, acq.initial, acq.budget,
+                                        trainer.mar, next(trainer.net.parameters()).device, progress)
+    history = imitate(trainer.net, demos, icfg, trainer.gen, progress)
+    trainer.run.validated(trainer, history[-1], trainer.dist)
+    fields = list(dict.fromkeys([*history[0], *val_fields(trainer.ecfg)]))
     for row in history:  # the main log keeps PPO's columns; rollout 0's validation ends this one
-        append_row(_imitation_csv(run.files.out), row, fields)
+        append_row(_imitation_csv(trainer.run.out), row, fields)
 
 
 def _imitation_csv(out: Path) -> Path:
     """The imitation warm start's log beside the run's own."""
     return out.with_name(out.stem + ".imitation.csv")
+
+
+def _check(config: Config, mar_path: str | Path | None) -> None:
+    """ValueError for settings that cannot train together: a MAR mode without its network, a
+    policy that re-acquires lines without corrupted acquisitions (or the reverse)."""
+    tcfg: MascTrainConfig = config["masc_train"]
+    ecfg: EnvConfig = config["env"]
+    if tcfg.mar_mode != "none" and not mar_path:
+        raise ValueError(f"mar_mode {tcfg.mar_mode!r} needs a pre-trained MAR checkpoint (--mar); "
+                         "use --set masc_train.mar_mode=none to train without MAR")
+    if (ecfg.corruption > 0) != config["policy_net"].reacquire:
+        raise ValueError("a policy that may acquire a flagged line again needs corrupted acquisitions, and the "
+                         "reverse: set env.corruption > 0 together with policy_net.reacquire=true "
+                         f"(got env.corruption={ecfg.corruption}, policy_net.reacquire="
+                         f"{str(config['policy_net'].reacquire).lower()})")
+
+
+def _policy(config: Config, ecfg: EnvConfig, train: SliceSet, mar: torch.nn.Module | None, device: torch.device,
+            fresh: bool, progress: bool) -> PolicyNet:
+    """The seeded policy network; with ``policy_net.prior_weight`` > 0 and a ``fresh`` run it
+    starts from the population-greedy order, and PPO learns where to leave it."""
+    tcfg: MascTrainConfig = config["masc_train"]
+    acq, pncfg = config["acquisition"], config["policy_net"]
+    net = seeded(tcfg.seed, lambda: PolicyNet(train.n_pe, *train.target.shape[1:], pncfg,
+                                              prior_lines=acq.budget if pncfg.prior_weight > 0 else 0).to(device))
+    net.prior_train = acq.lines_per_decision  # the prior marks the order's next echo train
+    if net.prior_lines and fresh:
+        spread = spread_subset(train, tcfg.prior_slices)
+        order = population_order(spread, acq.initial, acq.budget, mar, device, tcfg.mar_batch_size, progress=progress,
+                                 roi=spread.periprosthetic_roi(ecfg.margin) if ecfg.region == "implant" else None)
+        net.set_prior(order)
+        log.info("prior: the population order of %d training slices, bonus %.2f: %s",
+                 min(len(train), tcfg.prior_slices or len(train)), pncfg.prior_weight, order.tolist())
+    return net
+
+
+def _masc_trainer(config: Config, data_dir: str | Path, mar_path: str | Path | None, run: TrainingRun, dist: Dist,
+                  device: torch.device, progress: bool) -> _MascTrainer:
+    """The co-adaptive run's trainer: its splits, MAR network (none in mode ``none``), policy,
+    optimizers and action stream, resumed from the run's last checkpoint when there is one, and
+    its training (recorded) and validation environments."""
+    tcfg: MascTrainConfig = config["masc_train"]
+    ecfg: EnvConfig = config["env"]
+    acq = config["acquisition"]
+    if tcfg.mar_mode == "none":
+        ecfg = EnvConfig(**{**to_dict(ecfg), "observe_mar": False, "reward_mar": False})
+    train = load_split(data_dir, "train", tcfg.max_train_slices)
+    val = load_split(data_dir, "val", tcfg.max_val_slices)
+    run.describe(data_dir, train=train, val=val)
+    acq.check(train.n_pe)
+    mar, mar_meta = load_mar(mar_path, device) if tcfg.mar_mode != "none" else (None, {})
+    gen = torch.Generator().manual_seed(tcfg.seed + dist.rank)  # each rank samples its own actions
+    net = _policy(config, ecfg, train, mar, device, run.checkpoint is None, progress)
+    optimizer = make_optimizer(net, config["ppo"])
+    mar_opt = torch.optim.Adam(mar.parameters(), lr=tcfg.mar_lr) if tcfg.mar_mode == "joint" else None
+    done = run.restore({"policy": net, "mar": mar}, {"optimizer": optimizer, "generator": gen,
+                                                     "mar_optimizer": mar_opt}, "rollout",
+                       optional=("mar", "mar_optimizer"))
+    if run.checkpoint is not None and dist.rank:  # a resumed rank keeps its own action stream
+        gen.manual_seed(tcfg.seed + dist.rank + 7919 * done)
+    elif run.checkpoint is None and dist.main:
+        _imitation_csv(run.out).unlink(missing_ok=True)
+    k = acq.lines_per_decision
+    # each rank draws its own slices: seed + rank (rank 0 as one process)
+    env = BatchedAcquisitionEnv(train, ecfg, acq.initial, acq.budget, mar, device,
+                                seed=tcfg.seed + done + 1_000_003 * dist.rank, lines_per_decision=k)
+    val_env = BatchedAcquisitionEnv(val, ecfg, acq.initial, acq.budget, mar, device, seed=tcfg.seed,
+                                    lines_per_decision=k)
+    recorder = _Recorder(env)
+    kspace = train.kspace_clean if ecfg.kspace == "clean" else train.kspace_metal
+    n_steps = config["ppo"].steps_per_env(ecfg.n_envs)
+    log.info("co-adaptive training: %d train / %d val slices, %d envs x %d steps per rollout, MAR %s, "
+             "k-space %s, %d rollouts on %s%s", len(train), len(val), ecfg.n_envs, n_steps, tcfg.mar_mode,
+             ecfg.kspace, tcfg.rollouts, device, f", rank {dist.rank} of {dist.world}" if dist.active else "")
+    return _MascTrainer(
+        config, tcfg, tcfg.rollouts, ecfg, data_dir, mar_path, run, train, net, optimizer, gen, mar, mar_meta,
+        mar_opt, config["mar_train"].lambda_ssim if tcfg.mar_loss == "pretrain" else None, env, val_env, recorder,
+        ppo_rounds(recorder, net, config["ppo"], optimizer, gen, dist), kspace.to(device), train.target.to(device),
+        n_steps, done, dist,
+        train.kspace_clean.to(device) if config["mar_train"].clean_fraction > 0 and mar_opt is not None else None)
 
 
 def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None, out: str | Path,
@@ -311,94 +380,26 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
     With ``imitation.slices > 0`` a fresh run first imitates the greedy oracle
     (:func:`warm_start`); ``demos`` is the file its demonstrations are kept in (shared by seeds).
 
-    The PPO loop is :func:`~training.rl.ppo.run_ppo`; the MAR fine-tuning, validation,
-    checkpoints and the log happen in its hook, :meth:`_Run.after_rollout`."""
-    from tqdm.auto import tqdm
-
+    The rollouts run in the shared trainer loop (:meth:`~training.run.TrainingRun.loop`); a
+    rollout, its MAR fine-tuning, validation and log row are :class:`_MascTrainer`'s."""
     dist = setup()
     tcfg: MascTrainConfig = config["masc_train"]
-    ecfg: EnvConfig = config["env"]
-    pcfg = config["ppo"]
-    acq = config["acquisition"]
     device = resolve_device(dist.device(tcfg.device))
-    if tcfg.mar_mode != "none" and not mar_path:
-        raise ValueError(f"mar_mode {tcfg.mar_mode!r} needs a pre-trained MAR checkpoint (--mar); "
-                         "use --set masc_train.mar_mode=none to train without MAR")
-    if (ecfg.corruption > 0) != config["policy_net"].reacquire:
-        raise ValueError("a policy that may acquire a flagged line again needs corrupted acquisitions, and the "
-                         "reverse: set env.corruption > 0 together with policy_net.reacquire=true "
-                         f"(got env.corruption={ecfg.corruption}, policy_net.reacquire="
-                         f"{str(config['policy_net'].reacquire).lower()})")
-    files = TrainingRun(out, ecfg.selection_metric, higher_is_better=True, main=dist.main, resume=resume, kind=KIND,
-                        map_location=device)
-    if tcfg.mar_mode == "none":
-        ecfg = EnvConfig(**{**to_dict(ecfg), "observe_mar": False, "reward_mar": False})
-    train = load_split(data_dir, "train", tcfg.max_train_slices)
-    val = load_split(data_dir, "val", tcfg.max_val_slices)
-    files.describe(data_dir, train=train, val=val)
-    acq.check(train.n_pe)
-    mar = None
-    mar_meta: dict[str, Any] = {}
-    if tcfg.mar_mode != "none":
-        mar, mar_meta = load_mar(mar_path, device)
-    n_steps = pcfg.steps_per_env(ecfg.n_envs)
-
-    gen = torch.Generator().manual_seed(tcfg.seed + dist.rank)  # each rank samples its own actions
-    pncfg = config["policy_net"]
-    net = seeded(tcfg.seed, lambda: PolicyNet(train.n_pe, *train.target.shape[1:], pncfg,
-                                              prior_lines=acq.budget if pncfg.prior_weight > 0 else 0).to(device))
-    net.prior_train = acq.lines_per_decision  # the prior marks the order's next echo train
-    if net.prior_lines and resume is None:
-        # the policy starts from the population-greedy order; PPO learns where to leave it
-        spread = spread_subset(train, tcfg.prior_slices)
-        order = population_order(spread, acq.initial, acq.budget, mar, device, tcfg.mar_batch_size, progress=progress,
-                                 roi=spread.periprosthetic_roi(ecfg.margin) if ecfg.region == "implant" else None)
-        net.set_prior(order)
-        log.info("prior: the population order of %d training slices, bonus %.2f: %s",
-                 min(len(train), tcfg.prior_slices or len(train)), pncfg.prior_weight, order.tolist())
-    optimizer = make_optimizer(net, pcfg)
-    mar_opt = torch.optim.Adam(mar.parameters(), lr=tcfg.mar_lr) if tcfg.mar_mode == "joint" else None
-    lambda_ssim = config["mar_train"].lambda_ssim if tcfg.mar_loss == "pretrain" else None
-    start = 0
-    if files.checkpoint is not None:
-        start = _resume(files.checkpoint, net, optimizer, gen, mar, mar_opt)
-        log.info("resumed from %s after rollout %d", resume, start)
-        if dist.rank:  # a resumed rank keeps its own action stream
-            gen.manual_seed(tcfg.seed + dist.rank + 7919 * start)
-    elif dist.main:
-        _imitation_csv(files.out).unlink(missing_ok=True)
-
-    k = acq.lines_per_decision
-    # each rank draws its own slices: seed + rank (rank 0 as one process)
-    env = BatchedAcquisitionEnv(train, ecfg, acq.initial, acq.budget, mar, device,
-                                seed=tcfg.seed + start + 1_000_003 * dist.rank, lines_per_decision=k)
-    val_env = BatchedAcquisitionEnv(val, ecfg, acq.initial, acq.budget, mar, device, seed=tcfg.seed,
-                                    lines_per_decision=k)
-    kspace = train.kspace_clean if ecfg.kspace == "clean" else train.kspace_metal
-    run = _Run(config, ecfg, data_dir, mar_path, files, net, optimizer, gen, mar, mar_meta, mar_opt, lambda_ssim,
-               env, val_env, _Recorder(env), kspace.to(device), train.target.to(device), n_steps, dist=dist,
-               clean_kspace=(train.kspace_clean.to(device)
-                             if config["mar_train"].clean_fraction > 0 and mar_opt is not None else None))
-
-    log.info("co-adaptive training: %d train / %d val slices, %d envs x %d steps per rollout, MAR %s, "
-             "k-space %s, %d rollouts on %s%s", len(train), len(val), ecfg.n_envs, n_steps, tcfg.mar_mode,
-             ecfg.kspace, tcfg.rollouts, device, f", rank {dist.rank} of {dist.world}" if dist.active else "")
+    _check(config, mar_path)
+    run = TrainingRun(out, config["env"].selection_metric, higher_is_better=True, main=dist.main, resume=resume,
+                      kind=KIND, map_location=device)
+    trainer = _masc_trainer(config, data_dir, mar_path, run, dist, device, progress)
     if dist.active and config["imitation"].slices > 0:
         raise ValueError("the imitation warm start runs on one process; drop imitation.slices under torchrun")
-    run.t0 = time.perf_counter()
-    if config["imitation"].slices > 0 and start == 0:
-        warm_start(run, train, demos, progress)
-        env.set_mar(mar)
-    elif net.prior_lines and start == 0:
+    started = time.perf_counter()
+    if config["imitation"].slices > 0 and trainer.done == 0:
+        warm_start(trainer, demos, progress)
+        trainer.env.set_mar(trainer.mar)
+    elif trainer.net.prior_lines and trainer.done == 0:
         # the prior alone is rollout 0: selection on val keeps it when PPO does not improve on it
-        run._validate_and_save(0, {"charts/episodic_return": math.nan})
-    run.bar = tqdm(desc="train masc", unit="rollout", disable=not (progress and dist.main), initial=start,
-                   total=tcfg.rollouts)
-    run_ppo(run.recorder, net, pcfg, optimizer, gen, max(0, tcfg.rollouts - start),
-            on_rollout=run.after_rollout, start_iteration=start + 1, dist=dist)
-    run.bar.close()
-    run.best["seconds"] = time.perf_counter() - run.t0
-    if dist.main and files.csv.exists():
-        figure = plot_training(files.csv, files.out.with_suffix(".png"), _imitation_csv(files.out))
+        run.validated(trainer, {}, dist)
+    run.best["seconds"] = run.loop(trainer, dist, progress, started)
+    if dist.main and run.csv.exists():
+        figure = plot_training(run.csv, run.out.with_suffix(".png"), _imitation_csv(run.out))
         log.info("training curves: %s", figure)
     return run.best

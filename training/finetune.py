@@ -23,6 +23,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,7 +36,7 @@ from masc_gadget.core.metrics import scale_by_target
 from training.data import SliceSet
 from training.distributed import Dist
 from training.mar import acquisition_noise, check_snr_range, mar_loss
-from training.run import TrainingRun
+from training.run import Checkpoints, Trainer, TrainingRun
 from training.scoring import score_masks
 
 __all__ = ["FinetuneConfig", "JointFinetuneConfig", "center_out_masks", "episode_pairs", "finetune_mar",
@@ -212,6 +213,104 @@ def finetune_mar(mar: torch.nn.Module, optimizer: torch.optim.Optimizer, kspace:
     return total / max(count, 1)
 
 
+@dataclass(eq=False)
+class _FinetuneTrainer(Trainer):
+    """A recipe's fine-tuning as the shared loop (:meth:`~training.run.TrainingRun.loop`) drives
+    it: a period is the steps between two validations (``val_every``, or a pass)."""
+
+    recipe: FinetuneConfig
+    mar: torch.nn.Module
+    train: SliceSet
+    pairs: tuple[torch.Tensor, torch.Tensor]
+    val: SliceSet
+    val_masks: torch.Tensor | np.ndarray
+    run: TrainingRun
+    modules: dict[str, Any]
+    """What the checkpoints hold: the state dicts kept beside the network, and the network."""
+    meta: dict[str, Any]
+    done: int = 0
+    loss: float | str = ""
+    """The last period's mean loss ("" before any step)."""
+    name = "fine-tune MAR"
+    unit = "step"
+    clock = None
+
+    @property
+    def per_pass(self) -> int:
+        return math.ceil(len(self.pairs[0]) / self.recipe.batch_size)
+
+    @property
+    def total(self) -> int:
+        return self.recipe.total_steps(len(self.pairs[0]))
+
+    @property
+    def epoch(self) -> int | float:
+        """The passes over the pairs so far (a whole number when it is one)."""
+        epoch = self.done / self.per_pass
+        return int(epoch) if float(epoch).is_integer() else round(epoch, 3)
+
+    def row(self) -> dict[str, Any]:
+        """The CSV row's training columns."""
+        return {"epoch": self.epoch, "step": self.done, "loss": self.loss}
+
+    @cached_property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.mar.parameters(), lr=self.recipe.lr)
+
+    @cached_property
+    def generator(self) -> torch.Generator:
+        """The shuffles' and the anchors' stream."""
+        return torch.Generator().manual_seed(self.recipe.seed)
+
+    @cached_property
+    def batches(self) -> Iterator[torch.Tensor]:
+        return _batches(len(self.pairs[0]), self.recipe.batch_size, self.generator)
+
+    @cached_property
+    def kspace(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The training slices' metal k-space, targets and (for the anchors) clean k-space, on
+        the network's device (copied at the first step)."""
+        device = next(self.mar.parameters()).device
+        clean = self.train.kspace_clean.to(device) if self.recipe.clean_fraction > 0 else None
+        return self.train.kspace_metal.to(device), self.train.target.to(device), clean
+
+    def train_period(self, bar: Any) -> dict[str, Any]:
+        recipe = self.recipe
+        n = min(self.recipe.val_every or self.per_pass, self.total - self.done)
+        kspace, target, clean = self.kspace
+        self.loss = finetune_mar(self.mar, self.optimizer, kspace, target, *self.pairs, 0, recipe.batch_size,
+                                 self.generator, recipe.lambda_ssim if recipe.loss == "pretrain" else None,
+                                 clean_kspace=clean, clean_fraction=recipe.clean_fraction, steps=n,
+                                 batches=self.batches, anchor_snr=recipe.anchor_snr,
+                                 identity_fraction=recipe.identity_fraction,
+                                 fallback_fraction=recipe.fallback_fraction)
+        self.done += n
+        return self.row()
+
+    def validate(self) -> dict[str, float]:
+        return score_masks(self.val, self.val_masks, self.mar, metrics=("ssim", "psnr")).mean()
+
+    def checkpoints(self, metrics: dict[str, float]) -> Checkpoints:
+        modules = {**self.modules, "mar": self.mar}
+        where = {"epoch": self.epoch, "step": self.done}
+        return Checkpoints(where, modules, modules, {**self.meta, **where, "val": {**metrics, "loss": self.loss}}, {})
+
+    def columns(self, metrics: dict[str, float]) -> dict[str, Any]:
+        return {"val_ssim": metrics["ssim"], "val_psnr": metrics["psnr"]}
+
+    def fields(self, row: dict[str, Any]) -> list[str]:
+        return ["epoch", "step", "val_ssim", "val_psnr", "loss"]
+
+    def report(self, row: dict[str, Any], metrics: dict[str, float], improved: bool) -> None:
+        loss = self.loss
+        log.info("step %d (pass %s): loss %s, val SSIM %.4f, PSNR %.2f%s", self.done, self.epoch,
+                 loss if isinstance(loss, str) else f"{loss:.4f}", metrics["ssim"], metrics["psnr"],
+                 " *best*" if improved else "")
+
+    def postfix(self, row: dict[str, Any]) -> dict[str, str]:
+        return {"best_ssim": f"{self.run.best['ssim']:.4f}"}
+
+
 def finetune_to_masks(mar: torch.nn.Module, recipe: FinetuneConfig, train: SliceSet,
                       pairs: tuple[torch.Tensor, torch.Tensor], val: SliceSet, val_masks: torch.Tensor | np.ndarray,
                       out: str | Path, metadata: dict[str, Any], progress: bool = True,
@@ -224,53 +323,12 @@ def finetune_to_masks(mar: torch.nn.Module, recipe: FinetuneConfig, train: Slice
     latest to ``<out>.last.pt``, a row per validation to ``<out>.csv``. Returns the best validation metrics (with ``epoch`` and
     ``step``). ``data_dir``: where ``train`` and ``val`` come from, for the provenance
     (:meth:`~training.run.TrainingRun.describe`)."""
-    from tqdm.auto import tqdm
-
-    slices, masks = pairs
     run = TrainingRun(out, "ssim", higher_is_better=True)
     if data_dir is not None:
         run.describe(data_dir, train=train, val=val)
-    per_pass = math.ceil(len(slices) / recipe.batch_size)
-    total = recipe.total_steps(len(slices))
-    every = recipe.val_every or per_pass
-    meta = {**metadata, "finetune": to_dict(recipe)}
-    device = next(mar.parameters()).device
-
-    def record(step: int, loss: float | str) -> None:
-        val_metrics = score_masks(val, val_masks, mar, metrics=("ssim", "psnr")).mean()
-        epoch = step / per_pass
-        epoch = int(epoch) if float(epoch).is_integer() else round(epoch, 3)
-        modules = {**(keep or {}), "mar": mar}
-        better = run.record(val_metrics, {"epoch": epoch, "step": step}, modules, modules,
-                            {**meta, "epoch": epoch, "step": step, "val": {**val_metrics, "loss": loss}}, {},
-                            {"epoch": epoch, "step": step, "val_ssim": val_metrics["ssim"],
-                             "val_psnr": val_metrics["psnr"], "loss": loss})
-        log.info("step %d (pass %s): loss %s, val SSIM %.4f, PSNR %.2f%s", step, epoch,
-                 loss if isinstance(loss, str) else f"{loss:.4f}", val_metrics["ssim"], val_metrics["psnr"],
-                 " *best*" if better else "")
-
-    t0 = time.perf_counter()
-    record(0, "")  # the network as given: selection keeps it when fine-tuning does not help
-    if total:
-        generator = torch.Generator().manual_seed(recipe.seed)
-        optimizer = torch.optim.Adam(mar.parameters(), lr=recipe.lr)
-        clean = train.kspace_clean if recipe.clean_fraction > 0 else None
-        lambda_ssim = recipe.lambda_ssim if recipe.loss == "pretrain" else None
-        batches = _batches(len(slices), recipe.batch_size, generator)
-        kspace, target = train.kspace_metal.to(device), train.target.to(device)
-        bar = tqdm(total=total, desc="fine-tune MAR", unit="step", disable=not progress)
-        done = 0
-        while done < total:
-            n = min(every, total - done)
-            loss = finetune_mar(mar, optimizer, kspace, target, slices, masks, 0, recipe.batch_size, generator,
-                                lambda_ssim, clean_kspace=None if clean is None else clean.to(device),
-                                clean_fraction=recipe.clean_fraction, steps=n, batches=batches,
-                                anchor_snr=recipe.anchor_snr, identity_fraction=recipe.identity_fraction,
-                                fallback_fraction=recipe.fallback_fraction)
-            done += n
-            bar.update(n)
-            record(done, loss)
-            bar.set_postfix(best_ssim=f"{run.best['ssim']:.4f}")
-        bar.close()
-    run.best["seconds"] = time.perf_counter() - t0
+    trainer = _FinetuneTrainer(recipe, mar, train, pairs, val, val_masks, run, dict(keep or {}),
+                               {**metadata, "finetune": to_dict(recipe)})
+    started = time.perf_counter()
+    run.end_period(trainer, trainer.row())  # the network as given: selection keeps it when fine-tuning does not help
+    run.best["seconds"] = run.loop(trainer, progress=progress, started=started)
     return run.best

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,9 +41,9 @@ from masc_gadget.core.kspace import to_hybrid
 from masc_gadget.device import resolve_device
 from masc_gadget.models.checkpoint import load_mar
 from masc_gadget.models.unet import build_mar
-from training.run import TrainingRun, seeded
+from training.run import Checkpoints, Trainer, TrainingRun, seeded, snapshot
 from training.data import SliceSet, load_split
-from training.distributed import setup, shard
+from training.distributed import Dist, setup, shard
 from training.mar import mar_loss, validate
 
 log = logging.getLogger(__name__)
@@ -155,27 +154,98 @@ def loupe_metadata(mask: LoupeMask, mar: torch.nn.Module, **extra: Any) -> dict[
             "mar_model": to_dict(mar.config), **extra}
 
 
-def _validate(mar: torch.nn.Module, mask: LoupeMask, val: SliceSet, lambda_ssim: float, batch_size: int,
-              device: torch.device) -> dict[str, float]:
-    masks = mask.mask().cpu().expand(len(val), -1).clone()
-    return validate(mar, val, "undersampled", masks, lambda_ssim, batch_size, device)
+def mask_entropy(mask: LoupeMask) -> float:
+    """The mean binary entropy of the free lines' selection probabilities (0: a settled mask)."""
+    p = mask.probabilities().detach()[~mask.fixed]
+    return float(-(p * p.clamp_min(1e-9).log() + (1 - p) * (1 - p).clamp_min(1e-9).log()).mean())
 
 
-def train_loupe(config: Config, data_dir: str | Path, mar_path: str | Path | None, out: str | Path,
-                resume: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
-    """Learn the fixed mask and its MAR network; the best (validation SSIM of the deployed mask)
-    goes to ``out``, the latest to ``<out>.last.pt``, the per-epoch log to ``<out>.csv`` (its
-    ``seconds`` per epoch, as the MAR pre-training's).
-    Returns the best validation metrics."""
-    from tqdm.auto import tqdm
+@dataclass(eq=False)
+class _LoupeTrainer(Trainer):
+    """The learned mask as the shared loop (:meth:`~training.run.TrainingRun.loop`) drives it:
+    a period is an epoch of relaxed mask draws, validated with the deployed mask."""
 
+    config: Config
+    cfg: LoupeConfig
+    total: int
+    data_dir: str | Path
+    mar_path: str | Path | None
+    mar_meta: dict[str, Any]
+    run: TrainingRun
+    train: SliceSet
+    val: SliceSet
+    mask: LoupeMask
+    mar: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    gen: torch.Generator
+    device: torch.device
+    dist: Dist
+    hybrid: torch.Tensor
+    """The training slices' metal k-space in ``to_hybrid`` form, on the device."""
+    target: torch.Tensor
+    done: int = 0
+    name = "train loupe"
+    unit = "epoch"
+
+    def train_period(self, bar: Any) -> dict[str, Any]:
+        cfg, dist, device, mask, mar = self.cfg, self.dist, self.device, self.mask, self.mar
+        hybrid, target = self.hybrid, self.target
+        mar.train()
+        perm = torch.randperm(len(self.train), generator=self.gen)
+        losses = []
+        for i in range(0, len(perm), cfg.batch_size):
+            batch = perm[i:i + cfg.batch_size]
+            if len(batch) < dist.world:
+                continue  # every rank needs a slice
+            weights = mask.sample(len(batch), self.gen)  # the global batch's draws, the same on every rank
+            mine = shard(torch.arange(len(batch)), dist)  # under torchrun: this rank's share
+            idx = batch[mine].to(device)
+            loss = mar_loss(mar(soft_zero_filled(hybrid[idx], weights[mine.to(weights.device)])), target[idx],
+                            self.config["mar_train"].lambda_ssim)
+            self.optimizer.zero_grad(set_to_none=True)
+            (loss * (len(mine) * dist.world / len(batch))).backward()
+            dist.average_gradients(mask)
+            dist.average_gradients(mar)
+            self.optimizer.step()
+            losses.append(dist.mean(float(loss.detach())))
+        self.done += 1
+        return {"epoch": self.done, "train_loss": float(np.mean(losses)), "mask/entropy": mask_entropy(mask)}
+
+    def validate(self) -> dict[str, float]:
+        masks = self.mask.mask().cpu().expand(len(self.val), -1).clone()
+        return validate(self.mar, self.val, "undersampled", masks, self.config["mar_train"].lambda_ssim,
+                        self.cfg.batch_size, self.device)
+
+    def metadata(self, epoch: int, val_metrics: dict[str, float]) -> dict[str, Any]:
+        config = self.config
+        return loupe_metadata(self.mask, self.mar, epoch=epoch, val=val_metrics, best_val=self.run.best,
+                              code_version=__version__, data=str(self.data_dir),
+                              mar_pretrained=str(self.mar_path) if self.mar_path else None,
+                              mar_pretrained_epoch=self.mar_meta.get("epoch"),
+                              config={k: to_dict(config[k]) for k in ("acquisition", "loupe", "mar_model")})
+
+    def checkpoints(self, metrics: dict[str, float]) -> Checkpoints:
+        return Checkpoints({"epoch": self.done}, {"mar": self.mar}, {"mar": self.mar, "mask": self.mask},
+                           self.metadata(self.done, metrics),
+                           snapshot({"optimizer": self.optimizer, "generator": self.gen}), sync=self.mask)
+
+    def columns(self, metrics: dict[str, float]) -> dict[str, Any]:
+        return {f"val_{k}": v for k, v in metrics.items() if not k.startswith("input_")}
+
+    def report(self, row: dict[str, Any], metrics: dict[str, float], improved: bool) -> None:
+        log.info("epoch %d: train loss %.4f, val SSIM %.4f, PSNR %.2f, lines %s%s", self.done, row["train_loss"],
+                 metrics["ssim"], metrics["psnr"], self.mask.order(), " *best*" if improved else "")
+
+    def postfix(self, row: dict[str, Any]) -> dict[str, str]:
+        return {"loss": f"{row['train_loss']:.4f}", "val_ssim": f"{row['val_ssim']:.4f}"}
+
+
+def _loupe_trainer(config: Config, data_dir: str | Path, mar_path: str | Path | None, run: TrainingRun,
+                   dist: Dist, device: torch.device) -> _LoupeTrainer:
+    """The learned mask's trainer: its splits, line logits, MAR network (pre-trained, or seeded
+    from scratch) and optimizer, resumed from the run's last checkpoint when there is one."""
     cfg: LoupeConfig = config["loupe"]
     acq = config["acquisition"]
-    lambda_ssim = config["mar_train"].lambda_ssim
-    dist = setup()
-    device = resolve_device(dist.device(cfg.device))
-    run = TrainingRun(out, "ssim", higher_is_better=True, main=dist.main, resume=resume, kind=LOUPE,
-                      map_location=device)
     train = load_split(data_dir, "train", cfg.max_train_slices)
     val = load_split(data_dir, "val", cfg.max_val_slices)
     run.describe(data_dir, train=train, val=val)
@@ -188,66 +258,27 @@ def train_loupe(config: Config, data_dir: str | Path, mar_path: str | Path | Non
     mask = LoupeMask(train.n_pe, acq.initial, acq.budget, cfg.slope, cfg.temperature, generator=gen).to(device)
     optimizer = torch.optim.Adam([{"params": mask.parameters(), "lr": cfg.lr_mask},
                                   {"params": mar.parameters(), "lr": cfg.lr_mar}])
-    start = 0
-    if run.checkpoint is not None:
-        ck = run.checkpoint
-        mask.load_state_dict(ck.state_dicts["mask"])
-        mar.load_state_dict(ck.state_dicts["mar"])
-        optimizer.load_state_dict(ck.extra["optimizer"])
-        gen.set_state(ck.extra["generator"])
-        start = int(ck.metadata["epoch"])
-        log.info("resumed from %s after epoch %d", resume, start)
-    hybrid = to_hybrid(train.kspace_metal.to(device))
-    target = train.target.to(device)
+    done = run.restore({"mask": mask, "mar": mar}, {"optimizer": optimizer, "generator": gen}, "epoch")
+    return _LoupeTrainer(config, cfg, cfg.epochs, data_dir, mar_path, mar_meta, run, train, val, mask, mar, optimizer,
+                         gen, device, dist, to_hybrid(train.kspace_metal.to(device)), train.target.to(device), done)
 
-    def metadata(epoch: int, val_metrics: dict[str, float]) -> dict[str, Any]:
-        return loupe_metadata(mask, mar, epoch=epoch, val=val_metrics, best_val=run.best, code_version=__version__,
-                              data=str(data_dir), mar_pretrained=str(mar_path) if mar_path else None,
-                              mar_pretrained_epoch=mar_meta.get("epoch"),
-                              config={k: to_dict(config[k]) for k in ("acquisition", "loupe", "mar_model")})
 
+def train_loupe(config: Config, data_dir: str | Path, mar_path: str | Path | None, out: str | Path,
+                resume: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
+    """Learn the fixed mask and its MAR network; the best (validation SSIM of the deployed mask)
+    goes to ``out``, the latest to ``<out>.last.pt``, the per-epoch log to ``<out>.csv`` (its
+    ``seconds`` per epoch, as the MAR pre-training's).
+    Returns the best validation metrics."""
+    cfg: LoupeConfig = config["loupe"]
+    acq = config["acquisition"]
+    dist = setup()
+    device = resolve_device(dist.device(cfg.device))
+    run = TrainingRun(out, "ssim", higher_is_better=True, main=dist.main, resume=resume, kind=LOUPE,
+                      map_location=device)
+    trainer = _loupe_trainer(config, data_dir, mar_path, run, dist, device)
     log.info("learned mask: %d train / %d val slices, %d + %d of %d lines, %d epochs, MAR %s, on %s",
-             len(train), len(val), acq.initial, acq.budget, train.n_pe, cfg.epochs,
+             len(trainer.train), len(trainer.val), acq.initial, acq.budget, trainer.train.n_pe, cfg.epochs,
              "from " + str(mar_path) if mar_path else "from scratch", device)
-    t0 = time.perf_counter()
-    bar = tqdm(range(start, cfg.epochs), desc="train loupe", unit="epoch", disable=not (progress and dist.main),
-               initial=start, total=cfg.epochs)
-    for epoch in bar:
-        t_epoch = time.perf_counter()
-        mar.train()
-        perm = torch.randperm(len(train), generator=gen)
-        losses = []
-        for i in range(0, len(perm), cfg.batch_size):
-            batch = perm[i:i + cfg.batch_size]
-            if len(batch) < dist.world:
-                continue  # every rank needs a slice
-            weights = mask.sample(len(batch), gen)  # the global batch's draws, the same on every rank
-            mine = shard(torch.arange(len(batch)), dist)  # under torchrun: this rank's share
-            idx = batch[mine].to(device)
-            loss = mar_loss(mar(soft_zero_filled(hybrid[idx], weights[mine.to(weights.device)])), target[idx],
-                            lambda_ssim)
-            optimizer.zero_grad(set_to_none=True)
-            (loss * (len(mine) * dist.world / len(batch))).backward()
-            dist.average_gradients(mask)
-            dist.average_gradients(mar)
-            optimizer.step()
-            losses.append(dist.mean(float(loss.detach())))
-        val_metrics = _validate(mar, mask, val, lambda_ssim, cfg.batch_size, device)
-        p = mask.probabilities().detach()[~mask.fixed]
-        row = {"epoch": epoch + 1, "train_loss": float(np.mean(losses)),
-               "mask/entropy": float(-(p * p.clamp_min(1e-9).log() + (1 - p) * (1 - p).clamp_min(1e-9).log()).mean()),
-               **{f"val_{k}": v for k, v in val_metrics.items() if not k.startswith("input_")},
-               "seconds": time.perf_counter() - t_epoch}
-        improved = run.record(val_metrics, {"epoch": epoch + 1}, {"mar": mar}, {"mar": mar, "mask": mask},
-                              metadata(epoch + 1, val_metrics),
-                              {"optimizer": optimizer.state_dict(), "generator": gen.get_state()}, row, dist=dist,
-                              sync=mask)
-        if dist.main:
-            log.info("epoch %d: train loss %.4f, val SSIM %.4f, PSNR %.2f, lines %s%s", epoch + 1,
-                     row["train_loss"], val_metrics["ssim"], val_metrics["psnr"], mask.order(),
-                     " *best*" if improved else "")
-        bar.set_postfix(loss=f"{row['train_loss']:.4f}", val_ssim=f"{val_metrics['ssim']:.4f}")
-    bar.close()
-    run.best["seconds"] = time.perf_counter() - t0
-    run.finish({"mar": mar}, metadata(cfg.epochs, run.best))
+    run.best["seconds"] = run.loop(trainer, dist, progress)
+    run.finish({"mar": trainer.mar}, trainer.metadata(cfg.epochs, run.best))
     return run.best

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -21,14 +20,13 @@ import torch
 
 from masc_gadget import __version__
 from masc_gadget.acquisition.episode import AcquisitionConfig
-from masc_gadget.models.checkpoint import Checkpoint
 from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
 from masc_gadget.core.kspace import zero_filled
 from masc_gadget.core.metrics import scale_by_target, slice_metrics, ssim
 from masc_gadget.models.unet import build_mar
 from masc_gadget.acquisition.policies import make_policy, run_episode
-from training.run import TrainingRun, seeded
+from training.run import Checkpoints, Trainer, TrainingRun, seeded, snapshot
 from training.distributed import Dist, setup, shard
 from training.csvlog import plot_epochs
 from training.data import SliceSet, data_dirs, load_split
@@ -242,14 +240,92 @@ def train_epoch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, train:
     return float(total[0] / max(float(total[1]), 1.0))
 
 
-def _resume(ck: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            shuffle: torch.Generator, rng: np.random.Generator) -> int:
-    """Restore a ``.last.pt`` checkpoint in place; returns the epochs done."""
-    model.load_state_dict(ck.state_dicts["mar"])
-    optimizer.load_state_dict(ck.extra["optimizer"])
-    shuffle.set_state(ck.extra["shuffle_state"])
-    rng.bit_generator.state = json.loads(ck.metadata["numpy_rng_state"])
-    return int(ck.metadata["epoch"])
+@dataclass(eq=False)
+class _MarTrainer(Trainer):
+    """MAR pre-training as the shared loop (:meth:`~training.run.TrainingRun.loop`) drives it:
+    a period is an epoch over freshly drawn masks (and clean anchors), validated on fixed ones."""
+
+    config: Config
+    tcfg: MarTrainConfig
+    total: int
+    data_dir: str | Path | list[str | Path]
+    run: TrainingRun
+    train: SliceSet
+    val: SliceSet
+    model: torch.nn.Module
+    net: torch.nn.Module
+    """The model as trained: under DistributedDataParallel with several ranks, else itself."""
+    optimizer: torch.optim.Optimizer
+    shuffle: torch.Generator
+    rng: np.random.Generator
+    device: torch.device
+    dist: Dist
+    val_inputs: tuple[torch.Tensor | None, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]
+    """The validation's masks, clean picks and anchor noise, drawn once."""
+    done: int = 0
+    name = "train mar"
+    unit = "epoch"
+
+    def train_period(self, bar: Any) -> dict[str, Any]:
+        tcfg, acq, train = self.tcfg, self.config["acquisition"], self.train
+        masks = draw_masks(len(train), train.n_pe, acq, tcfg.policies, self.rng) if tcfg.input != "full" else None
+        clean = draw_clean(len(train), tcfg.clean_fraction, self.rng)
+        noise = draw_anchor_noise(len(train), tcfg.anchor_snr, self.rng) if clean is not None else None
+        loss = train_epoch(self.net, self.optimizer, train,
+                           torch.randperm(len(train), generator=self.shuffle), masks, tcfg, self.device, self.dist,
+                           clean, noise)
+        self.done += 1
+        return {"epoch": self.done, "train_loss": loss}
+
+    def validate(self) -> dict[str, float]:
+        masks, clean, noise = self.val_inputs
+        return validate(self.model, self.val, self.tcfg.input, masks, self.tcfg.lambda_ssim, self.tcfg.batch_size,
+                        self.device, clean, noise if clean is not None else None)
+
+    def metadata(self, epoch: int, val_metrics: dict[str, float]) -> dict[str, Any]:
+        return {"kind": "mar", "code_version": __version__, "mar_model": to_dict(self.config["mar_model"]),
+                "mar_train": to_dict(self.tcfg), "acquisition": to_dict(self.config["acquisition"]),
+                "data": ",".join(str(d) for d in data_dirs(self.data_dir)), "epoch": epoch, "val": val_metrics,
+                "best_val": self.run.best, "numpy_rng_state": json.dumps(self.rng.bit_generator.state)}
+
+    def checkpoints(self, metrics: dict[str, float]) -> Checkpoints:
+        return Checkpoints({"epoch": self.done}, {"mar": self.model}, {"mar": self.model},
+                           self.metadata(self.done, metrics),
+                           snapshot({"optimizer": self.optimizer, "shuffle_state": self.shuffle}))
+
+    def report(self, row: dict[str, Any], metrics: dict[str, float], improved: bool) -> None:
+        log.info("epoch %d: train loss %.4f, val loss %.4f, val SSIM %.4f (input %.4f), PSNR %.2f%s%s",
+                 self.done, row["train_loss"], metrics["loss"], metrics["ssim"], metrics["input_ssim"],
+                 metrics["psnr"],
+                 f", identity SSIM {metrics['identity_ssim']:.4f}" if "identity_ssim" in metrics else "",
+                 " *best*" if improved else "")
+
+    def postfix(self, row: dict[str, Any]) -> dict[str, str]:
+        return {"loss": f"{row['train_loss']:.4f}", "val_ssim": f"{row['val_ssim']:.4f}"}
+
+
+def _mar_trainer(config: Config, data_dir: str | Path, run: TrainingRun, dist: Dist,
+                 device: torch.device) -> _MarTrainer:
+    """The MAR pre-training's trainer: its splits, seeded network, optimizer and random streams,
+    resumed from the run's last checkpoint when there is one, and its validation inputs."""
+    tcfg: MarTrainConfig = config["mar_train"]
+    train = load_split(data_dir, "train", tcfg.max_train_slices)
+    val = load_split(data_dir, "val", tcfg.max_val_slices)
+    run.describe(data_dir, train=train, val=val)
+    if tcfg.input != "full":
+        config["acquisition"].check(train.n_pe)
+    model = seeded(tcfg.seed, lambda: build_mar(config["mar_model"]).to(device))
+    optimizer = torch.optim.Adam(model.parameters(), lr=tcfg.lr)
+    shuffle, rng = torch.Generator().manual_seed(tcfg.seed), np.random.default_rng(tcfg.seed)
+    done = run.restore({"mar": model}, {"optimizer": optimizer, "shuffle_state": shuffle, "numpy_rng_state": rng},
+                       "epoch")
+    val_inputs = (
+        draw_masks(len(val), val.n_pe, config["acquisition"], tcfg.policies, np.random.default_rng(tcfg.seed + 1))
+        if tcfg.input != "full" else None,
+        draw_clean(len(val), tcfg.clean_fraction, np.random.default_rng(tcfg.seed + 2)),
+        draw_anchor_noise(len(val), tcfg.anchor_snr, np.random.default_rng(tcfg.seed + 3)))
+    return _MarTrainer(config, tcfg, tcfg.epochs, data_dir, run, train, val, model, dist.wrap(model), optimizer,
+                       shuffle, rng, device, dist, val_inputs, done)
 
 
 def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str | Path | None = None,
@@ -260,78 +336,16 @@ def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str
     Under ``torchrun`` the ranks share every minibatch (DistributedDataParallel, module
     :mod:`training.distributed`); rank 0 writes the checkpoints and the log, every rank
     validates (the same model, the same numbers)."""
-    from tqdm.auto import tqdm
-
     dist = setup()
     tcfg: MarTrainConfig = config["mar_train"]
-    acq: AcquisitionConfig = config["acquisition"]
     device = resolve_device(dist.device(tcfg.device))
     run = TrainingRun(out, "loss", higher_is_better=False, main=dist.main, resume=resume)
-    train = load_split(data_dir, "train", tcfg.max_train_slices)
-    val = load_split(data_dir, "val", tcfg.max_val_slices)
-    run.describe(data_dir, train=train, val=val)
-    undersampled = tcfg.input != "full"
-    if undersampled:
-        acq.check(train.n_pe)
-
-    model = seeded(tcfg.seed, lambda: build_mar(config["mar_model"]).to(device))
-    optimizer = torch.optim.Adam(model.parameters(), lr=tcfg.lr)
-    shuffle = torch.Generator().manual_seed(tcfg.seed)
-    rng = np.random.default_rng(tcfg.seed)
-    start_epoch = 0
-    if run.checkpoint is not None:
-        start_epoch = _resume(run.checkpoint, model, optimizer, shuffle, rng)
-        log.info("resumed from %s at epoch %d (best val loss %.4f)", resume, start_epoch, run.best["loss"])
-        if start_epoch >= tcfg.epochs:
-            log.info("nothing to do: %d of %d epochs already trained", start_epoch, tcfg.epochs)
-    net = dist.wrap(model)  # the same module on one process
-    val_masks = (draw_masks(len(val), val.n_pe, acq, tcfg.policies, np.random.default_rng(tcfg.seed + 1))
-                 if undersampled else None)
-    val_clean = draw_clean(len(val), tcfg.clean_fraction, np.random.default_rng(tcfg.seed + 2))
-    val_noise = draw_anchor_noise(len(val), tcfg.anchor_snr, np.random.default_rng(tcfg.seed + 3))
-
-    def metadata(epoch: int, val_metrics: dict[str, float]) -> dict[str, Any]:
-        return {
-            "kind": "mar",
-            "code_version": __version__,
-            "mar_model": to_dict(config["mar_model"]),
-            "mar_train": to_dict(tcfg),
-            "acquisition": to_dict(acq),
-            "data": ",".join(str(d) for d in data_dirs(data_dir)),
-            "epoch": epoch,
-            "val": val_metrics,
-            "best_val": run.best,
-            "numpy_rng_state": json.dumps(rng.bit_generator.state),
-        }
-
+    trainer = _mar_trainer(config, data_dir, run, dist, device)
     log.info("MAR pre-training: %d train / %d val slices, input %s, %d epochs on %s%s",
-             len(train), len(val), tcfg.input, tcfg.epochs, device,
+             len(trainer.train), len(trainer.val), tcfg.input, tcfg.epochs, device,
              f", rank {dist.rank} of {dist.world}" if dist.active else "")
-    bar = tqdm(range(start_epoch, tcfg.epochs), desc="train mar", unit="epoch", disable=not (progress and dist.main),
-               initial=start_epoch, total=tcfg.epochs)
-    for epoch in bar:
-        t0 = time.perf_counter()
-        masks = draw_masks(len(train), train.n_pe, acq, tcfg.policies, rng) if undersampled else None
-        clean = draw_clean(len(train), tcfg.clean_fraction, rng)
-        noise = draw_anchor_noise(len(train), tcfg.anchor_snr, rng) if clean is not None else None
-        train_loss = train_epoch(net, optimizer, train, torch.randperm(len(train), generator=shuffle),
-                                 masks, tcfg, device, dist, clean, noise)
-        val_metrics = validate(model, val, tcfg.input, val_masks, tcfg.lambda_ssim, tcfg.batch_size, device,
-                               val_clean, val_noise if val_clean is not None else None)
-        row = {"epoch": epoch + 1, "train_loss": train_loss, **{f"val_{k}": v for k, v in val_metrics.items()},
-               "seconds": time.perf_counter() - t0}
-        improved = run.record(val_metrics, {"epoch": epoch + 1}, {"mar": model}, {"mar": model},
-                              metadata(epoch + 1, val_metrics),
-                              {"optimizer": optimizer.state_dict(), "shuffle_state": shuffle.get_state()}, row, dist=dist)
-        bar.set_postfix(loss=f"{row['train_loss']:.4f}", val_ssim=f"{val_metrics['ssim']:.4f}")
-        if dist.main:
-            log.info("epoch %d: train loss %.4f, val loss %.4f, val SSIM %.4f (input %.4f), PSNR %.2f%s%s",
-                     epoch + 1, row["train_loss"], val_metrics["loss"], val_metrics["ssim"],
-                     val_metrics["input_ssim"], val_metrics["psnr"],
-                     f", identity SSIM {val_metrics['identity_ssim']:.4f}" if "identity_ssim" in val_metrics else "",
-                     " *best*" if improved else "")
-    bar.close()
-    run.finish({"mar": model}, metadata(tcfg.epochs, run.best))  # e.g. resumed a finished run into a new path
+    run.loop(trainer, dist, progress)
+    run.finish({"mar": trainer.model}, trainer.metadata(tcfg.epochs, run.best))  # e.g. resumed a finished run
     if dist.main and run.csv.exists():
         figure = plot_epochs(run.csv, run.out.with_suffix(".png"), MAR_PANELS, "val_loss", higher_is_better=False)
         log.info("learning curve: %s", figure)

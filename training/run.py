@@ -1,11 +1,26 @@
 """One training run's skeleton, shared by every trainer (MAR pre-training, co-adaptive MASC,
-DQN / SS-DDQN, the learned mask, the fixed order and the MAR fine-tuning recipe): its files, its
-resume, its best and last checkpoints, its CSV log and its seeded initialisation.
+DQN / SS-DDQN, the learned mask, the fixed order and the MAR fine-tuning recipe): its loop, its
+files, its resume, its best and last checkpoints, its CSV log and its seeded initialisation.
 
-Every trainer ends each of its periods (an epoch, a validated rollout, a number of transitions)
-with one call, :meth:`TrainingRun.record`: keep the validation metrics if they are the best,
-save the best and the last checkpoints, wait for every rank, append the CSV row. Trainers keep
-only what makes them different: what they train and how they validate.
+The trainer loop is written once, :meth:`TrainingRun.loop`. A trainer (:class:`Trainer`) brings
+what makes it different: how it trains one period (an epoch, a rollout, the transitions between
+two validations, the steps between two validations), how it validates, what its checkpoints
+hold and how it reports. The loop does the rest, period after period until the trainer's
+``total``::
+
+    row = trainer.train_period(bar)       # the CSV row's training columns; ``done`` advances
+    if trainer.due():                     # TrainingRun.validated
+        metrics = trainer.validate()
+        keep the best (on ``metric``), save OUT.pt (when better) and OUT.last.pt, barrier
+        row += trainer.columns(metrics); trainer.report(...)
+    row["seconds"]                        # the period's, or since the run started (trainer.clock)
+    append the row to OUT.csv             # trainer.fields(row): its columns
+    progress bar and its postfix
+
+A resumed run continues in one call, :meth:`TrainingRun.restore`: the last checkpoint's state
+dicts go into the trainer's modules, its optimizers', generators' and memories' states into
+theirs, and it returns the periods done (the trainer's ``done``), where the loop goes on.
+:func:`snapshot` writes those states for the last checkpoint.
 
 Files of a run whose best checkpoint is ``OUT.pt``:
 
@@ -14,20 +29,26 @@ Files of a run whose best checkpoint is ``OUT.pt``:
 * ``OUT.csv``: one row per epoch / rollout / validation, appended (a crash keeps every row; a
   resumed run appends to it; a fresh run starts it anew).
 
-Under ``torchrun`` only rank 0 writes (``main``); every rank keeps the same best metrics.
+Under ``torchrun`` only rank 0 writes (``main``) and reports; every rank keeps the same best
+metrics.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import shlex
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
+import numpy as np
 import torch
 
 from masc_gadget.core.seeding import isolated_rng
@@ -35,7 +56,7 @@ from masc_gadget.models.checkpoint import Checkpoint, load_checkpoint, save_chec
 from training.csvlog import append_row
 from training.distributed import Dist
 
-__all__ = ["TrainingRun", "git_commit", "seeded"]
+__all__ = ["Checkpoints", "Trainer", "TrainingRun", "git_commit", "seeded", "snapshot"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +92,88 @@ def command_line() -> str:
     return shlex.join(argv)
 
 
+def snapshot(states: dict[str, Any]) -> dict[str, Any]:
+    """The states of optimizers, generators and other stateful objects (a replay memory), by
+    name: what a ``.last.pt`` checkpoint keeps beside its modules to resume the run exactly."""
+    return {name: obj.get_state() if isinstance(obj, torch.Generator) else obj.state_dict()
+            for name, obj in states.items()}
+
+
+def _load_state(obj: Any, state: Any) -> None:
+    """Put ``state`` (of :func:`snapshot`, or a numpy generator's state as JSON) back into ``obj``."""
+    if isinstance(obj, torch.Generator):
+        obj.set_state(state)
+    elif isinstance(obj, np.random.Generator):
+        obj.bit_generator.state = json.loads(state) if isinstance(state, str) else state
+    else:
+        obj.load_state_dict(state)
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """What one validation saves (:meth:`TrainingRun.record`): where in the run it is (e.g.
+    ``{"epoch": 3}``), the modules of the best checkpoint and of the last one, their metadata,
+    the last one's other states (:func:`snapshot`) and, under ``torchrun``, the module whose
+    parameters every rank must hold alike (``sync``)."""
+
+    where: dict[str, Any]
+    best: dict[str, Any]
+    last: dict[str, Any]
+    metadata: dict[str, Any]
+    extra_state: dict[str, Any]
+    sync: torch.nn.Module | None = None
+
+
+class Trainer(ABC):
+    """One trainer as :meth:`TrainingRun.loop` drives it (module docstring).
+
+    Attributes: ``name`` and ``unit`` (the progress bar's label and what a period counts:
+    ``epoch``, ``rollout``, ``transition``, ``step``), ``done`` and ``total`` (units trained so
+    far, and to train), ``clock`` (the CSV's ``seconds`` column: each period's own time,
+    ``period``; the time since the run started, ``run``; none, None).
+    """
+
+    name: str
+    unit: str
+    done: int
+    total: int
+    clock: Literal["period", "run"] | None = "period"
+
+    @abstractmethod
+    def train_period(self, bar: Any) -> dict[str, Any]:
+        """Train one period and advance ``done`` (``bar``: the progress bar, for a trainer that
+        shows progress within a period); returns the CSV row's training columns."""
+
+    def due(self) -> bool:
+        """Whether the period just trained ends with a validation (default: every one)."""
+        return True
+
+    @abstractmethod
+    def validate(self) -> dict[str, float]:
+        """The validation metrics of the current networks (the run's ``metric`` among them)."""
+
+    @abstractmethod
+    def checkpoints(self, metrics: dict[str, float]) -> Checkpoints:
+        """What the validation with ``metrics`` saves."""
+
+    def columns(self, metrics: dict[str, float]) -> dict[str, Any]:
+        """The CSV row's validation columns (default: ``val_<metric>``)."""
+        return {f"val_{key}": value for key, value in metrics.items()}
+
+    def fields(self, row: dict[str, Any]) -> Sequence[str] | None:
+        """The CSV's columns, in order (default: the row's keys; a trainer whose periods are not
+        all validated names them, since the first row's keys make the header)."""
+        return None
+
+    @abstractmethod
+    def report(self, row: dict[str, Any], metrics: dict[str, float], improved: bool) -> None:
+        """Say what the validation gave (the log line; rank 0 only)."""
+
+    def postfix(self, row: dict[str, Any]) -> dict[str, str]:
+        """The progress bar's figures after a period (default: none)."""
+        return {}
+
+
 class TrainingRun:
     """The bookkeeping of one run (module docstring).
 
@@ -101,6 +204,7 @@ class TrainingRun:
         self.best: dict[str, Any] = {metric: -math.inf if higher_is_better else math.inf}
         self.checkpoint: Checkpoint | None = None
         self.provenance: dict[str, Any] = {}
+        self.resumed_from = resume
         if resume is not None:
             ck = load_checkpoint(resume, map_location=map_location)
             if kind is not None and ck.metadata.get("kind") != kind:
@@ -176,3 +280,71 @@ class TrainingRun:
         saves its current modules as the best (rank 0 only)."""
         if self.main and not self.out.exists():
             save_checkpoint(self.out, best, {**metadata, **({"provenance": self.provenance} if self.provenance else {})})
+
+    def restore(self, modules: dict[str, Any], states: dict[str, Any], period: str,
+                optional: Collection[str] = ()) -> int:
+        """Resume in one call: the resumed checkpoint's state dicts go into ``modules`` and its
+        saved states (its extra state, else its metadata: a numpy generator's JSON state) into
+        the objects of ``states`` (optimizers, generators, a replay memory), each by name; a
+        None object, or an ``optional`` name the checkpoint lacks, is skipped. Returns the
+        periods done (metadata ``period``, e.g. ``epoch``); 0 for a fresh run."""
+        ck = self.checkpoint
+        if ck is None:
+            return 0
+        for name, module in modules.items():
+            if module is not None and not (name in optional and name not in ck.state_dicts):
+                module.load_state_dict(ck.state_dicts[name])
+        for name, obj in states.items():
+            saved = ck.extra if name in ck.extra else ck.metadata
+            if obj is not None and not (name in optional and name not in saved):
+                _load_state(obj, saved[name])
+        done = int(ck.metadata[period])
+        log.info("resumed from %s after %s %d (best val %s %.4f)", self.resumed_from, period, done, self.metric,
+                 self.best[self.metric])
+        return done
+
+    def validated(self, trainer: Trainer, row: dict[str, Any], dist: Dist = Dist()) -> bool:
+        """Validate ``trainer`` now and :meth:`record` it (keep the best, save the best and the
+        last checkpoints, wait for every rank); the validation's columns join ``row`` and rank 0
+        reports. Returns whether the metrics improved."""
+        metrics = trainer.validate()
+        saved = trainer.checkpoints(metrics)
+        improved = self.record(metrics, saved.where, saved.best, saved.last, saved.metadata, saved.extra_state,
+                               dist=dist, sync=saved.sync)
+        row.update(trainer.columns(metrics))
+        if self.main:
+            trainer.report(row, metrics, improved)
+        return improved
+
+    def end_period(self, trainer: Trainer, row: dict[str, Any], dist: Dist = Dist(),
+                   since: float | None = None) -> None:
+        """The end of one period: :meth:`validated` when the trainer is due, the ``seconds``
+        column (since ``since``, when given), the CSV row (rank 0)."""
+        if trainer.due():
+            self.validated(trainer, row, dist)
+        if since is not None:
+            row["seconds"] = time.perf_counter() - since
+        self.log_row(row, trainer.fields(row))
+
+    def loop(self, trainer: Trainer, dist: Dist = Dist(), progress: bool = True,
+             started: float | None = None) -> float:
+        """The trainer loop (module docstring): periods of ``trainer`` from its ``done`` until
+        its ``total``, each ended by :meth:`end_period`, under a progress bar (rank 0, with
+        ``progress``). ``started``: when the run's clock started (default: now). Returns the
+        seconds since then."""
+        from tqdm.auto import tqdm
+
+        started = time.perf_counter() if started is None else started
+        if trainer.done >= trainer.total:
+            log.info("nothing to do: %d of %d %ss already trained", trainer.done, trainer.total, trainer.unit)
+        bar = tqdm(desc=trainer.name, unit=trainer.unit, total=trainer.total, initial=trainer.done,
+                   disable=not (progress and self.main) or trainer.done >= trainer.total)
+        while trainer.done < trainer.total:
+            begun = time.perf_counter()
+            row = trainer.train_period(bar)
+            bar.update(trainer.done - bar.n)
+            since = begun if trainer.clock == "period" else started if trainer.clock == "run" else None
+            self.end_period(trainer, row, dist, since)
+            bar.set_postfix(trainer.postfix(row))
+        bar.close()
+        return time.perf_counter() - started

@@ -40,8 +40,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +54,7 @@ from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
 from masc_gadget.models.checkpoint import load_mar
 from masc_gadget.models.q_net import QNet, masked_q
-from training.run import TrainingRun, seeded
+from training.run import Checkpoints, Trainer, TrainingRun, seeded, snapshot
 from training.data import load_split
 from training.distributed import Dist, setup
 from training.rl.env import BatchedAcquisitionEnv, EnvConfig
@@ -281,28 +280,134 @@ def td_update(net: QNet, target: QNet, optimizer: torch.optim.Optimizer, env: Ba
 VAL_FIELDS = [f"val/{m}" for m in ("ssim", "psnr", "mse", "nmse", "mae", "return", "final_quality")]
 
 
-def train_dqn(config: Config, data_dir: str | Path, mar_path: str | Path | None, out: str | Path,
-              variant: str = "dqn", resume: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
-    """Train DQN or SS-DDQN (``variant``); the best checkpoint (validation SSIM of greedy
-    episodes) goes to ``out``, the latest (with the replay memory, for ``resume``) to
-    ``<out>.last.pt``, the log to ``<out>.csv``. With ``mar_path`` the agent observes and is
-    rewarded through that frozen MAR network (env section), else through the zero-filled
-    images. Returns the best validation metrics."""
-    from tqdm.auto import tqdm
+FIELDS = ["transitions", "charts/epsilon", "charts/episodic_return", "losses/td", "losses/q", "losses/grad_norm",
+          *VAL_FIELDS, "seconds"]
+"""The columns of the CSV log."""
 
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
-    double, spectral = VARIANTS[variant]["double"], VARIANTS[variant]["spectral"]
-    dist = setup()
+
+@dataclass(eq=False)
+class _DQNTrainer(Trainer):
+    """DQN / SS-DDQN as the shared loop (:meth:`~training.run.TrainingRun.loop`) drives it: a
+    period is the transitions between two validations (every ``val_every``, and at the end)."""
+
+    config: Config
+    cfg: DQNConfig
+    total: int
+    variant: str
+    data_dir: str | Path
+    mar_path: str | Path | None
+    mar_meta: dict[str, Any]
+    run: TrainingRun
+    net: QNet
+    target: QNet
+    optimizer: torch.optim.Optimizer
+    gen: torch.Generator
+    replay: MaskReplay
+    env: BatchedAcquisitionEnv
+    val_env: BatchedAcquisitionEnv
+    observes_mar: bool
+    dist: Dist
+    done: int = 0
+    """Transitions of this rank so far."""
+    next_val: int = 0
+    """The transitions at which the next validation is due."""
+    next_target: int = 0
+    """The transitions at which the target network is next copied from the online one."""
+    obs: Any = None
+    """The training environments' current observation."""
+    returns: list[float] = field(default_factory=list)
+    """The returns of the episodes finished since the last validation."""
+    stats: list[dict[str, float]] = field(default_factory=list)
+    """The gradient steps' statistics since the last validation."""
+    unit = "transition"
+    clock = "run"
+
+    @property
+    def name(self) -> str:
+        return f"train {self.variant}"
+
+    def train_period(self, bar: Any) -> dict[str, Any]:
+        cfg = self.cfg
+        while True:
+            epsilon = self._step()
+            bar.update(self.env.n_envs)
+            if self.done >= self.next_val or self.done >= cfg.steps:
+                break
+        self.next_val += cfg.val_every
+        self.net.eval()
+        row: dict[str, Any] = {"transitions": self.done, "charts/epsilon": epsilon,
+                               "charts/episodic_return": float(np.mean(self.returns)) if self.returns else math.nan}
+        for key in ("losses/td", "losses/q", "losses/grad_norm"):
+            row[key] = float(np.mean([s[key] for s in self.stats])) if self.stats else math.nan
+        self.returns, self.stats = [], []
+        return row
+
+    def _step(self) -> float:
+        """One batched environment step, epsilon-greedy, its transitions stored; then the
+        gradient steps (once the memory holds enough) and the target network's copy when due.
+        Returns the step's epsilon."""
+        cfg, net, obs = self.cfg, self.net, self.obs
+        epsilon = cfg.epsilon(self.done)
+        net.eval()
+        actions = explore(greedy_q(net, obs.image, obs.mask, obs.steps_left.float() / self.env.budget), obs.mask,
+                          epsilon, self.gen)
+        slices, masks, steps_left = self.env.slice_index, obs.mask.clone(), obs.steps_left.clone()
+        self.obs, rewards, _done, info = self.env.step(actions)
+        self.replay.add(slices, masks, actions, rewards, steps_left)
+        self.returns += info["episode_return"][torch.isfinite(info["episode_return"])].cpu().tolist()
+        self.done += self.env.n_envs
+        if len(self.replay) >= max(cfg.learning_starts, cfg.batch_size):
+            net.train()
+            for _ in range(cfg.updates_per_step):
+                self.stats.append(td_update(net, self.target, self.optimizer, self.env,
+                                            self.replay.sample(cfg.batch_size, self.gen), cfg,
+                                            VARIANTS[self.variant]["double"], self.dist))
+        if self.done >= self.next_target:
+            self.target.load_state_dict(net.state_dict())
+            self.next_target += cfg.target_update
+        return epsilon
+
+    def validate(self) -> dict[str, float]:
+        budget = self.env.budget
+        return self.val_env.validate(lambda obs: greedy_q(self.net, obs.image, obs.mask,
+                                                          obs.steps_left.float() / budget))
+
+    def metadata(self, val_metrics: dict[str, float]) -> dict[str, Any]:
+        config = self.config
+        return q_metadata(self.net, self.variant, self.observes_mar, transitions=self.done, val=val_metrics,
+                          best_val=self.run.best, code_version=__version__, data=str(self.data_dir),
+                          mar_checkpoint=str(self.mar_path) if self.mar_path else None,
+                          mar_epoch=self.mar_meta.get("epoch"),
+                          config={k: to_dict(config[k]) for k in ("acquisition", "env", "q_net", "dqn")})
+
+    def checkpoints(self, metrics: dict[str, float]) -> Checkpoints:
+        return Checkpoints({"transitions": self.done}, {"q": self.net}, {"q": self.net, "target": self.target},
+                           self.metadata(metrics),
+                           snapshot({"optimizer": self.optimizer, "generator": self.gen, "replay": self.replay}),
+                           sync=self.net)
+
+    def columns(self, metrics: dict[str, float]) -> dict[str, Any]:
+        return {f"val/{k}": v for k, v in metrics.items()}
+
+    def fields(self, row: dict[str, Any]) -> list[str]:
+        return FIELDS
+
+    def report(self, row: dict[str, Any], metrics: dict[str, float], improved: bool) -> None:
+        log.info("%s: %d transitions, epsilon %.3f, val SSIM %.4f, PSNR %.2f%s", self.variant, self.done,
+                 row["charts/epsilon"], metrics["ssim"], metrics["psnr"], " *best*" if improved else "")
+
+    def postfix(self, row: dict[str, Any]) -> dict[str, str]:
+        return {"ret": f"{row['charts/episodic_return']:.3f}", "best_ssim": f"{self.run.best['ssim']:.4f}"}
+
+
+def _dqn_trainer(config: Config, data_dir: str | Path, mar_path: str | Path | None, variant: str,
+                 run: TrainingRun, dist: Dist, device: torch.device) -> _DQNTrainer:
+    """The baseline's trainer: its splits, seeded online and target networks, optimizer, random
+    stream and replay memory, resumed from the run's last checkpoint when there is one, and its
+    training and validation environments (the training one reset)."""
     cfg: DQNConfig = config["dqn"]
     ecfg: EnvConfig = config["env"]
-    if ecfg.corruption > 0:
-        raise ValueError("env.corruption (re-acquiring flagged lines) is trained with MASC (masc train masc, "
-                         "policy_net.reacquire=true); the DQN baselines acquire each line once: set env.corruption=0")
     acq = config["acquisition"]
-    device = resolve_device(dist.device(cfg.device))
-    run = TrainingRun(out, "ssim", higher_is_better=True, main=dist.main, resume=resume, kind=variant,
-                      map_location=device)
     train = load_split(data_dir, "train", cfg.max_train_slices)
     val = load_split(data_dir, "val", cfg.max_val_slices)
     run.describe(data_dir, train=train, val=val)
@@ -314,91 +419,45 @@ def train_dqn(config: Config, data_dir: str | Path, mar_path: str | Path | None,
     if mar is not None:
         mar.eval().requires_grad_(False)
     net = seeded(cfg.seed, lambda: QNet(train.n_pe, *train.target.shape[1:], config["q_net"],
-                                        spectral=spectral).to(device))
+                                        spectral=VARIANTS[variant]["spectral"]).to(device))
     target = copy.deepcopy(net).eval().requires_grad_(False)
     optimizer = torch.optim.Adam(net.parameters(), lr=cfg.lr)
     gen = torch.Generator().manual_seed(cfg.seed + dist.rank)  # each rank explores on its own stream
     replay = MaskReplay(cfg.replay_size, train.n_pe)
-    done_steps = 0
-    if run.checkpoint is not None:
-        ck = run.checkpoint
-        net.load_state_dict(ck.state_dicts["q"])
-        target.load_state_dict(ck.state_dicts["target"])
-        optimizer.load_state_dict(ck.extra["optimizer"])
-        gen.set_state(ck.extra["generator"])
-        replay.load_state_dict(ck.extra["replay"])
-        done_steps = int(ck.metadata["transitions"])
-        if dist.rank:  # the checkpoint holds rank 0's stream and memory; other ranks start their own
-            gen.manual_seed(cfg.seed + dist.rank + 7919 * done_steps)
-        log.info("resumed from %s after %d transitions", resume, done_steps)
-    observes_mar = ecfg.observe_mar and mar is not None
+    done = run.restore({"q": net, "target": target}, {"optimizer": optimizer, "generator": gen, "replay": replay},
+                       "transitions")
+    if done and dist.rank:  # the checkpoint holds rank 0's stream and memory; other ranks start their own
+        gen.manual_seed(cfg.seed + dist.rank + 7919 * done)
     env = BatchedAcquisitionEnv(train, ecfg, acq.initial, acq.budget, mar, device,
-                                seed=cfg.seed + done_steps + 1_000_003 * dist.rank)
+                                seed=cfg.seed + done + 1_000_003 * dist.rank)
     val_env = BatchedAcquisitionEnv(val, ecfg, acq.initial, acq.budget, mar, device, seed=cfg.seed)
-    budget, n_envs = acq.budget, ecfg.n_envs
     log.info("%s: %d train / %d val slices, %d envs, %d transitions, replay %d (%.1f MB, no images), MAR %s, on %s",
-             variant, len(train), len(val), n_envs, cfg.steps, cfg.replay_size, replay.nbytes / 1e6,
+             variant, len(train), len(val), ecfg.n_envs, cfg.steps, cfg.replay_size, replay.nbytes / 1e6,
              "frozen" if mar is not None else "none", device)
+    return _DQNTrainer(config, cfg, cfg.steps, variant, data_dir, mar_path, mar_meta, run, net, target, optimizer,
+                       gen, replay, env, val_env, ecfg.observe_mar and mar is not None, dist, done,
+                       next_val=(done // cfg.val_every + 1) * cfg.val_every,
+                       next_target=(done // cfg.target_update + 1) * cfg.target_update, obs=env.reset())
 
-    def metadata(val_metrics: dict[str, float]) -> dict[str, Any]:
-        return q_metadata(net, variant, observes_mar, transitions=done_steps, val=val_metrics, best_val=run.best,
-                          code_version=__version__, data=str(data_dir), mar_checkpoint=str(mar_path) if mar_path else None,
-                          mar_epoch=mar_meta.get("epoch"),
-                          config={k: to_dict(config[k]) for k in ("acquisition", "env", "q_net", "dqn")})
 
-    def validate_and_save(row: dict[str, Any]) -> None:
-        val_metrics = val_env.validate(lambda obs: greedy_q(net, obs.image, obs.mask, obs.steps_left.float() / budget))
-        row.update({f"val/{k}": v for k, v in val_metrics.items()})
-        improved = run.record(val_metrics, {"transitions": done_steps}, {"q": net}, {"q": net, "target": target},
-                              metadata(val_metrics), {"optimizer": optimizer.state_dict(), "generator": gen.get_state(),
-                                                      "replay": replay.state_dict()}, dist=dist, sync=net)
-        if dist.main:
-            log.info("%s: %d transitions, epsilon %.3f, val SSIM %.4f, PSNR %.2f%s", variant, done_steps,
-                     row["charts/epsilon"], val_metrics["ssim"], val_metrics["psnr"], " *best*" if improved else "")
-
-    fields = ["transitions", "charts/epsilon", "charts/episodic_return", "losses/td", "losses/q",
-              "losses/grad_norm", *VAL_FIELDS, "seconds"]
-    obs = env.reset()
-    t0 = time.perf_counter()
-    returns: list[float] = []
-    stats: list[dict[str, float]] = []
-    next_val = (done_steps // cfg.val_every + 1) * cfg.val_every
-    next_target = (done_steps // cfg.target_update + 1) * cfg.target_update
-    bar = tqdm(desc=f"train {variant}", unit="transition", total=cfg.steps, initial=done_steps,
-               disable=not (progress and dist.main))
-    while done_steps < cfg.steps:
-        epsilon = cfg.epsilon(done_steps)
-        frac = obs.steps_left.float() / budget
-        net.eval()
-        actions = explore(greedy_q(net, obs.image, obs.mask, frac), obs.mask, epsilon, gen)
-        slices, masks, steps_left = env.slice_index, obs.mask.clone(), obs.steps_left.clone()
-        obs, rewards, _done, info = env.step(actions)
-        replay.add(slices, masks, actions, rewards, steps_left)
-        finished = info["episode_return"][torch.isfinite(info["episode_return"])]
-        returns += finished.cpu().tolist()
-        done_steps += n_envs
-        bar.update(n_envs)
-        if len(replay) >= max(cfg.learning_starts, cfg.batch_size):
-            net.train()
-            for _ in range(cfg.updates_per_step):
-                stats.append(td_update(net, target, optimizer, env, replay.sample(cfg.batch_size, gen), cfg, double,
-                                       dist))
-        if done_steps >= next_target:
-            target.load_state_dict(net.state_dict())
-            next_target += cfg.target_update
-        if done_steps >= next_val or done_steps >= cfg.steps:
-            next_val += cfg.val_every
-            net.eval()
-            row: dict[str, Any] = {"transitions": done_steps, "charts/epsilon": epsilon,
-                                   "charts/episodic_return": float(np.mean(returns)) if returns else math.nan}
-            for key in ("losses/td", "losses/q", "losses/grad_norm"):
-                row[key] = float(np.mean([s[key] for s in stats])) if stats else math.nan
-            validate_and_save(row)
-            row["seconds"] = time.perf_counter() - t0
-            run.log_row(row, fields)
-            bar.set_postfix(ret=f"{row['charts/episodic_return']:.3f}", best_ssim=f"{run.best['ssim']:.4f}")
-            returns, stats = [], []
-    bar.close()
-    run.best["seconds"] = time.perf_counter() - t0
-    run.finish({"q": net}, metadata(run.best))  # a resumed run that had nothing left to do
+def train_dqn(config: Config, data_dir: str | Path, mar_path: str | Path | None, out: str | Path,
+              variant: str = "dqn", resume: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
+    """Train DQN or SS-DDQN (``variant``); the best checkpoint (validation SSIM of greedy
+    episodes) goes to ``out``, the latest (with the replay memory, for ``resume``) to
+    ``<out>.last.pt``, the log to ``<out>.csv``. With ``mar_path`` the agent observes and is
+    rewarded through that frozen MAR network (env section), else through the zero-filled
+    images. Returns the best validation metrics."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
+    dist = setup()
+    cfg: DQNConfig = config["dqn"]
+    if config["env"].corruption > 0:
+        raise ValueError("env.corruption (re-acquiring flagged lines) is trained with MASC (masc train masc, "
+                         "policy_net.reacquire=true); the DQN baselines acquire each line once: set env.corruption=0")
+    device = resolve_device(dist.device(cfg.device))
+    run = TrainingRun(out, "ssim", higher_is_better=True, main=dist.main, resume=resume, kind=variant,
+                      map_location=device)
+    trainer = _dqn_trainer(config, data_dir, mar_path, variant, run, dist, device)
+    run.best["seconds"] = run.loop(trainer, dist, progress)
+    run.finish({"q": trainer.net}, trainer.metadata(run.best))  # a resumed run that had nothing left to do
     return run.best

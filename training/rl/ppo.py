@@ -1,7 +1,8 @@
 """PPO with invalid-action masking for the acquisition policy, written like CleanRL's ``ppo.py``
 but as importable functions: :func:`collect_rollout` -> :func:`compute_gae` -> :func:`ppo_update`
-(minibatch epochs over :func:`ppo_loss`), chained by :func:`run_ppo`, the one training loop
-(co-adaptive training and the benchmark add their work through its ``on_rollout`` hook).
+(minibatch epochs over :func:`ppo_loss`), chained by :func:`ppo_rounds`, one rollout and update
+after another: :func:`run_ppo` runs them with an ``on_rollout`` hook (the benchmark), co-adaptive
+training takes one round per period of the shared trainer loop (:mod:`training.run`).
 
 Paper ("Training Configuration"): Adam, learning rate 3e-4, rollouts of 512 steps, 4 epochs per
 update, clip range 0.2, entropy coefficient 0.01, GAE (Schulman et al. 2016).
@@ -18,7 +19,7 @@ passed in; the global RNGs are never used.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -516,7 +517,7 @@ def run_ppo(
 
     ``on_rollout(iteration, rollout, stats)`` runs after each update, iteration counting from
     ``start_iteration`` (a resumed run passes where it stopped + 1): logging, checkpoints,
-    validation, or work of its own between two rollouts (the co-adaptive MAR fine-tuning). It
+    validation, or work of its own between two rollouts. It
     may add entries to ``stats``, and may replace ``rollout.cursor.obs`` when it changed what the
     environment shows (the next rollout starts from ``rollout.cursor``).
 
@@ -527,17 +528,29 @@ def run_ppo(
     if iterations < 0:
         raise ValueError(f"iterations must be >= 0, got {iterations}")
     history: list[dict[str, float]] = []
-    if iterations == 0:
-        return history
+    rounds = ppo_rounds(env, net, cfg, optimizer, generator, dist)
+    for iteration in range(start_iteration, start_iteration + iterations):
+        rollout, stats = next(rounds)
+        if on_rollout is not None:
+            on_rollout(iteration, rollout, stats)
+        history.append(stats)
+    return history
+
+
+def ppo_rounds(env: BatchedEnv, net: PolicyNet, cfg: PPOConfig, optimizer: torch.optim.Optimizer,
+               generator: torch.Generator, dist: Dist = Dist()) -> Iterator[tuple[Rollout, dict[str, float]]]:
+    """PPO's rounds, one per ``next``: a rollout (:func:`collect_rollout`, ``cfg.rollout_steps``
+    transitions of all environments) and its update (:func:`ppo_update`), yielded with the
+    update's stats and ``charts/episodic_return`` (the mean return of the episodes that finished
+    in the rollout, NaN when none did). ``env`` is reset at the first round; each round continues
+    the episodes from the previous one's ``rollout.cursor``, which the caller may update between
+    two rounds (when it changed what the environment shows)."""
     cursor = start(env, _device(net))
     n_steps = cfg.steps_per_env(cursor.obs.mask.shape[0])
-    for iteration in range(start_iteration, start_iteration + iterations):
+    while True:
         net.eval()
         rollout = collect_rollout(env, net, n_steps, generator, cursor)
         stats = ppo_update(net, optimizer, rollout, cfg, generator, dist)
         stats["charts/episodic_return"] = _mean_or_nan(rollout.episode_returns)
-        if on_rollout is not None:
-            on_rollout(iteration, rollout, stats)
+        yield rollout, stats
         cursor = rollout.cursor
-        history.append(stats)
-    return history
