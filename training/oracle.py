@@ -10,6 +10,12 @@ region of interest (``roi``), ``Q`` is scored there (:func:`masc_gadget.core.met
 :class:`BeamOracle` is the stronger yardstick where the greedy one falls short: a beam search
 over line sets that keeps the greedy path among its beams, so it is never below greedy on the
 score it maximises.
+
+:class:`ReacquireOracle` is the greedy oracle when acquisitions can come back corrupted
+(:mod:`training.rl.corruption`): at every step it scores every free line (its first attempt) and
+every acquired line again (its next attempt, which replaces the last, :func:`kspace_of`), on the
+clean image; it knows the outcome of each draw, so it is a yardstick, as the oracle is without
+corruption.
 """
 
 from __future__ import annotations
@@ -140,3 +146,55 @@ class BeamOracle(GreedyOracle):
             lines[b], final[b] = paths[best], q[best]
         return lines, final
 
+
+def kspace_of(attempt_kspace: torch.Tensor, count: np.ndarray) -> torch.Tensor:
+    """(B, PE, RO): each acquired line's latest attempt (``count`` (B, PE) int, acquisitions
+    of each line so far; a line never acquired takes attempt 0, masked out by the caller)."""
+    b, a, n_pe, _ = attempt_kspace.shape
+    latest = torch.from_numpy(np.clip(count - 1, 0, a - 1)).to(attempt_kspace.device)
+    index = latest[:, None, :, None].expand(b, 1, n_pe, attempt_kspace.shape[-1])
+    return attempt_kspace.gather(1, index)[:, 0]
+
+
+class ReacquireOracle:
+    """Greedy oracle over new lines and re-acquisitions (module docstring).
+
+    Args:
+        l_ssim, l_nmse: the weights of Q.
+        chunk: candidate images per forward pass.
+    """
+
+    name = "oracle-reacquire"
+
+    def __init__(self, l_ssim: float = 0.5, l_nmse: float = 0.5, chunk: int = 256) -> None:
+        self.l_ssim, self.l_nmse, self.chunk = float(l_ssim), float(l_nmse), int(chunk)
+
+    @torch.no_grad()
+    def plan(self, attempt_kspace: torch.Tensor, start: np.ndarray, budget: int, target: torch.Tensor,
+             mar: torch.nn.Module | None, roi: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Spend ``budget`` acquisitions on every slice from the initial lines ``start`` (B, PE)
+        bool (acquired once each).
+
+        Returns ``(actions, count)``: (B, budget) int64, the line of each acquisition (a line
+        that appears twice was re-acquired), and (B, PE) int, acquisitions of each line at the
+        end (the k-space served is :func:`kspace_of` that)."""
+        b, attempts, n_pe, _ = attempt_kspace.shape
+        count = start.astype(np.int64)
+        actions = np.zeros((b, budget), dtype=np.int64)
+        for step in range(budget):
+            rows, lines = np.nonzero(count < attempts)  # a line with attempts left: new or again
+            cand = count[rows].copy()
+            cand[np.arange(len(rows)), lines] += 1
+            scores = np.full((b, n_pe), -np.inf)
+            for s in range(0, len(rows), self.chunk):
+                part = slice(s, s + self.chunk)
+                r = torch.from_numpy(rows[part]).to(attempt_kspace.device)
+                k = kspace_of(attempt_kspace[r], cand[part])
+                image = zero_filled(k, torch.from_numpy(cand[part] > 0).to(k.device))
+                if mar is not None:
+                    image = mar(image)
+                q = quality(image, target[r], self.l_ssim, self.l_nmse, None if roi is None else roi[r])
+                scores[rows[part], lines[part]] = q.double().cpu().numpy()
+            actions[:, step] = scores.argmax(axis=1)
+            count[np.arange(b), actions[:, step]] += 1
+        return actions, count

@@ -12,10 +12,10 @@ corrupts each *acquisition* of a line independently with ``probability``:
 
 :func:`draw_attempts` draws every slice's acquisitions up front, seeded per slice (its position in
 the set and its index in its subject, :func:`~masc_gadget.acquisition.policies.slice_rng`): attempt ``a`` of line ``k`` is the same
-whoever acquires it, so methods are compared on the same draws. :class:`ReacquireOracle` is the
-greedy oracle with re-acquisition: at every step it scores every free line (its first attempt)
-and every acquired line again (its next attempt, which replaces the last), on the clean image;
-it knows the outcome of each draw, so it is a yardstick, as the oracle is without corruption.
+whoever acquires it, so methods are compared on the same draws; the greedy oracle that may
+acquire a line again, a yardstick on those draws, lives with the other oracles
+(:class:`training.oracle.ReacquireOracle`), and so does :func:`training.oracle.kspace_of`, the
+k-space of each line's latest attempt.
 :class:`RepeatEpisodes` are the episodes of a policy that may acquire a flagged line again
 (every acquisition spends a step), :func:`repeatable_lines` the lines it may repeat now.
 """
@@ -31,11 +31,9 @@ import torch
 
 from masc_gadget.acquisition.episode import EpisodeBatch, _as_lines
 from masc_gadget.acquisition.policies import slice_rng
-from masc_gadget.core.kspace import zero_filled
-from masc_gadget.core.metrics import quality
 
-__all__ = ["KINDS", "CorruptionModel", "ReacquireOracle", "RepeatEpisodes", "repeatable_lines", "corrupt_slice", "draw_attempts", "draw_flagged",
-           "kspace_of"]
+__all__ = ["KINDS", "CorruptionModel", "RepeatEpisodes", "repeatable_lines", "corrupt_slice", "draw_attempts",
+           "draw_flagged"]
 
 KINDS = ("motion", "spike")
 
@@ -129,59 +127,6 @@ def corrupt_slice(kspace: torch.Tensor, model: CorruptionModel, attempts: int, r
     u = rng.random((attempts, n_pe))
     flagged = np.where(hit, u < model.detection, u < model.false_alarm)
     return out, hit, flagged
-
-
-def kspace_of(attempt_kspace: torch.Tensor, count: np.ndarray) -> torch.Tensor:
-    """(B, PE, RO): each acquired line's latest attempt (``count`` (B, PE) int, acquisitions
-    of each line so far; a line never acquired takes attempt 0, masked out by the caller)."""
-    b, a, n_pe, _ = attempt_kspace.shape
-    latest = torch.from_numpy(np.clip(count - 1, 0, a - 1)).to(attempt_kspace.device)
-    index = latest[:, None, :, None].expand(b, 1, n_pe, attempt_kspace.shape[-1])
-    return attempt_kspace.gather(1, index)[:, 0]
-
-
-class ReacquireOracle:
-    """Greedy oracle over new lines and re-acquisitions (module docstring).
-
-    Args:
-        l_ssim, l_nmse: the weights of Q.
-        chunk: candidate images per forward pass.
-    """
-
-    name = "oracle-reacquire"
-
-    def __init__(self, l_ssim: float = 0.5, l_nmse: float = 0.5, chunk: int = 256) -> None:
-        self.l_ssim, self.l_nmse, self.chunk = float(l_ssim), float(l_nmse), int(chunk)
-
-    @torch.no_grad()
-    def plan(self, attempt_kspace: torch.Tensor, start: np.ndarray, budget: int, target: torch.Tensor,
-             mar: torch.nn.Module | None, roi: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Spend ``budget`` acquisitions on every slice from the initial lines ``start`` (B, PE)
-        bool (acquired once each).
-
-        Returns ``(actions, count)``: (B, budget) int64, the line of each acquisition (a line
-        that appears twice was re-acquired), and (B, PE) int, acquisitions of each line at the
-        end (the k-space served is :func:`kspace_of` that)."""
-        b, attempts, n_pe, _ = attempt_kspace.shape
-        count = start.astype(np.int64)
-        actions = np.zeros((b, budget), dtype=np.int64)
-        for step in range(budget):
-            rows, lines = np.nonzero(count < attempts)  # a line with attempts left: new or again
-            cand = count[rows].copy()
-            cand[np.arange(len(rows)), lines] += 1
-            scores = np.full((b, n_pe), -np.inf)
-            for s in range(0, len(rows), self.chunk):
-                part = slice(s, s + self.chunk)
-                r = torch.from_numpy(rows[part]).to(attempt_kspace.device)
-                k = kspace_of(attempt_kspace[r], cand[part])
-                image = zero_filled(k, torch.from_numpy(cand[part] > 0).to(k.device))
-                if mar is not None:
-                    image = mar(image)
-                q = quality(image, target[r], self.l_ssim, self.l_nmse, None if roi is None else roi[r])
-                scores[rows[part], lines[part]] = q.double().cpu().numpy()
-            actions[:, step] = scores.argmax(axis=1)
-            count[np.arange(b), actions[:, step]] += 1
-        return actions, count
 
 
 class RepeatEpisodes(EpisodeBatch):

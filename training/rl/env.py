@@ -37,7 +37,8 @@ from masc_gadget.device import resolve_device
 from masc_gadget.core.kspace import to_hybrid, zero_filled_hybrid
 from masc_gadget.core.metrics import QualityReference
 from training.data import REGIONS, SliceSet
-from training.rl.corruption import CorruptionModel, RepeatEpisodes, corrupt_slice, draw_flagged, kspace_of, repeatable_lines
+from training.oracle import kspace_of
+from training.rl.corruption import CorruptionModel, RepeatEpisodes, corrupt_slice, draw_flagged, repeatable_lines
 from training.scoring import score_batch
 
 __all__ = ["BatchedAcquisitionEnv", "EnvConfig", "Observation", "RepeatEpisodes", "repeatable_lines"]

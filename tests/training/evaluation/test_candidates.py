@@ -9,7 +9,8 @@ from masc_gadget.acquisition.episode import initial_lines
 from masc_gadget.config import load_config
 from tests.conftest import CONFIGS
 from training.data import load_split
-from training.rl.corruption import CorruptionModel, ReacquireOracle, draw_attempts, kspace_of
+from training.oracle import ReacquireOracle, kspace_of
+from training.rl.corruption import CorruptionModel, draw_attempts
 from training.evaluation.headroom import headroom
 
 

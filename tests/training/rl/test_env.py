@@ -504,7 +504,8 @@ def test_mar_on_another_device_is_refused(data):
 
 
 def test_a_flagged_line_may_be_acquired_again_and_its_new_acquisition_is_served(data, mar, global_rng_guard):
-    from training.rl.corruption import draw_flagged, kspace_of
+    from training.oracle import kspace_of
+    from training.rl.corruption import draw_flagged
 
     cfg = dict(n_envs=3, corruption=0.5, corruption_kind="spike", detection=1.0, false_alarm=0.0, attempts=2)
     env = _env(data, mar, seed=1, **cfg)

@@ -25,9 +25,9 @@ from training.evaluation.headroom.config import METHODS, HeadroomConfig, measure
 from training.evaluation.headroom.summary import better_fixed, captured_share, summarise
 from training.evaluation.sense import SenseRecon
 from training.evaluation.stats import subject_folds, subject_tests
-from training.oracle import BeamOracle
+from training.oracle import BeamOracle, ReacquireOracle, kspace_of
 from training.population import population_order
-from training.rl.corruption import ReacquireOracle, draw_attempts, kspace_of
+from training.rl.corruption import draw_attempts
 from training.rl.env import BatchedAcquisitionEnv
 from training.scoring import Recon, line_masks, score_masks
 from training.evaluation.headroom.types import HeadroomReport, HeadroomRun
