@@ -148,10 +148,6 @@ class Rollout:
     corruption), else None."""
 
     @property
-    def num_steps(self) -> int:
-        return self.actions.shape[0]
-
-    @property
     def num_envs(self) -> int:
         return self.actions.shape[1]
 

@@ -78,7 +78,7 @@ def test_the_array_sends_multi_coil_lines_and_leaves_the_single_coil_data_alone(
 def test_multi_coil_test_split_scans_in_closed_loop(multicoil, tmp_path, combine):
     _, array = multicoil
     server = MascServer(load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu", f"gadget.coil_combine={combine}"]),
-                        host="127.0.0.1", port=0)
+                        address="127.0.0.1", port=0)
     _, port = server.start()
     try:
         scan_config = load_config(CONFIGS / "tiny.yaml", [f"scanner.server=127.0.0.1:{port}", "scanner.feedback=inband",

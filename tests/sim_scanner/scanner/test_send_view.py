@@ -28,7 +28,7 @@ def stream(tiny_dataset, tmp_path_factory):
 @pytest.fixture
 def server(perturbed_mar):
     srv = MascServer(load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu", f"gadget.mar_checkpoint={perturbed_mar}"]),
-                     host="127.0.0.1", port=0)
+                     address="127.0.0.1", port=0)
     _, port = srv.start()
     yield f"127.0.0.1:{port}"
     srv.shutdown()
@@ -70,7 +70,7 @@ def fallback_server(perturbed_mar, tmp_path):
     calibrated = tmp_path / "calibrated.pt"
     export_checkpoint(perturbed_mar, calibrated, ood={"score": "residual", "threshold": 1e-9})
     srv = MascServer(load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu", f"gadget.mar_checkpoint={calibrated}"]),
-                     host="127.0.0.1", port=0)
+                     address="127.0.0.1", port=0)
     _, port = srv.start()
     yield f"127.0.0.1:{port}"
     srv.shutdown()
