@@ -135,3 +135,18 @@ def test_the_trainers_that_acquire_each_line_once_refuse_corruption(tiny_dataset
                   progress=False)
     with pytest.raises(ValueError, match="env.corruption"):
         ActiveAcquisitionEnv(data=load_split(tiny_dataset, "train"), config={"env": {"corruption": 0.1}})
+
+
+def test_the_gated_order_repeats_the_most_central_flagged_line_first():
+    """Hand-worked: order 4, 3, 5, 2 on 8 lines; a slice with no flag plays the next line of the
+    order, a slice with flags repeats the flagged line nearest the centre (line 4)."""
+    from types import SimpleNamespace
+
+    from training.rl.corruption import GatedOrder
+
+    mask = torch.zeros(3, 8, dtype=torch.bool)
+    mask[0, 4] = mask[1, [4, 3]] = mask[2, [4, 3]] = True
+    flagged = torch.zeros(3, 8, dtype=torch.bool)
+    flagged[1, [3, 4]] = flagged[2, 3] = True
+    play = GatedOrder(np.array([4, 3, 5, 2]), 8)
+    assert play(SimpleNamespace(mask=mask, repeatable=flagged)).tolist() == [3, 4, 3]

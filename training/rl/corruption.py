@@ -17,7 +17,9 @@ acquire a line again, a yardstick on those draws, lives with the other oracles
 (:class:`training.oracle.ReacquireOracle`), and so does :func:`training.oracle.kspace_of`, the
 k-space of each line's latest attempt.
 :class:`RepeatEpisodes` are the episodes of a policy that may acquire a flagged line again
-(every acquisition spends a step), :func:`repeatable_lines` the lines it may repeat now.
+(every acquisition spends a step), :func:`repeatable_lines` the lines it may repeat now, and
+:class:`GatedOrder` the rule a scanner plays with navigator gating: a fixed order that acquires
+each flagged line again first.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ import torch
 from masc_gadget.acquisition.episode import EpisodeBatch, _as_lines
 from masc_gadget.acquisition.policies import slice_rng
 
-__all__ = ["KINDS", "CorruptionModel", "RepeatEpisodes", "repeatable_lines", "corrupt_slice", "draw_attempts",
-           "draw_flagged"]
+__all__ = ["KINDS", "CorruptionModel", "GatedOrder", "RepeatEpisodes", "repeatable_lines", "corrupt_slice",
+           "draw_attempts", "draw_flagged"]
 
 KINDS = ("motion", "spike")
 
@@ -187,3 +189,22 @@ def repeatable_lines(flags: torch.Tensor, counts: np.ndarray) -> torch.Tensor:
     c = torch.from_numpy(counts).to(flags.device)
     latest = flags.gather(1, (c - 1).clamp(0, attempts - 1)[:, None])[:, 0]
     return latest & (c > 0) & (c < attempts)
+
+
+class GatedOrder:
+    """A fixed order with navigator gating, as a policy of
+    :meth:`training.rl.env.BatchedAcquisitionEnv.evaluate` (observation -> (B,) lines): while an
+    acquired line is flagged (and has attempts left) it is acquired again, the most central
+    first; otherwise the next line of ``order`` not yet acquired. A rule, not a learned policy:
+    the bar a learned one that may repeat lines has to clear."""
+
+    def __init__(self, order: np.ndarray, n_pe: int) -> None:
+        self.order = torch.as_tensor(np.asarray(order), dtype=torch.int64)
+        self.distance = (torch.arange(n_pe) - n_pe // 2).abs().float()
+
+    def __call__(self, obs: Any) -> torch.Tensor:
+        mask, flagged = obs.mask.cpu(), obs.repeatable.cpu()
+        free = ~mask[:, self.order]
+        following = self.order[free.to(torch.uint8).argmax(dim=1)]
+        central = torch.where(flagged, -self.distance, torch.tensor(-math.inf)).argmax(dim=1)
+        return torch.where(flagged.any(dim=1), central, following)

@@ -39,7 +39,7 @@ Reports are typed (:mod:`training.evaluation.headroom.types`: :class:`HeadroomRe
 
 from training.data import REGIONS
 from training.evaluation.headroom.config import METHODS, RECONS, HeadroomConfig, measured_slices
-from training.evaluation.headroom.measure import add_policies, gated_policy, headroom
+from training.evaluation.headroom.measure import add_policies, headroom
 from training.evaluation.headroom.report import (describe, read_headroom, render_candidates, render_headroom,
                                                   write_headroom)
 from training.evaluation.headroom.summary import summarise
@@ -47,5 +47,5 @@ from training.evaluation.headroom.types import HeadroomReport, HeadroomRun
 from training.evaluation.stats import subject_folds
 
 __all__ = ["HeadroomConfig", "HeadroomReport", "HeadroomRun", "METHODS", "RECONS", "REGIONS", "add_policies",
-           "describe", "gated_policy", "headroom", "measured_slices", "read_headroom", "render_candidates",
+           "describe", "headroom", "measured_slices", "read_headroom", "render_candidates",
            "render_headroom", "subject_folds", "summarise", "write_headroom"]

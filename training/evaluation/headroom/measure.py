@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,7 +26,7 @@ from training.evaluation.sense import SenseRecon
 from training.evaluation.stats import subject_folds, subject_tests
 from training.oracle import BeamOracle, ReacquireOracle, kspace_of
 from training.population import population_order
-from training.rl.corruption import draw_attempts
+from training.rl.corruption import GatedOrder, draw_attempts
 from training.rl.env import BatchedAcquisitionEnv
 from training.scoring import Recon, line_masks, score_masks
 from training.evaluation.headroom.types import HeadroomReport, HeadroomRun
@@ -41,23 +40,6 @@ def _scores(data: SliceSet, masks: np.ndarray, mar: torch.nn.Module | None, roi:
     ``roi`` (``roi_ssim``, ``roi_psnr``): :func:`training.scoring.score_masks`."""
     return score_masks(data, masks, mar, roi=roi, recon=recon, metrics=("ssim", "psnr"), batch_size=batch_size,
                        device=device).flat()
-
-
-def gated_policy(order: np.ndarray, n_pe: int) -> Callable[[Any], torch.Tensor]:
-    """The fixed order with navigator gating, for :meth:`BatchedAcquisitionEnv.evaluate`: while
-    an acquired line is flagged (and has attempts left) it is acquired again, the most central
-    first; otherwise the next line of ``order`` not yet acquired."""
-    order_t = torch.as_tensor(np.asarray(order), dtype=torch.int64)
-    distance = (torch.arange(n_pe) - n_pe // 2).abs().float()
-
-    def choose(obs: Any) -> torch.Tensor:
-        mask, flagged = obs.mask.cpu(), obs.repeatable.cpu()
-        free = ~mask[:, order_t]
-        following = order_t[free.to(torch.uint8).argmax(dim=1)]
-        central = torch.where(flagged, -distance, torch.tensor(-math.inf)).argmax(dim=1)
-        return torch.where(flagged.any(dim=1), central, following)
-
-    return choose
 
 
 def _measure_one(data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionConfig, hcfg: HeadroomConfig,
@@ -128,7 +110,7 @@ def _measure_one(data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionCo
         gated_count = np.zeros_like(count)
         for k in np.unique(folds):
             rows = np.flatnonzero(folds == k)
-            played = env.evaluate(gated_policy(fixed[rows[0]], n_pe), indices=rows, batch_size=hcfg.batch_size)
+            played = env.evaluate(GatedOrder(fixed[rows[0]], n_pe), indices=rows, batch_size=hcfg.batch_size)
             gated_count[rows] = played["counts"].numpy()
         scores["gated"] = _scores(replace(clean, kspace_metal=kspace_of(attempts, gated_count)), gated_count > 0,
                                       mar, roi, device, hcfg.batch_size)
