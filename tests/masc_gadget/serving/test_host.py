@@ -219,9 +219,9 @@ def test_idle_sockets_from_a_few_addresses_do_not_push_out_a_slow_handshake():
 
 
 def test_one_address_holds_at_most_its_share_of_the_slots():
-    with running_server("server.max_connections_per_peer=1", "server.handshake_timeout_s=1") as (_, port):
+    with running_server("server.max_connections_per_peer=1", "server.handshake_timeout_s=1") as (server, port):
         holder = open_scan(port, (0, 8))
-        time.sleep(0.2)
+        assert settle(lambda: len(server._slots) == 1)  # the holder has its slot
         _, texts, _ = errors_of(port, lambda s: (s.send_config_file("default"), s.send_header(header_xml())))
         assert texts and "(server.max_connections_per_peer)" in texts[0]
         holder.send_close()
@@ -316,8 +316,7 @@ def test_the_memory_budget_covers_all_connections():
     one_slice = 1 * N_PE * N_RO * 8  # coils x matrix x 8 bytes, counted as the slice opens
     with running_server(f"server.memory_budget_bytes={2 * one_slice + 100}") as (server, port):
         holder = open_scan(port, (0, 8), (1, 8))
-        time.sleep(0.3)
-        assert server.host.budget.used == 2 * one_slice
+        assert settle(lambda: server.host.budget.used == 2 * one_slice)
         images, texts = good_scan(port)
         assert not images and "memory budget for all scans (4.1 KiB, server.memory_budget_bytes)" in texts[0]
         holder.send_close()
@@ -478,7 +477,7 @@ def test_shutdown_mid_scan_sends_the_open_slices_then_names_itself():
     normal close."""
     with running_server() as (server, port):
         stream = open_scan(port, *((0, pe) for pe in LINES[:2]))
-        time.sleep(0.3)
+        assert settle(lambda: server.host.budget.used > 0)  # its lines are in: slice 0 is open
         server.shutdown(timeout=5)
         images, texts, ids = drain(stream)
         stream.close()
