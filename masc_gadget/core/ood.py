@@ -152,6 +152,10 @@ class OodCalibration:
         early = section.get("early") if isinstance(section, dict) else None
         if early is None:
             return None
+        if isinstance(early, dict) and early.get("after_lines") is not None:
+            raise ValueError(f"{where}: metadata 'ood.early' was calibrated after {early['after_lines']} lines "
+                             "(masc check mar --early-lines), a study: the gadget switches after the initial lines; "
+                             "calibrate without --early-lines to serve it")
         try:
             return cls(str(early["score"]), float(early["threshold"]), "early")
         except (TypeError, KeyError, ValueError) as err:

@@ -47,6 +47,10 @@ def register_mar_check(subparsers: argparse._SubParsersAction, common: argparse.
                     "(K folds by subject; a real volume is one subject): per subject and over subjects, against "
                     "doing nothing (centre-out's zero-filled image); a network that carries a policy is judged "
                     "on its own lines")
+    mc.add_argument("--early-lines", type=int, default=None, metavar="N",
+                    help="a study of a later switch: the early rule scores the image of each slice's first N own "
+                         "lines (N > the initial lines) and a flagged slice continues with centre-out's lines; "
+                         "its calibration cannot be exported (the gadget switches after the initial lines)")
     mc.add_argument("--out", required=True, metavar="DIR", help="results.json, report.md, roc.png")
     mc.set_defaults(func=cmd_mar_check)
 
@@ -90,7 +94,7 @@ def cmd_mar_check(args: argparse.Namespace) -> int:
     mar_check(mars, args.data, args.split, acq.initial, acq.budget, args.out, policy=args.policy,
               snr=snr if snr[0] > 0 else None,
               reference=args.reference, ood=ood, do_calibrate=args.calibrate, policies=policies,
-              folds=args.cross_validate)
+              folds=args.cross_validate, early_lines=args.early_lines)
     print((Path(args.out) / "report.md").read_text())
     return 0
 

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from masc_gadget.acquisition.policies import make_policy, run_episode
+from masc_gadget.acquisition.policies import center_out_rank, make_policy, run_episode
 from masc_gadget.core.metrics import slice_metrics
 from masc_gadget.core.ood import SCORES, ood_score
 from training.data import SliceSet, data_dirs, load_split
@@ -189,25 +189,60 @@ def auc_interval(scores: np.ndarray, harm: np.ndarray, subjects: list[str], draw
 STAGE_KEYS = {"end": ("score_", "zf_ssim"), "early": ("early_score_", "nothing_ssim")}
 """Per stage of the OOD rule (:mod:`masc_gadget.core.ood`): the prefix of its score rows and the
 row a flagged slice is served as: at the end, the zero-filled image of its own lines; switched
-early, centre-out's zero-filled image (doing nothing)."""
+early, centre-out's zero-filled image (doing nothing), or, switched after more lines than the
+initial ones (``--early-lines``), the zero-filled image of those lines and centre-out's next
+ones (row ``switched_ssim``)."""
 
 
 def fallback_ssim(rows: dict[str, np.ndarray], kind: str, threshold: float, stage: str = "end") -> np.ndarray:
     """Per-slice served SSIM when slices whose ``stage`` score exceeds ``threshold`` are served
     by that stage's fallback (:data:`STAGE_KEYS`)."""
     prefix, fallback = STAGE_KEYS[stage]
+    if stage == "early" and "switched_ssim" in rows:
+        fallback = "switched_ssim"
     above = rows[f"{prefix}{kind}"] > threshold
     return np.where(above, rows[fallback], rows["mar_ssim"])
 
 
+def switched_lines(lines: np.ndarray, after: int, n_pe: int) -> np.ndarray:
+    """(n, L) each row's first ``after`` lines (acquisition order), then centre-out's lines not
+    acquired yet, as many as the row has in all: what a slice switched after ``after`` lines
+    acquires."""
+    order = np.argsort(center_out_rank(n_pe), kind="stable")
+    out = np.empty_like(lines)
+    for i, row in enumerate(lines):
+        kept = list(row[:after])
+        rest = [line for line in order if line not in set(kept)]
+        out[i] = kept + rest[:len(row) - after]
+    return out
+
+
 @torch.no_grad()
-def early_rows(mar: torch.nn.Module, data: SliceSet, initial: int, batch_size: int = 32) -> dict[str, np.ndarray]:
+def early_rows(mar: torch.nn.Module, data: SliceSet, initial: int, batch_size: int = 32,
+               lines: np.ndarray | None = None, after: int | None = None) -> dict[str, np.ndarray]:
     """Per slice: every OOD score of the network's output for the image of the initial centre
-    lines (``early_score_<kind>``), what the early rule reads at the policy's first decision."""
-    masks = line_masks(len(data), data.n_pe, initial, np.zeros(0, dtype=np.int64))
+    lines (``early_score_<kind>``), what the early rule reads at the policy's first decision.
+    With the slices' own ``lines`` ((n, initial + budget), acquisition order) and ``after`` >
+    ``initial``: the scores of the image of each slice's first ``after`` lines instead, and the
+    SSIM of the image it is served when switched then (``switched_ssim``, :func:`switched_lines`)."""
+    if lines is None or after is None or after <= initial:
+        masks = line_masks(len(data), data.n_pe, initial, np.zeros(0, dtype=np.int64))
+    else:
+        masks = _masks_of(lines[:, :after], data.n_pe)
     scored = score_masks(data, masks, mar, metrics=("ssim",), kinds=SCORES, batch_size=batch_size,
                          device=torch.device("cpu"))
-    return {f"early_score_{kind}": value for kind, value in scored.ood.items()}
+    rows = {f"early_score_{kind}": value for kind, value in scored.ood.items()}
+    if lines is not None and after is not None and after > initial:
+        switched = score_masks(data, _masks_of(switched_lines(lines, after, data.n_pe), data.n_pe), None,
+                               metrics=("ssim",), batch_size=batch_size, device=torch.device("cpu"))
+        rows["switched_ssim"] = switched.flat()["ssim"]
+    return rows
+
+
+def _masks_of(lines: np.ndarray, n_pe: int) -> torch.Tensor:
+    masks = torch.zeros(len(lines), n_pe, dtype=torch.bool)
+    masks[torch.arange(len(lines))[:, None], torch.as_tensor(np.asarray(lines, dtype=np.int64))] = True
+    return masks
 
 
 def calibrate(rows: dict[str, np.ndarray], stage: str = "end") -> dict[str, Any]:
@@ -301,35 +336,48 @@ def _summary(rows: dict[str, np.ndarray], subjects: list[str], reference: dict[s
 
 
 @torch.no_grad()
-def own_masks(policy: Any, mar: torch.nn.Module, data: SliceSet, initial: int, budget: int,
-              batch_size: int = 32) -> torch.Tensor:
-    """(n, n_pe) bool: the lines a learned ``policy`` plays on each slice of ``data`` under its
-    ``mar`` network, as ``masc eval`` and the gadget play them (seed 0)."""
+def own_lines(policy: Any, mar: torch.nn.Module, data: SliceSet, initial: int, budget: int,
+              batch_size: int = 32) -> np.ndarray:
+    """(n, initial + budget): the lines a learned ``policy`` plays on each slice of ``data``
+    under its ``mar`` network, in acquisition order, as ``masc eval`` and the gadget play them
+    (seed 0)."""
     from training.evaluation.evaluate import run_method
 
-    lines = run_method(policy, data, initial, budget, mar, seed=0, batch_size=batch_size,
-                       device=torch.device("cpu"), score=False).lines
-    masks = torch.zeros(len(data), data.n_pe, dtype=torch.bool)
-    masks[torch.arange(len(data))[:, None], torch.as_tensor(lines)] = True
-    return masks
+    return np.asarray(run_method(policy, data, initial, budget, mar, seed=0, batch_size=batch_size,
+                                 device=torch.device("cpu"), score=False).lines)
+
+
+def own_masks(policy: Any, mar: torch.nn.Module, data: SliceSet, initial: int, budget: int,
+              batch_size: int = 32) -> torch.Tensor:
+    """(n, n_pe) bool: :func:`own_lines` as masks."""
+    return _masks_of(own_lines(policy, mar, data, initial, budget, batch_size), data.n_pe)
 
 
 def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: str, initial: int, budget: int,
               out: str | Path, policy: str = "center-out", reference: str | None = None,
               ood: dict[str, dict[str, Any]] | None = None, do_calibrate: bool = False,
               batch_size: int = 32, policies: dict[str, Any] | None = None, folds: int = 0,
-              snr: tuple[float, float] | None = None) -> dict[str, Any]:
+              snr: tuple[float, float] | None = None, early_lines: int | None = None) -> dict[str, Any]:
     """Run the check of every network in ``mars`` (name -> MarNet) on ``split`` of each folder of
     ``data``; ``reference`` names the network the others are compared with; ``ood`` gives each
     network's stored calibration (name -> {score, threshold}); ``policies``: the learned policy
     of a network whose checkpoint carries one (name -> policy), whose own lines join the
     calibration. ``snr``: the acquisition SNR range of the noise promise (:func:`noise_rows`;
     None skips it). ``folds`` > 1: also the served image under a rule calibrated without the
-    subject it serves, per folder (:func:`cross_validated`). Writes ``OUT/results.json``, ``OUT/report.md``, ``OUT/roc.png`` (and
+    subject it serves, per folder (:func:`cross_validated`). ``early_lines`` > ``initial``: a
+    study of a later switch: the early rule scores the image of each slice's first
+    ``early_lines`` own lines and a flagged slice continues with centre-out's lines
+    (:func:`early_rows`); its calibration records ``after_lines`` and cannot be exported (the
+    gadget switches after the initial lines). Writes ``OUT/results.json``, ``OUT/report.md``, ``OUT/roc.png`` (and
     ``OUT/ood.json`` with ``do_calibrate``)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"split": split, "policy": policy, "lines": [initial, budget], "folders": {}}
+    if early_lines is not None and not initial <= early_lines <= initial + budget:
+        raise ValueError(f"early_lines must be in [{initial}, {initial + budget}] (initial, initial + budget), "
+                         f"got {early_lines}")
+    after = early_lines if early_lines is not None and early_lines > initial else None
+    results: dict[str, Any] = {"split": split, "policy": policy, "lines": [initial, budget], "folders": {},
+                               **({"early_lines": after} if after else {})}
     pooled: dict[str, dict[str, list[np.ndarray]]] = {name: {} for name in mars}
     pooled_own: dict[str, dict[str, list[np.ndarray]]] = {name: {} for name in mars}  # the own lines alone
     per_folder_rows: dict[str, dict[str, dict[str, np.ndarray]]] = {}
@@ -352,10 +400,10 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
                 pooled[name].setdefault(key, []).append(value)
             if (do_calibrate or folds > 1) and (policies or {}).get(name) is not None:
                 log.info("mar-check: %s on the lines its own policy plays", name)
-                own = slice_rows(mar, sliceset, own_masks(policies[name], mar, sliceset, initial, budget,
-                                                          batch_size), nothing, batch_size)
+                played = own_lines(policies[name], mar, sliceset, initial, budget, batch_size)
+                own = slice_rows(mar, sliceset, _masks_of(played, sliceset.n_pe), nothing, batch_size)
                 own_rows[folder.name][name] = own
-                own.update(early_rows(mar, sliceset, initial, batch_size))  # the early switch, any policy
+                own.update(early_rows(mar, sliceset, initial, batch_size, played, after))  # any policy
                 for key, value in own.items():
                     pooled_own[name].setdefault(key, []).append(value)
                 for key, value in own.items():
@@ -375,8 +423,9 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
                               "calibrated_on": calibrated_on} for name in mars}
         for name in mars:  # the early switch, for a network that carries its policy
             if pooled_own[name]:
-                calibration[name]["early"] = calibrate({k: np.concatenate(v) for k, v in pooled_own[name].items()},
-                                                       "early")
+                calibration[name]["early"] = {
+                    **calibrate({k: np.concatenate(v) for k, v in pooled_own[name].items()}, "early"),
+                    **({"after_lines": after} if after else {})}
         (out / "ood.json").write_text(json.dumps(calibration, indent=1) + "\n")
         ood = {**(ood or {}), **calibration}
     for folder, by_name in per_folder_rows.items():
@@ -457,6 +506,12 @@ def _seed_rows(by_name: dict[str, Any]) -> list[str]:
     return rows
 
 
+def _switch_point(results: dict[str, Any]) -> str:
+    """Where the early rule scores and switches, in words."""
+    after = results.get("early_lines")
+    return f"its first {after} lines (a study: --early-lines)" if after else "the initial lines"
+
+
 def render_report(results: dict[str, Any]) -> str:
     """The markdown report of :func:`mar_check`."""
     lines = [f"# MAR check: {results['split']} split, {results['policy']} lines ({results['lines'][0]} + "
@@ -502,7 +557,7 @@ def render_report(results: dict[str, Any]) -> str:
             lines += ["", f"Served under an OOD rule calibrated without the subject served ({crossed[0][1]['folds']} "
                       "folds by subject), against doing nothing (centre-out's zero-filled image, as many lines); "
                       "lines `own, switched`: the early switch (a flagged slice continues with centre-out's lines "
-                      "after the initial ones and is served zero-filled):", "",
+                      f"after {_switch_point(results)} and is served zero-filled):", "",
                       "| MAR network | lines | served SSIM | network always on - nothing | served - nothing (p) | "
                       "subject mean / worst | harmed | fallback |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
             for name, cv in crossed:
@@ -513,8 +568,8 @@ def render_report(results: dict[str, Any]) -> str:
                              f"{100 * cv['fallback_fraction']:.0f} % |")
         early = [(n, e["summary"]["early_roc"]) for n, e in by_name.items() if "early_roc" in e["summary"]]
         if early:
-            lines += ["", "The early scores (the output for the initial lines' image) against harm on the network's "
-                      "own lines, ROC area (95 % over subjects):", ""]
+            lines += ["", f"The early scores (the output for the image of {_switch_point(results)}) against harm on "
+                      "the network's own lines, ROC area (95 % over subjects):", ""]
             for name, areas in early:
                 lines.append(f"- {name}: " + ", ".join(
                     f"{k} {_f(areas[k]['auc'], 2)} ({_f(areas[k]['auc_interval'][0], 2)}-"

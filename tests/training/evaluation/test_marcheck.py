@@ -201,3 +201,31 @@ def test_the_early_switch_serves_doing_nothing_and_never_harms():
 
     cv = cross_validated({k: np.tile(v, 2) for k, v in rows.items()}, ["a"] * 4 + ["b"] * 4, 2, "early")
     assert cv["stage"] == "early" and cv["harmed_fraction"] == 0.0
+
+
+def test_a_later_switch_is_studied_on_the_first_lines_and_never_exported(tiny_dataset, perturbed_mar, tmp_path):
+    """``--early-lines N``: the early rule scores the image of each slice's first N own lines, a
+    flagged slice keeps them and continues with centre-out's lines; the calibration says so and
+    the gadget refuses it (it switches after the initial lines)."""
+    from masc_gadget.acquisition.policies import make_policy
+    from masc_gadget.core.ood import OodCalibration
+    from training.evaluation.marcheck import mar_check, switched_lines
+
+    # hand-worked: 8 lines, centre 4; centre-out goes 4, 5, 3, 6, 2, ...
+    assert switched_lines(np.array([[4, 0, 7, 1]]), 2, 8).tolist() == [[4, 0, 5, 3]]
+    assert switched_lines(np.array([[4, 0, 7, 1]]), 4, 8).tolist() == [[4, 0, 7, 1]]
+    mar = load_mar(perturbed_mar)[0]
+    policies = {"p": make_policy("equispaced")}
+    later = mar_check({"p": mar}, str(tiny_dataset), "val", 1, 2, tmp_path / "l", do_calibrate=True,
+                      policies=policies, early_lines=2)
+    first = mar_check({"p": mar}, str(tiny_dataset), "val", 1, 2, tmp_path / "f", do_calibrate=True,
+                      policies=policies)
+    early = later["calibration"]["p"]["early"]
+    assert later["early_lines"] == 2 and early["after_lines"] == 2
+    assert "after_lines" not in first["calibration"]["p"]["early"]
+    assert "its first 2 lines (a study: --early-lines)" in (tmp_path / "l" / "report.md").read_text()
+    with pytest.raises(ValueError, match="calibrated after 2 lines"):
+        OodCalibration.from_metadata(later["calibration"]["p"], "x.pt")
+    OodCalibration.from_metadata(first["calibration"]["p"], "x.pt")
+    with pytest.raises(ValueError, match=r"early_lines must be in \[1, 3\]"):
+        mar_check({"p": mar}, str(tiny_dataset), "val", 1, 2, tmp_path / "x", policies=policies, early_lines=5)
