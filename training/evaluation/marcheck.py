@@ -457,6 +457,9 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
             if "early_score_flip" not in own:
                 continue
             harm = harmed(own["mar_ssim"], own["nothing_ssim"])
+            if "switched_ssim" in own:  # a later switch: is the image of the lines it keeps still safe?
+                results["folders"][folder][name]["summary"]["switched_vs_nothing"] = subject_tests(
+                    own["switched_ssim"], own["nothing_ssim"], subjects)
             results["folders"][folder][name]["summary"]["early_roc"] = {
                 kind: {**roc(own[f"early_score_{kind}"], harm),
                        "auc_interval": auc_interval(own[f"early_score_{kind}"], harm, subjects)} for kind in SCORES}
@@ -571,6 +574,10 @@ def render_report(results: dict[str, Any]) -> str:
             lines += ["", f"The early scores (the output for the image of {_switch_point(results)}) against harm on "
                       "the network's own lines, ROC area (95 % over subjects):", ""]
             for name, areas in early:
+                kept = by_name[name]["summary"].get("switched_vs_nothing")
+                if kept is not None:
+                    lines.append(f"- {name}, a slice switched then, against doing nothing: {kept['diff']:+.4f} SSIM "
+                                 f"(p {_p(kept['p_ttest'])} over subjects)")
                 lines.append(f"- {name}: " + ", ".join(
                     f"{k} {_f(areas[k]['auc'], 2)} ({_f(areas[k]['auc_interval'][0], 2)}-"
                     f"{_f(areas[k]['auc_interval'][1], 2)})" for k in SCORES)

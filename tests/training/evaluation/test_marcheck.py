@@ -1,6 +1,7 @@
 """masc mar-check: identity, correction with tests over subjects, OOD ROC and calibration."""
 
 import json
+import math
 
 import numpy as np
 import torch
@@ -224,6 +225,11 @@ def test_a_later_switch_is_studied_on_the_first_lines_and_never_exported(tiny_da
     assert later["early_lines"] == 2 and early["after_lines"] == 2
     assert "after_lines" not in first["calibration"]["p"]["early"]
     assert "its first 2 lines (a study: --early-lines)" in (tmp_path / "l" / "report.md").read_text()
+    kept = later["folders"][tiny_dataset.name]["p"]["summary"]["switched_vs_nothing"]  # the fallback, still safe?
+    from training.data import load_split
+
+    assert kept["n_subjects"] == len(set(load_split(tiny_dataset, "val").subjects)) and math.isfinite(kept["diff"])
+    assert "switched_vs_nothing" not in first["folders"][tiny_dataset.name]["p"]["summary"]
     with pytest.raises(ValueError, match="calibrated after 2 lines"):
         OodCalibration.from_metadata(later["calibration"]["p"], "x.pt")
     OodCalibration.from_metadata(first["calibration"]["p"], "x.pt")
