@@ -29,7 +29,6 @@ acquisitions hold one full line per phase-encoding step.
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 from collections.abc import Callable, Sequence
