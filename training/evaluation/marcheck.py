@@ -407,7 +407,7 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
                 for key, value in own.items():
                     pooled_own[name].setdefault(key, []).append(value)
                 for key, value in own.items():
-                    if not key.startswith("early_"):
+                    if not key.startswith("early_") and key != "switched_ssim":  # the early rule's rows
                         pooled[name].setdefault(key, []).append(value)
     calibration = None
     if do_calibrate:
