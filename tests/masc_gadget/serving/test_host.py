@@ -77,7 +77,9 @@ def threads_named(prefix: str) -> int:
     return sum(t.name.startswith(prefix) and t.is_alive() for t in threading.enumerate())
 
 
-def settle(predicate, seconds: float = 3.0) -> bool:
+def settle(predicate, seconds: float = 10.0) -> bool:
+    """Whether ``predicate()`` holds within ``seconds`` (polled; returns as soon as it does: a
+    loaded machine only makes it wait longer)."""
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         if predicate():
