@@ -396,16 +396,6 @@ def slice_limit(header: ismrmrd.xsd.ismrmrdHeader) -> int | None:
     return int(limits.slice.maximum) + 1
 
 
-def line_of(acq: ismrmrd.Acquisition) -> int:
-    """The phase-encoding line of an acquisition (``idx.kspace_encode_step_1``)."""
-    return int(acq.idx.kspace_encode_step_1)
-
-
-def slice_of(acq: ismrmrd.Acquisition) -> int:
-    """The slice of an acquisition (``idx.slice``)."""
-    return int(acq.idx.slice)
-
-
 def flag_mask(*flags: int) -> int:
     """The ``flags`` bit mask of ISMRMRD flag numbers (``ismrmrd.ACQ_*``, 1-based)."""
     mask = 0
@@ -439,22 +429,3 @@ def is_imaging_line(flags: int) -> bool:
     :data:`NOT_IMAGING`; MASC's in-band feedback is told apart by
     :func:`masc_gadget.mrd.feedback.is_feedback`)."""
     return not int(flags) & NOT_IMAGING
-
-
-def user_parameters(
-    header: ismrmrd.xsd.ismrmrdHeader | str | bytes,
-) -> dict[str, float | int | str]:
-    """The header's ``userParameterLong`` / ``Double`` / ``String`` values by name."""
-    if not isinstance(header, ismrmrd.xsd.ismrmrdHeader):
-        header = parse_header(header)
-    params = header.userParameters
-    if params is None:
-        return {}
-    values: dict[str, float | int | str] = {}
-    for item in params.userParameterLong:
-        values[item.name] = int(item.value)
-    for item in params.userParameterDouble:
-        values[item.name] = float(item.value)
-    for item in params.userParameterString:
-        values[item.name] = str(item.value)
-    return values

@@ -295,15 +295,6 @@ def cup_axis_from_angles(inclination_deg: float, anteversion_deg: float, side: s
     )
 
 
-def cup_angles_from_axis(axis: Any, side: str) -> tuple[float, float]:
-    """(radiographic inclination, radiographic anteversion) in degrees of a cup axis (z, y, x)."""
-    a = unit3(axis)
-    lateral = _lateral_sign(side) * a[2]
-    inclination = math.degrees(math.atan2(lateral, -a[0]))
-    anteversion = math.degrees(math.asin(float(np.clip(-a[1], -1.0, 1.0))))
-    return inclination, anteversion
-
-
 def _angle_deg(a: np.ndarray, b: np.ndarray) -> float:
     return math.degrees(math.acos(float(np.clip(np.dot(unit3(a), unit3(b)), -1.0, 1.0))))
 

@@ -15,11 +15,8 @@ from masc_gadget.mrd.header import (
     EncodingGeometry,
     encoding_geometry,
     flag_mask,
-    line_of,
     parse_header,
     serialize_header,
-    slice_of,
-    user_parameters,
 )
 from sim_scanner.dataset.mrd_hdf5 import (
     TIMESTAMP_TICK_MS,
@@ -34,6 +31,28 @@ from sim_scanner.dataset.mrd_hdf5 import (
 from sim_scanner.physics.sequence import SequenceConfig
 
 FOV_CENTRE = (-40.0, 12.5)  # (y, x) mm, grid order; ISMRMRD position gets (x, y, z)
+
+
+
+def line_of(acq: ismrmrd.Acquisition) -> int:
+    """The phase-encoding line of an acquisition (``idx.kspace_encode_step_1``)."""
+    return int(acq.idx.kspace_encode_step_1)
+
+
+def slice_of(acq: ismrmrd.Acquisition) -> int:
+    """The slice of an acquisition (``idx.slice``)."""
+    return int(acq.idx.slice)
+
+
+def user_parameters(header_xml: str) -> dict[str, float | int | str]:
+    """The header's ``userParameterLong`` / ``Double`` / ``String`` values by name."""
+    params = parse_header(header_xml).userParameters
+    if params is None:
+        return {}
+    values: dict[str, float | int | str] = {item.name: int(item.value) for item in params.userParameterLong}
+    values.update({item.name: float(item.value) for item in params.userParameterDouble})
+    values.update({item.name: str(item.value) for item in params.userParameterString})
+    return values
 
 
 @pytest.fixture(scope="module")

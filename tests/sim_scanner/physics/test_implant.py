@@ -15,7 +15,6 @@ from sim_scanner.physics.implant import (
     Component,
     ImplantConfig,
     ImplantParams,
-    cup_angles_from_axis,
     cup_axis_from_angles,
     draw_implant,
     implant_chi_ppm,
@@ -181,7 +180,6 @@ def test_cup_angles_follow_murray_radiographic_definitions(anatomy):
             assert ri == pytest.approx(p.cup_inclination_deg, abs=1e-9)
             assert ra == pytest.approx(p.cup_anteversion_deg, abs=1e-9)
             assert 30 <= ri <= 50 and 5 <= ra <= 25
-            assert cup_angles_from_axis(a, side) == pytest.approx((ri, ra))
             assert a[0] < 0 and a[1] < 0 and lateral > 0  # inferior, anterior, lateral
 
 
