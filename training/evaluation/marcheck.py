@@ -347,12 +347,6 @@ def own_lines(policy: Any, mar: torch.nn.Module, data: SliceSet, initial: int, b
                                  device=torch.device("cpu"), score=False).lines)
 
 
-def own_masks(policy: Any, mar: torch.nn.Module, data: SliceSet, initial: int, budget: int,
-              batch_size: int = 32) -> torch.Tensor:
-    """(n, n_pe) bool: :func:`own_lines` as masks."""
-    return _masks_of(own_lines(policy, mar, data, initial, budget, batch_size), data.n_pe)
-
-
 def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: str, initial: int, budget: int,
               out: str | Path, policy: str = "center-out", reference: str | None = None,
               ood: dict[str, dict[str, Any]] | None = None, do_calibrate: bool = False,

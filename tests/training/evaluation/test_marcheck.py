@@ -159,12 +159,14 @@ def test_a_network_with_its_own_policy_is_calibrated_on_its_lines_too(tiny_datas
     served with its own lines (one seed's hip test fell from 0.69 to 0.42)."""
     from masc_gadget.acquisition.policies import make_policy
     from training.data import load_split
-    from training.evaluation.marcheck import mar_check, own_masks, policy_masks
+    from training.evaluation.marcheck import mar_check, own_lines, policy_masks
 
     mar = load_mar(perturbed_mar)[0]
     data = load_split(tiny_dataset, "val")
-    assert torch.equal(own_masks(make_policy("center-out"), mar, data, 1, 2), policy_masks("center-out", len(data),
-                                                                                             data.n_pe, 1, 2))
+    lines = own_lines(make_policy("center-out"), mar, data, 1, 2)  # (slices, 3), acquisition order
+    played = torch.zeros(len(data), data.n_pe, dtype=torch.bool)
+    played[torch.arange(len(data))[:, None], torch.as_tensor(lines)] = True
+    assert lines.shape == (len(data), 3) and torch.equal(played, policy_masks("center-out", len(data), data.n_pe, 1, 2))
     alone = mar_check({"p": mar}, str(tiny_dataset), "val", 1, 2, tmp_path / "a", do_calibrate=True)
     both = mar_check({"p": mar}, str(tiny_dataset), "val", 1, 2, tmp_path / "b", do_calibrate=True,
                      policies={"p": make_policy("equispaced")})
