@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -372,97 +373,129 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
     after = early_lines if early_lines is not None and early_lines > initial else None
     results: dict[str, Any] = {"split": split, "policy": policy, "lines": [initial, budget], "folders": {},
                                **({"early_lines": after} if after else {})}
-    pooled: dict[str, dict[str, list[np.ndarray]]] = {name: {} for name in mars}
-    pooled_own: dict[str, dict[str, list[np.ndarray]]] = {name: {} for name in mars}  # the own lines alone
-    per_folder_rows: dict[str, dict[str, dict[str, np.ndarray]]] = {}
-    own_rows: dict[str, dict[str, dict[str, np.ndarray]]] = {}  # folder -> network -> its own lines' rows
-    subjects_of: dict[str, list[str]] = {}
-    for folder in data_dirs(data):
-        sliceset = load_split(folder, split)
-        masks = policy_masks(policy, len(sliceset), sliceset.n_pe, initial, budget)
-        nothing = do_nothing(sliceset, initial, budget, batch_size=batch_size)
-        subjects_of[folder.name] = list(sliceset.subjects)
-        per_folder_rows[folder.name] = {}
-        own_rows[folder.name] = {}
-        for name, mar in mars.items():
-            log.info("mar-check: %s on %s/%s (%d slices)", name, folder, split, len(sliceset))
-            rows = slice_rows(mar, sliceset, masks, nothing, batch_size)
-            if snr is not None:
-                rows.update(noise_rows(mar, sliceset, snr, batch_size=batch_size))
-            per_folder_rows[folder.name][name] = rows
-            for key, value in rows.items():
-                pooled[name].setdefault(key, []).append(value)
-            if (do_calibrate or folds > 1) and (policies or {}).get(name) is not None:
-                log.info("mar-check: %s on the lines its own policy plays", name)
-                played = own_lines(policies[name], mar, sliceset, initial, budget, batch_size)
-                own = slice_rows(mar, sliceset, _masks_of(played, sliceset.n_pe), nothing, batch_size)
-                own_rows[folder.name][name] = own
-                own.update(early_rows(mar, sliceset, initial, batch_size, played, after))  # any policy
-                for key, value in own.items():
-                    pooled_own[name].setdefault(key, []).append(value)
-                for key, value in own.items():
-                    if not key.startswith("early_") and key != "switched_ssim":  # the early rule's rows
-                        pooled[name].setdefault(key, []).append(value)
+    own_policies = policies if (do_calibrate or folds > 1) else None
+    measured = _measure(mars, data, split, initial, budget, policy, batch_size, own_policies, snr, after)
     calibration = None
     if do_calibrate:
-        from training.run import command_line
-
-        from training.data import data_identity
-
-        calibrated_on = {"command": command_line(), "split": split,
-                         "subjects": sorted({s for subjects in subjects_of.values() for s in subjects}),
-                         "data": [{"folder": folder.name, "manifest_sha256": data_identity(folder)["manifest_sha256"],
-                                   "subjects": subjects_of[folder.name]} for folder in data_dirs(data)]}
-        calibration = {name: {**calibrate({k: np.concatenate(v) for k, v in pooled[name].items()}),
-                              "calibrated_on": calibrated_on} for name in mars}
-        for name in mars:  # the early switch, for a network that carries its policy
-            if pooled_own[name]:
-                calibration[name]["early"] = {
-                    **calibrate({k: np.concatenate(v) for k, v in pooled_own[name].items()}, "early"),
-                    **({"after_lines": after} if after else {})}
+        calibration = _calibration(mars, measured, data, split, after)
         (out / "ood.json").write_text(json.dumps(calibration, indent=1) + "\n")
         ood = {**(ood or {}), **calibration}
-    for folder, by_name in per_folder_rows.items():
-        subjects = subjects_of[folder]
-        ref_rows = by_name.get(reference) if reference else None
-        results["folders"][folder] = {
-            name: {"summary": _summary(rows, subjects, ref_rows if name != reference else None,
-                                       (ood or {}).get(name)),
-                   "slices": {"subject": subjects, **{k: v.tolist() for k, v in rows.items()}}}
-            for name, rows in by_name.items()}
-        for name, rows in by_name.items():
-            reference_ssim = (float(ref_rows["mar_ssim"].mean()) if ref_rows is not None and name != reference
-                              and policy == "center-out" else None)
-            entry = results["folders"][folder][name]["summary"]
-            entry["promises"] = promises(entry, rows, reference_ssim)
-        if folds > 1 and len(set(subjects)) >= folds:
-            for name, rows in by_name.items():  # the lines the network is served with
-                served_rows = own_rows[folder].get(name, rows)
-                results["folders"][folder][name]["summary"]["cross_validated"] = {
-                    "lines": "own" if name in own_rows[folder] else policy,
-                    **cross_validated(served_rows, subjects, folds)}
-                if "early_score_flip" in own_rows[folder].get(name, {}):
-                    results["folders"][folder][name]["summary"]["cross_validated_early"] = {
-                        "lines": "own, switched", **cross_validated(served_rows, subjects, folds, "early")}
-        elif folds > 1:
-            log.warning("mar-check: %s has %d subjects, fewer than %d folds: not cross-validated", folder,
-                        len(set(subjects)), folds)
-        for name, own in own_rows[folder].items():  # within this domain: do the early scores find the harm?
-            if "early_score_flip" not in own:
-                continue
-            harm = harmed(own["mar_ssim"], own["nothing_ssim"])
-            if "switched_ssim" in own:  # a later switch: is the image of the lines it keeps still safe?
-                results["folders"][folder][name]["summary"]["switched_vs_nothing"] = subject_tests(
-                    own["switched_ssim"], own["nothing_ssim"], subjects)
-            results["folders"][folder][name]["summary"]["early_roc"] = {
-                kind: {**roc(own[f"early_score_{kind}"], harm),
-                       "auc_interval": auc_interval(own[f"early_score_{kind}"], harm, subjects)} for kind in SCORES}
+    for folder, by_name in measured.rows.items():
+        results["folders"][folder] = _folder_summaries(by_name, measured.own[folder], measured.subjects[folder],
+                                                       reference, ood, policy, folds, folder)
     if calibration is not None:
         results["calibration"] = calibration
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "report.md").write_text(render_report(results))
     roc_figure(results, out / "roc.png")
     return results
+
+
+@dataclass
+class _Measured:
+    """:func:`mar_check`'s per-slice rows: per folder and network on the fixed policy's lines
+    (``rows``) and on the network's own (``own``), each folder's subjects, and the rows pooled
+    over the folders for the end-of-scan rule (``pooled``: both line sets) and the early rule
+    (``pooled_own``: the own lines alone)."""
+
+    rows: dict[str, dict[str, dict[str, np.ndarray]]] = field(default_factory=dict)
+    own: dict[str, dict[str, dict[str, np.ndarray]]] = field(default_factory=dict)
+    subjects: dict[str, list[str]] = field(default_factory=dict)
+    pooled: dict[str, dict[str, list[np.ndarray]]] = field(default_factory=dict)
+    pooled_own: dict[str, dict[str, list[np.ndarray]]] = field(default_factory=dict)
+
+
+def _measure(mars: dict[str, torch.nn.Module], data: str | list[str], split: str, initial: int, budget: int,
+             policy: str, batch_size: int, policies: dict[str, Any] | None, snr: tuple[float, float] | None,
+             after: int | None) -> _Measured:
+    """Every network's rows on every folder (:class:`_Measured`); ``policies`` (None: none)
+    add each network's own lines and the early rule's scores on them."""
+    m = _Measured(pooled={name: {} for name in mars}, pooled_own={name: {} for name in mars})
+    for folder in data_dirs(data):
+        sliceset = load_split(folder, split)
+        masks = policy_masks(policy, len(sliceset), sliceset.n_pe, initial, budget)
+        nothing = do_nothing(sliceset, initial, budget, batch_size=batch_size)
+        m.subjects[folder.name] = list(sliceset.subjects)
+        m.rows[folder.name], m.own[folder.name] = {}, {}
+        for name, mar in mars.items():
+            log.info("mar-check: %s on %s/%s (%d slices)", name, folder, split, len(sliceset))
+            rows = slice_rows(mar, sliceset, masks, nothing, batch_size)
+            if snr is not None:
+                rows.update(noise_rows(mar, sliceset, snr, batch_size=batch_size))
+            m.rows[folder.name][name] = rows
+            for key, value in rows.items():
+                m.pooled[name].setdefault(key, []).append(value)
+            if (policies or {}).get(name) is None:
+                continue
+            log.info("mar-check: %s on the lines its own policy plays", name)
+            played = own_lines(policies[name], mar, sliceset, initial, budget, batch_size)
+            own = slice_rows(mar, sliceset, _masks_of(played, sliceset.n_pe), nothing, batch_size)
+            own.update(early_rows(mar, sliceset, initial, batch_size, played, after))  # any policy
+            m.own[folder.name][name] = own
+            for key, value in own.items():
+                m.pooled_own[name].setdefault(key, []).append(value)
+                if not key.startswith("early_") and key != "switched_ssim":  # not the early rule's rows
+                    m.pooled[name].setdefault(key, []).append(value)
+    return m
+
+
+def _calibration(mars: dict[str, torch.nn.Module], m: _Measured, data: str | list[str], split: str,
+                 after: int | None) -> dict[str, Any]:
+    """Each network's OOD rule picked on the pooled rows (:func:`calibrate`; its early switch
+    on its own lines when it has them), with what it was calibrated on."""
+    from training.data import data_identity
+    from training.run import command_line
+
+    calibrated_on = {"command": command_line(), "split": split,
+                     "subjects": sorted({s for subjects in m.subjects.values() for s in subjects}),
+                     "data": [{"folder": folder.name, "manifest_sha256": data_identity(folder)["manifest_sha256"],
+                               "subjects": m.subjects[folder.name]} for folder in data_dirs(data)]}
+    calibration = {name: {**calibrate({k: np.concatenate(v) for k, v in m.pooled[name].items()}),
+                          "calibrated_on": calibrated_on} for name in mars}
+    for name in mars:  # the early switch, for a network that carries its policy
+        if m.pooled_own[name]:
+            calibration[name]["early"] = {
+                **calibrate({k: np.concatenate(v) for k, v in m.pooled_own[name].items()}, "early"),
+                **({"after_lines": after} if after else {})}
+    return calibration
+
+
+def _folder_summaries(by_name: dict[str, dict[str, np.ndarray]], own_rows: dict[str, dict[str, np.ndarray]],
+                      subjects: list[str], reference: str | None, ood: dict[str, Any] | None, policy: str,
+                      folds: int, folder: str) -> dict[str, Any]:
+    """One folder's entry of ``results.json``: per network its summary (:func:`_summary`, the
+    promises, the cross-validated rules, the early scores' ROC within the folder) and slices."""
+    ref_rows = by_name.get(reference) if reference else None
+    entries = {name: {"summary": _summary(rows, subjects, ref_rows if name != reference else None,
+                                          (ood or {}).get(name)),
+                      "slices": {"subject": subjects, **{k: v.tolist() for k, v in rows.items()}}}
+               for name, rows in by_name.items()}
+    for name, rows in by_name.items():
+        reference_ssim = (float(ref_rows["mar_ssim"].mean()) if ref_rows is not None and name != reference
+                          and policy == "center-out" else None)
+        summary = entries[name]["summary"]
+        summary["promises"] = promises(summary, rows, reference_ssim)
+        if folds > 1 and len(set(subjects)) >= folds:  # on the lines the network is served with
+            served_rows = own_rows.get(name, rows)
+            summary["cross_validated"] = {"lines": "own" if name in own_rows else policy,
+                                          **cross_validated(served_rows, subjects, folds)}
+            if "early_score_flip" in own_rows.get(name, {}):
+                summary["cross_validated_early"] = {"lines": "own, switched",
+                                                    **cross_validated(served_rows, subjects, folds, "early")}
+    if folds > 1 and len(set(subjects)) < folds:
+        log.warning("mar-check: %s has %d subjects, fewer than %d folds: not cross-validated", folder,
+                    len(set(subjects)), folds)
+    for name, own in own_rows.items():  # within this domain: do the early scores find the harm?
+        if "early_score_flip" not in own:
+            continue
+        harm = harmed(own["mar_ssim"], own["nothing_ssim"])
+        if "switched_ssim" in own:  # a later switch: is the image of the lines it keeps still safe?
+            entries[name]["summary"]["switched_vs_nothing"] = subject_tests(own["switched_ssim"], own["nothing_ssim"],
+                                                                            subjects)
+        entries[name]["summary"]["early_roc"] = {
+            kind: {**roc(own[f"early_score_{kind}"], harm),
+                   "auc_interval": auc_interval(own[f"early_score_{kind}"], harm, subjects)} for kind in SCORES}
+    return entries
 
 
 def _f(value: float, digits: int = 3) -> str:
