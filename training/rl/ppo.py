@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -314,61 +314,88 @@ def collect_rollout(
     if cursor is None:
         cursor = start(env, device)
     obs, ep_return, ep_length = cursor.obs, cursor.episode_return.clone(), cursor.episode_length.clone()
-    b, n_pe = obs.mask.shape
-    h, w = obs.image.shape[1:]
-    T = n_steps_per_env
-    images = torch.zeros((T, b, h, w), dtype=torch.float32, device=device)
-    masks = torch.zeros((T, b, n_pe), dtype=torch.bool, device=device)
-    steps_left = torch.zeros((T, b), dtype=torch.long, device=device)
-    actions = torch.zeros((T, b) if k == 1 else (T, b, k), dtype=torch.long, device=device)
-    logprobs = torch.zeros((T, b), device=device)
-    values = torch.zeros((T, b), device=device)
-    rewards = torch.zeros((T, b), device=device)
-    terminated = torch.zeros((T, b), dtype=torch.bool, device=device)
-    repeats = (torch.zeros((T, b, n_pe), dtype=torch.bool, device=device)
-               if getattr(obs, "repeatable", None) is not None else None)
+    buf = _buffers(n_steps_per_env, obs, k, device)
     finished_returns, finished_lengths = [], []
 
-    for t in range(T):
-        images[t] = obs.image.to(device)
-        masks[t] = obs.mask.to(device)
-        steps_left[t] = obs.steps_left.to(device)
-        rep = None
-        if repeats is not None:
-            repeats[t] = obs.repeatable.to(device)
-            rep = repeats[t]
-        logits, value = _forward(net, images[t], masks[t], steps_left[t].float() / budget, rep)
-        policy = masked_distribution(logits, blocked(masks[t], rep))
-        if k == 1:
-            action = _sample(policy.probs, generator)
-            logprob = policy.log_prob(action)
-        else:  # an echo train: k lines without replacement from one forward pass
-            action = sample_trains(policy.logits, train_sizes(steps_left[t], k), k, generator)
-            logprob = train_log_prob(logits, masks[t], action)
-        actions[t], logprobs[t], values[t] = action, logprob, value
-
+    for t in range(n_steps_per_env):
+        action = _act(net, obs, buf, t, budget, k, generator, device)
         obs, reward, term, _info = env.step(action.to(obs.mask.device))
-        rewards[t] = reward.to(device)
-        terminated[t] = term.to(device)
-        ep_return += rewards[t]
+        buf.rewards[t] = reward.to(device)
+        buf.terminated[t] = term.to(device)
+        ep_return += buf.rewards[t]
         ep_length += 1
-        if terminated[t].any():
-            finished_returns.append(ep_return[terminated[t]])
-            finished_lengths.append(ep_length[terminated[t]])
-            ep_return = ep_return.masked_fill(terminated[t], 0.0)
-            ep_length = ep_length.masked_fill(terminated[t], 0)
+        if buf.terminated[t].any():
+            finished_returns.append(ep_return[buf.terminated[t]])
+            finished_lengths.append(ep_length[buf.terminated[t]])
+            ep_return = ep_return.masked_fill(buf.terminated[t], 0.0)
+            ep_length = ep_length.masked_fill(buf.terminated[t], 0)
 
     rep = getattr(obs, "repeatable", None)
     _, last_value = _forward(net, obs.image.to(device), obs.mask.to(device),
                              obs.steps_left.to(device).float() / budget, None if rep is None else rep.to(device))
     empty = torch.zeros(0, device=device)
     return Rollout(
-        images=images, masks=masks, steps_left=steps_left, actions=actions, logprobs=logprobs,
-        values=values, rewards=rewards, terminated=terminated, last_value=last_value, budget=budget,
+        images=buf.images, masks=buf.masks, steps_left=buf.steps_left, actions=buf.actions, logprobs=buf.logprobs,
+        values=buf.values, rewards=buf.rewards, terminated=buf.terminated, last_value=last_value, budget=budget,
         episode_returns=torch.cat(finished_returns) if finished_returns else empty,
         episode_lengths=torch.cat(finished_lengths) if finished_lengths else empty.long(),
-        cursor=Cursor(obs, ep_return, ep_length), repeatable=repeats,
+        cursor=Cursor(obs, ep_return, ep_length), repeatable=buf.repeats,
     )
+
+
+class _Buffers(NamedTuple):
+    """A rollout's (T, B, ...) tensors, filled step by step by :func:`collect_rollout`."""
+
+    images: torch.Tensor
+    masks: torch.Tensor
+    steps_left: torch.Tensor
+    actions: torch.Tensor
+    logprobs: torch.Tensor
+    values: torch.Tensor
+    rewards: torch.Tensor
+    terminated: torch.Tensor
+    repeats: torch.Tensor | None
+
+
+def _buffers(steps: int, obs: Any, k: int, device: torch.device) -> _Buffers:
+    """Zeroed buffers for ``steps`` steps of the batch ``obs`` comes from (``k`` lines a step)."""
+    b, n_pe = obs.mask.shape
+    h, w = obs.image.shape[1:]
+    return _Buffers(
+        images=torch.zeros((steps, b, h, w), dtype=torch.float32, device=device),
+        masks=torch.zeros((steps, b, n_pe), dtype=torch.bool, device=device),
+        steps_left=torch.zeros((steps, b), dtype=torch.long, device=device),
+        actions=torch.zeros((steps, b) if k == 1 else (steps, b, k), dtype=torch.long, device=device),
+        logprobs=torch.zeros((steps, b), device=device),
+        values=torch.zeros((steps, b), device=device),
+        rewards=torch.zeros((steps, b), device=device),
+        terminated=torch.zeros((steps, b), dtype=torch.bool, device=device),
+        repeats=(torch.zeros((steps, b, n_pe), dtype=torch.bool, device=device)
+                 if getattr(obs, "repeatable", None) is not None else None),
+    )
+
+
+def _act(net: PolicyNet, obs: Any, buf: _Buffers, t: int, budget: int, k: int, generator: torch.Generator,
+         device: torch.device) -> torch.Tensor:
+    """Step ``t``: store the observation, sample the action (a line, or an echo train of ``k``
+    lines without replacement from one forward pass) with its log-probability and value."""
+    buf.images[t] = obs.image.to(device)
+    buf.masks[t] = obs.mask.to(device)
+    buf.steps_left[t] = obs.steps_left.to(device)
+    rep = None
+    if buf.repeats is not None:
+        buf.repeats[t] = obs.repeatable.to(device)
+        rep = buf.repeats[t]
+    logits, value = _forward(net, buf.images[t], buf.masks[t], buf.steps_left[t].float() / budget, rep)
+    policy = masked_distribution(logits, blocked(buf.masks[t], rep))
+    if k == 1:
+        action = _sample(policy.probs, generator)
+        logprob = policy.log_prob(action)
+    else:
+        action = sample_trains(policy.logits, train_sizes(buf.steps_left[t], k), k, generator)
+        logprob = train_log_prob(logits, buf.masks[t], action)
+    buf.actions[t], buf.logprobs[t], buf.values[t] = action, logprob, value
+    return action
 
 
 def explained_variance(predicted: torch.Tensor, target: torch.Tensor) -> float:
@@ -402,22 +429,10 @@ def ppo_update(
     each minibatch are averaged over the ranks before the step; the early stop on the KL uses
     its mean over the ranks, so they all run the same epochs.
     """
-    advantages, returns = compute_gae(
-        rollout.rewards, rollout.values, rollout.terminated, rollout.last_value,
-        cfg.gamma, cfg.gae_lambda,
-    )
-    # flatten the (T, B) batch
-    b_images = rollout.images.flatten(0, 1)
-    b_masks = rollout.masks.flatten(0, 1)
-    b_repeats = None if rollout.repeatable is None else rollout.repeatable.flatten(0, 1)
-    b_frac = rollout.steps_left.flatten(0, 1).float() / rollout.budget
-    b_actions = rollout.actions.flatten(0, 1)  # (N,) lines, or (N, k) trains
-    b_logprobs = rollout.logprobs.flatten(0, 1)
-    b_advantages = advantages.flatten(0, 1)
-    b_returns = returns.flatten(0, 1)
-    batch_size = b_actions.shape[0]
+    batch = _flat_batch(rollout, cfg)
+    batch_size = batch.actions.shape[0]
     minibatch_size = min(cfg.minibatch_size, batch_size)
-    device = b_actions.device
+    device = batch.actions.device
 
     net.train()
     sums: dict[str, torch.Tensor] = {}
@@ -427,24 +442,8 @@ def ppo_update(
         order = torch.randperm(batch_size, generator=generator, device=generator.device).to(device)
         epoch_kl = []
         for start in range(0, batch_size, minibatch_size):
-            idx = order[start : start + minibatch_size]
-            rep = None if b_repeats is None else b_repeats[idx]
-            logits, new_value = _forward(net, b_images[idx], b_masks[idx], b_frac[idx], rep)
-            policy = masked_distribution(logits, blocked(b_masks[idx], rep))
-            mb_adv = b_advantages[idx]
-            if cfg.norm_adv and mb_adv.numel() > 1:
-                mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
-            new_logprob = (policy.log_prob(b_actions[idx]) if b_actions.dim() == 1
-                           else train_log_prob(logits, b_masks[idx], b_actions[idx]))
-            loss, stats = ppo_loss(
-                new_logprob, b_logprobs[idx], mb_adv, new_value,
-                b_returns[idx], policy.entropy(), cfg.clip, cfg.vf_coef, cfg.ent_coef,
-            )
-            optimizer.zero_grad()
-            loss.backward()
-            dist.average_gradients(net)
-            grad_norms.append(nn.utils.clip_grad_norm_(net.parameters(), cfg.max_grad_norm))
-            optimizer.step()
+            stats, grad_norm = _minibatch_step(net, optimizer, batch, order[start : start + minibatch_size], cfg, dist)
+            grad_norms.append(grad_norm)
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + value
             epoch_kl.append(stats["losses/approx_kl"])
@@ -454,10 +453,67 @@ def ppo_update(
             break
 
     out = {key: float(value) / n_minibatches for key, value in sums.items()}
-    out["charts/explained_variance"] = explained_variance(rollout.values.flatten(), b_returns)
+    out["charts/explained_variance"] = explained_variance(rollout.values.flatten(), batch.returns)
     out["charts/epochs"] = float(epochs_run)
     out["charts/grad_norm"] = float(torch.stack(grad_norms).mean())
     return out
+
+class _Batch(NamedTuple):
+    """A rollout's (T, B) steps flattened to N, with their advantages and returns."""
+
+    images: torch.Tensor
+    masks: torch.Tensor
+    repeats: torch.Tensor | None
+    frac: torch.Tensor
+    actions: torch.Tensor
+    """(N,) lines, or (N, k) trains."""
+    logprobs: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+
+
+def _flat_batch(rollout: Rollout, cfg: PPOConfig) -> _Batch:
+    """GAE over ``rollout`` and its steps flattened (:class:`_Batch`)."""
+    advantages, returns = compute_gae(
+        rollout.rewards, rollout.values, rollout.terminated, rollout.last_value,
+        cfg.gamma, cfg.gae_lambda,
+    )
+    return _Batch(
+        images=rollout.images.flatten(0, 1),
+        masks=rollout.masks.flatten(0, 1),
+        repeats=None if rollout.repeatable is None else rollout.repeatable.flatten(0, 1),
+        frac=rollout.steps_left.flatten(0, 1).float() / rollout.budget,
+        actions=rollout.actions.flatten(0, 1),
+        logprobs=rollout.logprobs.flatten(0, 1),
+        advantages=advantages.flatten(0, 1),
+        returns=returns.flatten(0, 1),
+    )
+
+
+def _minibatch_step(net: PolicyNet, optimizer: torch.optim.Optimizer, batch: _Batch, idx: torch.Tensor,
+                    cfg: PPOConfig, dist: Dist) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One minibatch ``idx`` of :func:`ppo_update`: the logits of the stored observations masked
+    with the same acquired masks -> :func:`ppo_loss` -> backward -> gradients averaged over the
+    ranks -> norm clip -> step. Returns (the loss statistics, the gradient norm before clipping)."""
+    rep = None if batch.repeats is None else batch.repeats[idx]
+    logits, new_value = _forward(net, batch.images[idx], batch.masks[idx], batch.frac[idx], rep)
+    policy = masked_distribution(logits, blocked(batch.masks[idx], rep))
+    mb_adv = batch.advantages[idx]
+    if cfg.norm_adv and mb_adv.numel() > 1:
+        mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+    new_logprob = (policy.log_prob(batch.actions[idx]) if batch.actions.dim() == 1
+                   else train_log_prob(logits, batch.masks[idx], batch.actions[idx]))
+    loss, stats = ppo_loss(
+        new_logprob, batch.logprobs[idx], mb_adv, new_value,
+        batch.returns[idx], policy.entropy(), cfg.clip, cfg.vf_coef, cfg.ent_coef,
+    )
+    optimizer.zero_grad()
+    loss.backward()
+    dist.average_gradients(net)
+    grad_norm = nn.utils.clip_grad_norm_(net.parameters(), cfg.max_grad_norm)
+    optimizer.step()
+    return stats, grad_norm
+
 
 
 @torch.no_grad()
