@@ -49,35 +49,64 @@ def _measure_one(data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionCo
                  ) -> tuple[dict[str, Any], dict[str, dict[str, np.ndarray]]]:
     """The three methods' lines and scores under one MAR network (or none): (the
     :class:`HeadroomRun` fields of the lines played, the scores by method)."""
-    from tqdm.auto import tqdm
-
     n, n_pe = len(data), data.n_pe
     initial, budget = acq.initial, acq.budget
     objective = roi if hcfg.region == "implant" else None
     oracle = BeamOracle(hcfg.beam, recon=recon)
     attempts = None
     if hcfg.corruption > 0:  # every method's first acquisitions; the oracle may repeat a line
-        model = hcfg.corruption_model()
-        attempts, corrupted = draw_attempts(data.kspace_metal, data.slices, model, hcfg.attempts, hcfg.seed)
+        attempts, corrupted = draw_attempts(data.kspace_metal, data.slices, hcfg.corruption_model(), hcfg.attempts,
+                                            hcfg.seed)
         clean = data
         data = replace(data, kspace_metal=attempts[:, 0].contiguous())
+    folds, fixed, orders = _fixed_orders(data, mar, acq, hcfg, oracle, objective, device, progress, fit_data, fit_roi)
+    chosen, count = _oracle_lines(data, mar, acq, hcfg, oracle, objective, attempts, device, progress)
+    free = np.ones(n_pe, dtype=bool)
+    free[initial_lines(n_pe, initial)] = False
+    centre = np.flatnonzero(free)[np.argsort(center_out_rank(n_pe)[free], kind="stable")][:budget]
+    lines = {"oracle": chosen, "fixed": fixed, "center-out": np.broadcast_to(centre, (n, budget))}
+    scores = {m: _scores(data, line_masks(n, n_pe, initial, lines[m]), mar, roi, device, hcfg.batch_size, recon)
+              for m in METHODS}
+    record: dict[str, Any] = {"orders": orders, "folds": folds.tolist(), "oracle_lines": chosen.tolist()}
+    if attempts is not None:  # the oracle's own acquisitions, repeats included, and the gated order's
+        record.update(_with_repeats(clean, mar, acq, hcfg, roi, device, attempts, corrupted, folds, fixed, count,
+                                    scores))
+    return record, scores
+
+
+def _fixed_orders(data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionConfig, hcfg: HeadroomConfig,
+                  oracle: BeamOracle, objective: torch.Tensor | None, device: torch.device, progress: bool,
+                  fit_data: SliceSet | None, fit_roi: torch.Tensor | None
+                  ) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
+    """(each slice's fold, (n, budget) the fixed order it plays, the order of each fold): one
+    order fitted on ``fit_data``, or each fold's fitted on the other folds' slices."""
+    n, initial, budget = len(data), acq.initial, acq.budget
     fixed = np.zeros((n, budget), dtype=np.int64)
     orders = []
     if fit_data is not None:  # one order, fitted on another split
-        folds = np.zeros(n, dtype=np.int64)
         order = population_order(fit_data, initial, budget, mar, device, hcfg.batch_size, oracle, progress=progress,
                                  roi=fit_roi if objective is not None else None)
         fixed[:] = order
+        return np.zeros(n, dtype=np.int64), fixed, [order.tolist()]
+    folds = subject_folds(data.subjects, hcfg.folds)
+    for k in range(hcfg.folds):
+        fit = np.flatnonzero(folds != k)
+        order = population_order(data.subset(fit), initial, budget, mar, device, hcfg.batch_size, oracle,
+                                 progress=progress, roi=None if objective is None else objective[fit])
+        fixed[folds == k] = order
         orders.append(order.tolist())
-    else:
-        folds = subject_folds(data.subjects, hcfg.folds)
-        for k in range(hcfg.folds):
-            fit = np.flatnonzero(folds != k)
-            order = population_order(data.subset(fit), initial, budget, mar, device, hcfg.batch_size, oracle,
-                                     progress=progress, roi=None if objective is None else objective[fit])
-            fixed[folds == k] = order
-            orders.append(order.tolist())
-    start = line_masks(n, n_pe, initial, np.zeros((0,), dtype=np.int64))
+    return folds, fixed, orders
+
+
+def _oracle_lines(data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionConfig, hcfg: HeadroomConfig,
+                  oracle: BeamOracle, objective: torch.Tensor | None, attempts: torch.Tensor | None,
+                  device: torch.device, progress: bool) -> tuple[np.ndarray, np.ndarray]:
+    """((n, budget) the oracle's lines, (n, n_pe) its acquisitions of each line: with
+    ``attempts``, the oracle that may acquire a line again)."""
+    from tqdm.auto import tqdm
+
+    n, n_pe, budget = len(data), data.n_pe, acq.budget
+    start = line_masks(n, n_pe, acq.initial, np.zeros((0,), dtype=np.int64))
     chosen = np.zeros((n, budget), dtype=np.int64)
     count = np.zeros((n, n_pe), dtype=np.int64)
     bar = tqdm(total=n, desc=oracle.name if attempts is None else ReacquireOracle.name, unit="slice",
@@ -95,36 +124,36 @@ def _measure_one(data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionCo
                                                                  target, mar, region)
         bar.update(len(index))
     bar.close()
-    free = np.ones(n_pe, dtype=bool)
-    free[initial_lines(n_pe, initial)] = False
-    centre = np.flatnonzero(free)[np.argsort(center_out_rank(n_pe)[free], kind="stable")][:budget]
-    lines = {"oracle": chosen, "fixed": fixed, "center-out": np.broadcast_to(centre, (n, budget))}
-    scores = {m: _scores(data, line_masks(n, n_pe, initial, lines[m]), mar, roi, device, hcfg.batch_size, recon)
-              for m in METHODS}
-    record: dict[str, Any] = {"orders": orders, "folds": folds.tolist(), "oracle_lines": chosen.tolist()}
-    if attempts is not None:  # the oracle's own acquisitions, repeats included
-        served = replace(clean, kspace_metal=kspace_of(attempts, count))
-        scores["oracle"] = _scores(served, count > 0, mar, roi, device, hcfg.batch_size)
-        # the fitted order, acquiring each flagged line again first (navigator gating)
-        env = BatchedAcquisitionEnv(clean, hcfg.env_config(), initial, budget, mar, device)
-        gated_count = np.zeros_like(count)
-        for k in np.unique(folds):
-            rows = np.flatnonzero(folds == k)
-            played = env.evaluate(GatedOrder(fixed[rows[0]], n_pe), indices=rows, batch_size=hcfg.batch_size)
-            gated_count[rows] = played["counts"].numpy()
-        scores["gated"] = _scores(replace(clean, kspace_metal=kspace_of(attempts, gated_count)), gated_count > 0,
-                                      mar, roi, device, hcfg.batch_size)
-        record["gated_counts"] = gated_count.tolist()
-        first = corrupted[:, 0]
-        record["corruption"] = {
-            "repeats_per_slice": float((count.sum(axis=1) - count.astype(bool).sum(axis=1)).mean()),
-            "repeats_per_slice_gated": float((gated_count.sum(axis=1) - (gated_count > 0).sum(axis=1)).mean()),
-            "corrupted_lines_fixed": float(np.mean([first[i, line_masks(1, n_pe, initial, fixed[i])[0]].sum()
-                                                    for i in range(n)])),
-            "corrupted_lines_oracle": float(np.mean([corrupted[i, np.clip(count[i] - 1, 0, None), np.arange(n_pe)]
-                                                     [count[i] > 0].sum() for i in range(n)])),
-        }
-    return record, scores
+    return chosen, count
+
+
+def _with_repeats(clean: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionConfig, hcfg: HeadroomConfig,
+                  roi: torch.Tensor, device: torch.device, attempts: torch.Tensor, corrupted: torch.Tensor,
+                  folds: np.ndarray, fixed: np.ndarray, count: np.ndarray,
+                  scores: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
+    """With corruption: the oracle scored on what it acquired (repeats included), the fitted
+    order with navigator gating (:class:`GatedOrder`, each fold its own order) played and
+    scored; into ``scores``. Returns the run's ``gated_counts`` and ``corruption`` fields."""
+    n, n_pe, initial = len(clean), clean.n_pe, acq.initial
+    scores["oracle"] = _scores(replace(clean, kspace_metal=kspace_of(attempts, count)), count > 0, mar, roi, device,
+                               hcfg.batch_size)
+    env = BatchedAcquisitionEnv(clean, hcfg.env_config(), initial, acq.budget, mar, device)
+    gated_count = np.zeros_like(count)
+    for k in np.unique(folds):
+        rows = np.flatnonzero(folds == k)
+        played = env.evaluate(GatedOrder(fixed[rows[0]], n_pe), indices=rows, batch_size=hcfg.batch_size)
+        gated_count[rows] = played["counts"].numpy()
+    scores["gated"] = _scores(replace(clean, kspace_metal=kspace_of(attempts, gated_count)), gated_count > 0,
+                              mar, roi, device, hcfg.batch_size)
+    first = corrupted[:, 0]
+    return {"gated_counts": gated_count.tolist(), "corruption": {
+        "repeats_per_slice": float((count.sum(axis=1) - count.astype(bool).sum(axis=1)).mean()),
+        "repeats_per_slice_gated": float((gated_count.sum(axis=1) - (gated_count > 0).sum(axis=1)).mean()),
+        "corrupted_lines_fixed": float(np.mean([first[i, line_masks(1, n_pe, initial, fixed[i])[0]].sum()
+                                                for i in range(n)])),
+        "corrupted_lines_oracle": float(np.mean([corrupted[i, np.clip(count[i] - 1, 0, None), np.arange(n_pe)]
+                                                 [count[i] > 0].sum() for i in range(n)])),
+    }}
 
 
 def _key(region: str) -> str:
@@ -141,15 +170,7 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
     report gives how much of the oracle's lead over the fixed order it captures."""
     hcfg: HeadroomConfig = config["headroom"]
     acq: AcquisitionConfig = config["acquisition"]
-    sense = hcfg.recon == "sense"
-    if sense and mar_paths:
-        raise ValueError("recon sense is scored without a MAR network (none is trained on SENSE images): drop --mar")
-    if not sense and not mar_paths:
-        raise ValueError("the headroom is measured under a MAR network: give at least one --mar")
-    policy_paths = list(policy_paths or [])
-    if policy_paths and len(policy_paths) != len(mar_paths):
-        raise ValueError(f"give one policy checkpoint per MAR network (the network it was trained under): "
-                         f"{len(policy_paths)} --policy for {len(mar_paths)} --mar")
+    policy_paths = _check_paths(hcfg, mar_paths, policy_paths)
     device = resolve_device(hcfg.device)
     full = load_split(data_dir, split)
     if acq.initial + acq.budget > full.n_pe:
@@ -157,30 +178,13 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
                          f"{full.n_pe} phase-encoding lines")
     data = full.subset(measured_slices(full, hcfg.slices_per_subject))
     roi = data.periprosthetic_roi(hcfg.margin)
-    fit_data = fit_roi = None
-    if not hcfg.fit_split and len(set(data.subjects)) < hcfg.folds and split != "train":
-        log.warning("%s/%s has %d subject(s), fewer than the %d folds the cross-fitted order needs: the fixed order "
-                    "is fitted on the train split instead (headroom.fit_split=train)", data_dir, split,
-                    len(set(data.subjects)), hcfg.folds)
-        hcfg = dataclasses.replace(hcfg, fit_split="train")
-    if hcfg.fit_split:
-        if hcfg.fit_split == split:
-            raise ValueError(f"headroom.fit_split {split!r} is the measured split: fit the fixed order on another "
-                             "split (train), or leave fit_split empty to cross-fit it over subject folds")
-        fit_full = load_split(data_dir, hcfg.fit_split)
-        if fit_full.n_pe != full.n_pe:
-            raise ValueError(f"split {hcfg.fit_split!r} has {fit_full.n_pe} phase-encoding lines, split {split!r} "
-                             f"{full.n_pe}: the fixed order must be fitted on the measured protocol")
-        fit_data = fit_full.subset(measured_slices(fit_full, hcfg.slices_per_subject))
-        fit_roi = fit_data.periprosthetic_roi(hcfg.margin)
-        log.info("fixed order fitted on %s/%s: %d slices of %d subjects", data_dir, hcfg.fit_split, len(fit_data),
-                 len(set(fit_data.subjects)))
+    hcfg, fit_data, fit_roi = _fit_split(hcfg, data, data_dir, split, full.n_pe)
     log.info("headroom on %s/%s: %d slices of %d subjects, %d + %d of %d lines, region %s, beam %d, corruption "
              "%g (%s), %d MAR network(s)", data_dir, split, len(data), len(set(data.subjects)), acq.initial,
              acq.budget, data.n_pe, hcfg.region, hcfg.beam, hcfg.corruption, hcfg.corruption_kind, len(mar_paths))
     key = _key(hcfg.region)
     recon = zero_filled
-    if sense:
+    if hcfg.recon == "sense":
         maps = torch.from_numpy(body_array(hcfg.coils, tuple(data.target.shape[1:]), config["sequence"].fov_mm))
         recon = SenseRecon(maps.to(device), hcfg.sense_iterations)
     runs = []
@@ -189,21 +193,8 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
         if mar is not None:
             mar.eval()
         record, scores = _measure_one(data, mar, acq, hcfg, roi, device, progress, recon, fit_data, fit_roi)
-        psnr = key.replace("ssim", "psnr")
-        one = HeadroomRun(
-            mar=f"none ({hcfg.coils}-coil SENSE)" if path is None else str(path),
-            mar_metadata={k: meta.get(k) for k in ("kind", "epoch", "code_version") if k in meta},
-            slices={m: {k: v.tolist() for k, v in scores[m].items()} for m in scores},
-            means={m: {k: float(np.mean(v)) for k, v in scores[m].items()} for m in scores},
-            lead=subject_tests(scores["oracle"][key], scores["fixed"][key], data.subjects),
-            lead_psnr=subject_tests(scores["oracle"][psnr], scores["fixed"][psnr], data.subjects),
-            fixed_vs_center_out=subject_tests(scores["fixed"][key], scores["center-out"][key], data.subjects),
-            **record,
-        )
-        _judge_against_best(one, scores, key, data.subjects)
-        if "gated" in scores:
-            one.gated_vs_fixed = subject_tests(scores["gated"][key], scores["fixed"][key], data.subjects)
-            one.lead_gated = subject_tests(scores["oracle"][key], scores["gated"][key], data.subjects)
+        one = _run_of(f"none ({hcfg.coils}-coil SENSE)" if path is None else str(path), meta, record, scores, key,
+                      data.subjects)
         if policy_paths:
             _attach_policy(one, scores, policy_paths[j], data, mar, acq, roi, device, hcfg, key, progress)
             one.slices["policy"] = {k: v.tolist() for k, v in scores["policy"].items()}
@@ -220,6 +211,68 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
     )
     report.summary = summarise(report)
     return report
+
+
+def _check_paths(hcfg: HeadroomConfig, mar_paths: list[str | Path],
+                 policy_paths: list[str | Path] | None) -> list[str | Path]:
+    """The networks and policies a measurement asks for, checked; the policies as a list."""
+    sense = hcfg.recon == "sense"
+    if sense and mar_paths:
+        raise ValueError("recon sense is scored without a MAR network (none is trained on SENSE images): drop --mar")
+    if not sense and not mar_paths:
+        raise ValueError("the headroom is measured under a MAR network: give at least one --mar")
+    policy_paths = list(policy_paths or [])
+    if policy_paths and len(policy_paths) != len(mar_paths):
+        raise ValueError(f"give one policy checkpoint per MAR network (the network it was trained under): "
+                         f"{len(policy_paths)} --policy for {len(mar_paths)} --mar")
+    return policy_paths
+
+
+def _fit_split(hcfg: HeadroomConfig, data: SliceSet, data_dir: str | Path, split: str, n_pe: int
+               ) -> tuple[HeadroomConfig, SliceSet | None, torch.Tensor | None]:
+    """Where the fixed order is fitted: cross-fitted over the measured subjects (None, None), or
+    on ``hcfg.fit_split`` (its measured slices and their region), which a split with fewer
+    subjects than folds falls back to (the settings returned say so)."""
+    if not hcfg.fit_split and len(set(data.subjects)) < hcfg.folds and split != "train":
+        log.warning("%s/%s has %d subject(s), fewer than the %d folds the cross-fitted order needs: the fixed order "
+                    "is fitted on the train split instead (headroom.fit_split=train)", data_dir, split,
+                    len(set(data.subjects)), hcfg.folds)
+        hcfg = dataclasses.replace(hcfg, fit_split="train")
+    if not hcfg.fit_split:
+        return hcfg, None, None
+    if hcfg.fit_split == split:
+        raise ValueError(f"headroom.fit_split {split!r} is the measured split: fit the fixed order on another "
+                         "split (train), or leave fit_split empty to cross-fit it over subject folds")
+    fit_full = load_split(data_dir, hcfg.fit_split)
+    if fit_full.n_pe != n_pe:
+        raise ValueError(f"split {hcfg.fit_split!r} has {fit_full.n_pe} phase-encoding lines, split {split!r} "
+                         f"{n_pe}: the fixed order must be fitted on the measured protocol")
+    fit_data = fit_full.subset(measured_slices(fit_full, hcfg.slices_per_subject))
+    log.info("fixed order fitted on %s/%s: %d slices of %d subjects", data_dir, hcfg.fit_split, len(fit_data),
+             len(set(fit_data.subjects)))
+    return hcfg, fit_data, fit_data.periprosthetic_roi(hcfg.margin)
+
+
+def _run_of(mar: str, meta: dict[str, Any], record: dict[str, Any], scores: dict[str, dict[str, np.ndarray]],
+            key: str, subjects: list[str]) -> HeadroomRun:
+    """One network's :class:`HeadroomRun` from its lines (``record``) and scores: the means, the
+    lead over the fitted order and over the better fixed order, the gated order's tests."""
+    psnr = key.replace("ssim", "psnr")
+    one = HeadroomRun(
+        mar=mar,
+        mar_metadata={k: meta.get(k) for k in ("kind", "epoch", "code_version") if k in meta},
+        slices={m: {k: v.tolist() for k, v in scores[m].items()} for m in scores},
+        means={m: {k: float(np.mean(v)) for k, v in scores[m].items()} for m in scores},
+        lead=subject_tests(scores["oracle"][key], scores["fixed"][key], subjects),
+        lead_psnr=subject_tests(scores["oracle"][psnr], scores["fixed"][psnr], subjects),
+        fixed_vs_center_out=subject_tests(scores["fixed"][key], scores["center-out"][key], subjects),
+        **record,
+    )
+    _judge_against_best(one, scores, key, subjects)
+    if "gated" in scores:
+        one.gated_vs_fixed = subject_tests(scores["gated"][key], scores["fixed"][key], subjects)
+        one.lead_gated = subject_tests(scores["oracle"][key], scores["gated"][key], subjects)
+    return one
 
 
 def _attach_policy(run: HeadroomRun, scores: dict[str, dict[str, np.ndarray]], path: str | Path,
