@@ -159,6 +159,17 @@ class _Measured(NamedTuple):
     corrected: torch.Tensor | None  # (B, H, W) g(I), None when no MAR forward was needed
 
 
+class _NewEpisodes(NamedTuple):
+    """The episodes an autoreset starts (:meth:`BatchedAcquisitionEnv._autoreset`)."""
+
+    slices: torch.Tensor
+    kspace: torch.Tensor
+    ref: Any
+    mask: torch.Tensor
+    attempts: torch.Tensor | None
+    flags: torch.Tensor | None
+
+
 class BatchedAcquisitionEnv:
     """Many slices at once on the device: batched masked IFFT and ONE batched MAR forward per step.
 
@@ -480,19 +491,10 @@ class BatchedAcquisitionEnv:
         slice_stepped = self._slice
 
         reset_envs = np.flatnonzero(done_cpu) if self.autoreset else np.zeros(0, dtype=np.int64)
-        n_new = len(reset_envs)
-        if n_new:
-            new_slices = self._draw(n_new)
-            kspace_new = self._kspace_all[new_slices]
-            if self._corruption is not None:  # the new episodes' draws; their initial lines are attempt 0
-                attempts_new, flags_new = self._draw_attempts(new_slices)
-                kspace_new = to_hybrid(attempts_new[:, 0])
-            ref_new = self._reference(new_slices)
-            episodes.reset(reset_envs)  # ``mask`` keeps the stepped masks
-            mask_new = torch.from_numpy(episodes.masks[reset_envs]).to(self.device)
-            # one recon + one MAR forward for the stepped states and the new episodes together
-            m = self._measure(torch.cat([self._kspace, kspace_new]), torch.cat([mask, mask_new]),
-                              self._ref.cat(ref_new))
+        new = self._autoreset(episodes, reset_envs) if len(reset_envs) else None
+        if new is not None:  # one recon + one MAR forward for the stepped states and the new episodes together
+            m = self._measure(torch.cat([self._kspace, new.kspace]), torch.cat([mask, new.mask]),
+                              self._ref.cat(new.ref))
             image, q = m.observed[:b], m.quality[:b]
         else:
             m = self._measure(self._kspace, mask, self._ref)
@@ -509,31 +511,51 @@ class BatchedAcquisitionEnv:
             "slice_index": slice_stepped,
         }
 
-        if n_new:
-            envs = torch.from_numpy(reset_envs).to(self.device)
-            slices = slice_stepped.clone()
-            slices[envs] = new_slices
-            kspace = self._kspace.clone()
-            kspace[envs] = kspace_new
-            ref = self._ref.replace(envs, ref_new)
-            if self._corruption is not None:
-                self._attempts = self._attempts.clone()
-                self._attempts[envs] = attempts_new
-                self._flags = self._flags.clone()
-                self._flags[envs] = flags_new
-            next_mask = episodes.mask
-            next_image = image.clone()
-            next_image[envs] = m.observed[b:]
-            next_q = q.clone()
-            next_q[envs] = m.quality[b:]
-            steps_left = episodes.steps_left_tensor()
+        if new is not None:
+            image, q = self._install(new, reset_envs, slice_stepped, image, q, m.observed[b:], m.quality[b:])
+            mask, steps_left = episodes.mask, episodes.steps_left_tensor()
             returns = torch.where(done, torch.zeros_like(returns), returns)
-            self._slice, self._kspace, self._ref = slices, kspace, ref
-            mask, image, q = next_mask, next_image, next_q
 
         self._mask, self._image, self._quality = mask, image, q
         self._steps_left, self._return = steps_left, returns
         return self.observation, rewards, done, info
+
+    def _autoreset(self, episodes: EpisodeBatch, envs: np.ndarray) -> _NewEpisodes:
+        """Draw the slices of the envs that start a new episode (autoreset) and reset their
+        episodes (``episodes.mask`` read before keeps the stepped masks)."""
+        slices = self._draw(len(envs))
+        kspace = self._kspace_all[slices]
+        attempts = flags = None
+        if self._corruption is not None:  # the new episodes' draws; their initial lines are attempt 0
+            attempts, flags = self._draw_attempts(slices)
+            kspace = to_hybrid(attempts[:, 0])
+        ref = self._reference(slices)
+        episodes.reset(envs)
+        mask = torch.from_numpy(episodes.masks[envs]).to(self.device)
+        return _NewEpisodes(slices, kspace, ref, mask, attempts, flags)
+
+    def _install(self, new: _NewEpisodes, reset_envs: np.ndarray, slice_stepped: torch.Tensor, image: torch.Tensor,
+                 q: torch.Tensor, new_image: torch.Tensor, new_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Put the new episodes in their envs (slices, k-space, reference, corruption draws);
+        returns the next observation's images and qualities (the stepped ones, with the new
+        episodes' first ones in their envs)."""
+        envs = torch.from_numpy(reset_envs).to(self.device)
+        slices = slice_stepped.clone()
+        slices[envs] = new.slices
+        kspace = self._kspace.clone()
+        kspace[envs] = new.kspace
+        ref = self._ref.replace(envs, new.ref)
+        if self._corruption is not None:
+            self._attempts = self._attempts.clone()
+            self._attempts[envs] = new.attempts
+            self._flags = self._flags.clone()
+            self._flags[envs] = new.flags
+        next_image = image.clone()
+        next_image[envs] = new_image
+        next_q = q.clone()
+        next_q[envs] = new_q
+        self._slice, self._kspace, self._ref = slices, kspace, ref
+        return next_image, next_q
 
     @torch.no_grad()
     def observe(self, slices: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
