@@ -55,7 +55,7 @@ from masc_gadget.acquisition.decision import Decision
 from masc_gadget.acquisition.episode import AcquisitionState, EpisodeBatch
 from masc_gadget.acquisition.policies import SamplingPolicy, select_next, select_trains, slice_rng
 from masc_gadget.core.coils import coil_combine
-from masc_gadget.core.ood import early_switch, fallback_rule
+from masc_gadget.core.ood import early_switch, fallback_rule, switch_point
 from masc_gadget.core.served import served_images
 from masc_gadget.device import resolve_device
 
@@ -173,6 +173,10 @@ class AcquisitionEngine:
         policy that reads no image the engine makes the initial lines' images for that score
         alone, and a slice decided ahead gets centre-out's plan."""
         self.early = self.ood is not None and self.ood.stage == "early"
+        self.switch_at = switch_point(self.ood, settings.initial, settings.lines_per_decision)
+        """With an early rule: the lines a slice has when it is scored (its initial lines, or the
+        rule's ``after_lines``); a slice decided ahead gets its plan up to there first, the rest
+        after the verdict."""
         self.ahead = settings.decide_ahead and not policy.needs_image
         """A slice's whole episode is decided at its first decision (the policy reads no image)."""
         self._slices: dict[int, _Slice] = {}
@@ -362,7 +366,7 @@ class AcquisitionEngine:
             episode = self._episode(buf.episode.rngs[0])
             for kept in lines:
                 episode.record(0, kept)
-            if len(lines) >= self.settings.initial:  # the early verdict stands on the lines kept
+            if len(lines) >= (self.switch_at or self.settings.initial):  # the verdict stands on the lines kept
                 episode.switch(0, buf.episode.switched, buf.episode.switch_score)
             buf.episode = episode
             del buf.decided[undo.n_decided:]
@@ -435,7 +439,9 @@ class AcquisitionEngine:
                     return [], []
         rngs = [b.episode.rngs[0] for b in bufs]
         kspace = mask = None
-        unscored = np.array([self.early and not b.episode.scored(0)[0] for b in bufs], dtype=bool)
+        waiting = np.array([self.early and not b.episode.scored(0)[0] for b in bufs], dtype=bool)
+        have = np.array([len(b.episode.lines(0)) for b in bufs])
+        unscored = waiting & (have >= (self.switch_at or 0))  # due for the early rule now
         if self.policy.needs_image or unscored.any():  # the policy's image, or the early rule's
             kspace = np.stack([b.kspace for b in bufs])  # (B, n_coils, n_pe, n_readout)
             mask = np.concatenate([b.episode.masks for b in bufs])  # (B, n_pe)
@@ -454,6 +460,10 @@ class AcquisitionEngine:
         for b, score in zip(bufs, early):
             if not np.isnan(score):
                 b.episode.switch(0, [score > self.ood.threshold], [score])
+        if self.ahead and (waiting & ~unscored).any():  # a plan up to the switch point; the rest after the verdict
+            lines = lines.copy()
+            for i in np.flatnonzero(waiting & ~unscored):
+                lines[i, self.switch_at - have[i]:] = -1
         bad = [k for k, ok in zip(chosen, finite) if not ok]
         keep = np.flatnonzero(finite)
         chosen, bufs = [chosen[i] for i in keep], [bufs[i] for i in keep]

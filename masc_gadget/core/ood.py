@@ -35,7 +35,12 @@ Two stages of the rule (:class:`OodCalibration` ``stage``):
     rest of its lines (:func:`masc_gadget.acquisition.policies.select_lines`) and served
     zero-filled: it is then exactly doing nothing, never worse. A policy that reads no image
     still decides each slice's lines at its first decision, all at once (its order, or
-    centre-out's when flagged), so the scanner still has them ahead.
+    centre-out's when flagged), so the scanner still has them ahead. With ``after_lines``
+    (``masc check mar --early-lines N``) the rule scores the image of a slice's first N lines
+    instead (:func:`switch_point`): it sees more, and a switched slice keeps those lines, so it
+    is served the zero-filled image of them and centre-out's next ones, level with doing
+    nothing only while N is small (measured, docs/results.md); a policy that reads no image
+    sends its plan up to there at the first decision and the rest after the verdict.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ import torch
 from masc_gadget.core.kspace import fft2c, zero_filled
 
 __all__ = ["SCORES", "STAGES", "OodCalibration", "early_calibration_of", "early_switch", "calibration_of", "consistency_score", "fallback_rule", "flip_score",
-           "ood_score", "residual_score"]
+           "ood_score", "residual_score", "switch_point"]
 
 SCORES = ("consistency", "residual", "flip")
 STAGES = ("end", "early")
@@ -122,6 +127,9 @@ class OodCalibration:
     score: str
     threshold: float
     stage: str = "end"
+    after_lines: int | None = None
+    """An early rule only: score (and switch) once a slice has this many lines, its initial ones
+    and the first ones its policy chose (None: at the initial lines; :func:`switch_point`)."""
 
     def __post_init__(self) -> None:
         if self.score not in SCORES:
@@ -130,6 +138,10 @@ class OodCalibration:
             raise ValueError(f"unknown OOD stage {self.stage!r}: choose from {', '.join(STAGES)}")
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not self.threshold > 0:
             raise ValueError(f"the OOD threshold must be a number > 0, got {self.threshold!r}")
+        if self.after_lines is not None and (self.stage != "early" or isinstance(self.after_lines, bool)
+                                             or not isinstance(self.after_lines, int) or self.after_lines < 1):
+            raise ValueError(f"after_lines is an early rule's line count >= 1, got {self.after_lines!r} "
+                             f"(stage {self.stage!r})")
 
     @classmethod
     def from_metadata(cls, section: Any, where: str) -> OodCalibration | None:
@@ -152,14 +164,22 @@ class OodCalibration:
         early = section.get("early") if isinstance(section, dict) else None
         if early is None:
             return None
-        if isinstance(early, dict) and early.get("after_lines") is not None:
-            raise ValueError(f"{where}: metadata 'ood.early' was calibrated after {early['after_lines']} lines "
-                             "(masc check mar --early-lines), a study: the gadget switches after the initial lines; "
-                             "calibrate without --early-lines to serve it")
         try:
-            return cls(str(early["score"]), float(early["threshold"]), "early")
-        except (TypeError, KeyError, ValueError) as err:
-            raise ValueError(f"{where}: metadata 'ood.early' must be {{score, threshold}}: {err}") from None
+            return cls(str(early["score"]), float(early["threshold"]), "early", early.get("after_lines"))
+        except (TypeError, KeyError, ValueError, AttributeError) as err:
+            raise ValueError(f"{where}: metadata 'ood.early' must be {{score, threshold[, after_lines]}}: "
+                             f"{err}") from None
+
+
+def switch_point(rule: OodCalibration | None, initial: int, lines_per_decision: int = 1) -> int | None:
+    """How many lines a slice has when the early ``rule`` scores it (None: no early rule): its
+    ``after_lines`` (at least the initial lines), rounded up to a decision's train of
+    ``lines_per_decision`` lines after the initial ones, since a slice is decided a train at a
+    time."""
+    if rule is None or rule.stage != "early":
+        return None
+    chosen = max(0, (rule.after_lines or initial) - initial)
+    return initial + -(-chosen // lines_per_decision) * lines_per_decision
 
 
 def calibration_of(mar: Any) -> OodCalibration | None:

@@ -48,9 +48,9 @@ def register_mar_check(subparsers: argparse._SubParsersAction, common: argparse.
                     "doing nothing (centre-out's zero-filled image); a network that carries a policy is judged "
                     "on its own lines")
     mc.add_argument("--early-lines", type=int, default=None, metavar="N",
-                    help="a study of a later switch: the early rule scores the image of each slice's first N own "
+                    help="a later early switch: the early rule scores the image of each slice's first N own "
                          "lines (N > the initial lines) and a flagged slice continues with centre-out's lines; "
-                         "its calibration cannot be exported (the gadget switches after the initial lines)")
+                         "the calibration records after_lines, which the gadget and masc eval play")
     mc.add_argument("--out", required=True, metavar="DIR", help="results.json, report.md, roc.png")
     mc.set_defaults(func=cmd_mar_check)
 

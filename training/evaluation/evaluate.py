@@ -22,7 +22,7 @@ from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
 from masc_gadget.core.kspace import zero_filled
 from masc_gadget.core.metrics import METRICS
-from masc_gadget.core.ood import OodCalibration, early_switch, fallback_rule
+from masc_gadget.core.ood import OodCalibration, early_switch, fallback_rule, switch_point
 from masc_gadget.acquisition.policies import (FixedOrder, SamplingPolicy, make_policy, select_next, select_trains,
                                               slice_rng)
 from training.data import SliceSet, load_split, spread_subset
@@ -111,7 +111,8 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
     point per line. ``ood``: the gadget's rule for serving a slice zero-filled when its MAR
     image's OOD score is too high (:func:`masc_gadget.core.ood.fallback_rule`), applied to the
     scored MAR images as the gadget applies it; an early rule (the network's early
-    calibration) scores the images of the initial lines before the first choice and switches
+    calibration) scores the images of the initial lines before the first choice (or, with its
+    ``after_lines``, of that many lines: :func:`masc_gadget.core.ood.switch_point`) and switches
     the slices it flags to centre-out (:func:`masc_gadget.core.ood.early_switch`), as the engine
     does, whether or not the policy reads the image. ``score`` False plays the policy alone: the lines, no curves (and no network pass for
     a policy that reads no image)."""
@@ -120,6 +121,7 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
     early = ood is not None and ood.stage == "early"
     if early and (mar is None or isinstance(policy, GreedyOracle)):
         raise ValueError("an early OOD rule needs a MAR network and a policy (not the oracle)")
+    t_switch = (switch_point(ood, initial, lines_per_decision) or initial) - initial  # lines chosen when scored
     n, n_pe = len(data), data.n_pe
     steps = budget + 1
     lines = np.zeros((n, initial + budget), dtype=np.int64)
@@ -138,11 +140,11 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
         for t in range(steps):
             if not score and t == budget:
                 break
-            needed = score or (policy.needs_image and not isinstance(policy, GreedyOracle)) or (early and t == 0)
+            needed = score or (policy.needs_image and not isinstance(policy, GreedyOracle)) or (early and t == t_switch)
             images = {False: zero_filled(kspace, episodes.mask)} if needed else {}  # what a policy observes
             if mar is not None and needed:
                 images[True] = mar(images[False])
-            if early and t == 0:  # the engine's first decision pass
+            if early and t == t_switch:  # the engine's decision pass at the switch point
                 flagged, verdict = early_switch(ood, images[False], images[True], episodes.mask, mar)
                 episodes.switch(None, flagged.cpu().numpy(), verdict.cpu().numpy())
             if score:  # what the gadget returns

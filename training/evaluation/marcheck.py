@@ -360,10 +360,10 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
     calibration. ``snr``: the acquisition SNR range of the noise promise (:func:`noise_rows`;
     None skips it). ``folds`` > 1: also the served image under a rule calibrated without the
     subject it serves, per folder (:func:`cross_validated`). ``early_lines`` > ``initial``: a
-    study of a later switch: the early rule scores the image of each slice's first
-    ``early_lines`` own lines and a flagged slice continues with centre-out's lines
-    (:func:`early_rows`); its calibration records ``after_lines`` and cannot be exported (the
-    gadget switches after the initial lines). Writes ``OUT/results.json``, ``OUT/report.md``, ``OUT/roc.png`` (and
+    later switch: the early rule scores the image of each slice's first ``early_lines`` own
+    lines and a flagged slice continues with centre-out's lines (:func:`early_rows`); its
+    calibration records ``after_lines``, which the gadget and ``masc eval`` play
+    (:func:`masc_gadget.core.ood.switch_point`). Writes ``OUT/results.json``, ``OUT/report.md``, ``OUT/roc.png`` (and
     ``OUT/ood.json`` with ``do_calibrate``)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -539,7 +539,7 @@ def _seed_rows(by_name: dict[str, Any]) -> list[str]:
 def _switch_point(results: dict[str, Any]) -> str:
     """Where the early rule scores and switches, in words."""
     after = results.get("early_lines")
-    return f"its first {after} lines (a study: --early-lines)" if after else "the initial lines"
+    return f"its first {after} lines (--early-lines)" if after else "the initial lines"
 
 
 def render_report(results: dict[str, Any]) -> str:

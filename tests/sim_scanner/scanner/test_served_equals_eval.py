@@ -138,23 +138,25 @@ def test_the_ood_fallback_is_served_and_scored_alike(tiny_dataset, tmp_path, per
     assert np.abs(np.subtract(mar, nomar))[~fell_back].max() > 1e-3
 
 
-def _with_early_rule(checkpoint, mar, data, out):
+def _with_early_rule(checkpoint, mar, data, out, after=()):
     """``checkpoint`` with an early rule (residual score) whose threshold lies between the two
-    middle slices of ``data``: about half are flagged. Returns (calibrated path, early scores,
-    threshold)."""
+    middle slices of ``data``: about half are flagged, scored on the initial lines' image, or
+    with ``after`` (the first lines a slice chooses) on the image of those lines too, the rule's
+    ``after_lines``. Returns (calibrated path, early scores, threshold)."""
     from masc_gadget.core.kspace import zero_filled
     from masc_gadget.core.ood import residual_score
     from masc_gadget.models.checkpoint import load_checkpoint
     from training.scoring import line_masks
 
     with torch.no_grad():
-        zf = zero_filled(data.kspace_metal, torch.as_tensor(line_masks(len(data), N, INITIAL, [])))
+        zf = zero_filled(data.kspace_metal, torch.as_tensor(line_masks(len(data), N, INITIAL, list(after))))
         scores = residual_score(zf, mar(zf))
     ranked = scores.sort().values
     threshold = float(ranked[len(ranked) // 2 - 1] + ranked[len(ranked) // 2]) / 2
     ck = load_checkpoint(checkpoint)
+    early = {"score": "residual", "threshold": threshold, **({"after_lines": INITIAL + len(after)} if after else {})}
     calibrated = save_checkpoint(out, ck.state_dicts, {
-        **ck.metadata, "ood": {"score": "flip", "threshold": 1e-9, "early": {"score": "residual", "threshold": threshold}}})
+        **ck.metadata, "ood": {"score": "flip", "threshold": 1e-9, "early": early}})
     return calibrated, scores, threshold
 
 
@@ -226,4 +228,40 @@ def test_a_fixed_order_decided_ahead_takes_the_early_switch_alike(tiny_dataset, 
         if switched[i]:  # centre-out's plan, served zero-filled: doing nothing
             assert sl.lines == safe and abs(mar_ssim[i] - nomar[i]) < 1e-6, label
         else:  # the order's plan and its network's image
+            assert sl.lines == order, label
+
+
+def test_a_fixed_order_switched_after_its_first_lines_is_played_served_and_scored_alike(tiny_dataset, tmp_path,
+                                                                                      learned_checkpoints):
+    """An early rule with ``after_lines`` (``masc check mar --early-lines``): the gadget sends
+    the fixed order's plan up to the switch point, scores the image of those lines, then sends
+    the rest, the order's or centre-out's next free lines (served zero-filled); masc eval plays
+    and scores exactly the same."""
+    from masc_gadget.acquisition.episode import initial_lines
+    from masc_gadget.acquisition.policies import center_out_rank
+    from masc_gadget.models.checkpoint import load_checkpoint, load_mar
+    from training.data import load_split
+
+    fixed = learned_checkpoints["fixed-order"]
+    data = load_split(tiny_dataset, "test")
+    order = [int(x) for x in initial_lines(N, INITIAL)] + load_checkpoint(fixed).metadata["order"]
+    first = order[INITIAL:INITIAL + 1]  # the switch after the initial lines and the order's first choice
+    calibrated, scores, threshold = _with_early_rule(fixed, load_mar(fixed)[0], data, tmp_path / "later.pt",
+                                                     after=first)
+    served = _scan(tiny_dataset, tmp_path / "scan", "fixed-order",
+                   [f"acquisition.seed={SEED}", f"gadget.policy_checkpoint={calibrated}"])
+    slices, rows = _eval_rows(tiny_dataset, "fixed-order", calibrated)
+    kept = order[:INITIAL + 1]
+    centre_out = [int(x) for x in np.argsort(center_out_rank(N), kind="stable")]
+    switched_lines = kept + [x for x in centre_out if x not in kept][:BUDGET - 1]
+    switched = (scores > threshold).numpy()
+    assert switched.any() and not switched.all() and switched_lines != order
+    mar_ssim, nomar = rows["fixed-order"]["per_slice"]["ssim"], rows["fixed-order+nomar"]["per_slice"]["ssim"]
+    for i, label in enumerate(slices):
+        sl = served[label]
+        assert sl.lines == rows["fixed-order"]["lines"][i], label
+        assert abs(sl.metrics["ssim"] - mar_ssim[i]) < 1e-5, label
+        if switched[i]:  # the lines kept, then centre-out's, served zero-filled
+            assert sl.lines == switched_lines and abs(mar_ssim[i] - nomar[i]) < 1e-6, label
+        else:
             assert sl.lines == order, label

@@ -206,10 +206,10 @@ def test_the_early_switch_serves_doing_nothing_and_never_harms():
     assert cv["stage"] == "early" and cv["harmed_fraction"] == 0.0
 
 
-def test_a_later_switch_is_studied_on_the_first_lines_and_never_exported(tiny_dataset, perturbed_mar, tmp_path):
+def test_a_later_switch_is_calibrated_on_the_first_lines_and_carried_by_the_rule(tiny_dataset, perturbed_mar, tmp_path):
     """``--early-lines N``: the early rule scores the image of each slice's first N own lines, a
-    flagged slice keeps them and continues with centre-out's lines; the calibration says so and
-    the gadget refuses it (it switches after the initial lines)."""
+    flagged slice keeps them and continues with centre-out's lines; the calibration says so
+    (``after_lines``) and the rule a checkpoint loads from it switches there."""
     from masc_gadget.acquisition.policies import make_policy
     from masc_gadget.core.ood import OodCalibration
     from training.evaluation.marcheck import mar_check, switched_lines
@@ -226,14 +226,13 @@ def test_a_later_switch_is_studied_on_the_first_lines_and_never_exported(tiny_da
     early = later["calibration"]["p"]["early"]
     assert later["early_lines"] == 2 and early["after_lines"] == 2
     assert "after_lines" not in first["calibration"]["p"]["early"]
-    assert "its first 2 lines (a study: --early-lines)" in (tmp_path / "l" / "report.md").read_text()
+    assert "its first 2 lines (--early-lines)" in (tmp_path / "l" / "report.md").read_text()
     kept = later["folders"][tiny_dataset.name]["p"]["summary"]["switched_vs_nothing"]  # the fallback, still safe?
     from training.data import load_split
 
     assert kept["n_subjects"] == len(set(load_split(tiny_dataset, "val").subjects)) and math.isfinite(kept["diff"])
     assert "switched_vs_nothing" not in first["folders"][tiny_dataset.name]["p"]["summary"]
-    with pytest.raises(ValueError, match="calibrated after 2 lines"):
-        OodCalibration.from_metadata(later["calibration"]["p"], "x.pt")
-    OodCalibration.from_metadata(first["calibration"]["p"], "x.pt")
+    assert OodCalibration.early_from_metadata(later["calibration"]["p"], "x.pt").after_lines == 2
+    assert OodCalibration.early_from_metadata(first["calibration"]["p"], "x.pt").after_lines is None
     with pytest.raises(ValueError, match=r"early_lines must be in \[1, 3\]"):
         mar_check({"p": mar}, str(tiny_dataset), "val", 1, 2, tmp_path / "x", policies=policies, early_lines=5)
