@@ -184,8 +184,11 @@ def test_clients_waiting_for_a_slot_are_bounded():
     """Regression (serving round 4, item 3): slot waiters were unbounded (771 threads)."""
     with running_server("server.max_connections=1", "server.max_pending=2", "server.reclaim_idle_s=60") as (server, port):
         holder = open_scan(port, (0, 8))
-        waiters = [open_scan(port) for _ in range(2)]
-        assert settle(lambda: len(server._waiting) == 2)  # both through their handshake, waiting
+        assert settle(lambda: len(server._slots) == 1)  # the holder has the slot
+        waiters = []
+        for n in (1, 2):  # one after the other: three sockets at once would also test pre-handshake eviction
+            waiters.append(open_scan(port))
+            assert settle(lambda: len(server._waiting) == n)  # through its handshake, waiting
         _, texts, _ = errors_of(port, lambda st: (st.send_config_file("default"), st.send_header(header_xml())))
         assert texts and "server busy: 2 clients already wait for a connection slot (server.max_pending)" in texts[0]
         for stream in (holder, *waiters):
