@@ -199,6 +199,20 @@ def test_the_early_switch_is_played_served_and_scored_alike(tiny_dataset, tmp_pa
             assert sl.lines == own["lines"][i] and abs(mar_ssim[i] - own["per_slice"]["ssim"][i]) < 1e-6, label
 
 
+def _assert_switched_alike(served, slices, row, nomar_row, switched, switched_lines, order):
+    """Every slice served as ``masc eval`` played and scored it (``row``): the switched ones on
+    ``switched_lines``, served zero-filled (``nomar_row``'s score), the others on ``order``."""
+    mar_ssim, nomar = row["per_slice"]["ssim"], nomar_row["per_slice"]["ssim"]
+    for i, label in enumerate(slices):
+        sl = served[label]
+        assert sl.lines == row["lines"][i], label
+        assert abs(sl.metrics["ssim"] - mar_ssim[i]) < 1e-5, label
+        if switched[i]:  # the switched plan, served zero-filled
+            assert sl.lines == switched_lines and abs(mar_ssim[i] - nomar[i]) < 1e-6, label
+        else:  # the order's plan and its network's image
+            assert sl.lines == order, label
+
+
 def test_a_fixed_order_decided_ahead_takes_the_early_switch_alike(tiny_dataset, tmp_path, learned_checkpoints):
     """A fixed order (reads no image, decided ahead) whose network carries an early rule that
     flags about half the slices: the gadget scores each slice's initial lines at its first
@@ -220,15 +234,7 @@ def test_a_fixed_order_decided_ahead_takes_the_early_switch_alike(tiny_dataset, 
     safe = run_episode(make_policy("center-out"), N, INITIAL, BUDGET).tolist()
     switched = (scores > threshold).numpy()
     assert switched.any() and not switched.all() and order != safe
-    mar_ssim, nomar = rows["fixed-order"]["per_slice"]["ssim"], rows["fixed-order+nomar"]["per_slice"]["ssim"]
-    for i, label in enumerate(slices):
-        sl = served[label]
-        assert sl.lines == rows["fixed-order"]["lines"][i], label
-        assert abs(sl.metrics["ssim"] - mar_ssim[i]) < 1e-5, label
-        if switched[i]:  # centre-out's plan, served zero-filled: doing nothing
-            assert sl.lines == safe and abs(mar_ssim[i] - nomar[i]) < 1e-6, label
-        else:  # the order's plan and its network's image
-            assert sl.lines == order, label
+    _assert_switched_alike(served, slices, rows["fixed-order"], rows["fixed-order+nomar"], switched, safe, order)
 
 
 def test_a_fixed_order_switched_after_its_first_lines_is_played_served_and_scored_alike(tiny_dataset, tmp_path,
@@ -256,12 +262,5 @@ def test_a_fixed_order_switched_after_its_first_lines_is_played_served_and_score
     switched_lines = kept + [x for x in centre_out if x not in kept][:BUDGET - 1]
     switched = (scores > threshold).numpy()
     assert switched.any() and not switched.all() and switched_lines != order
-    mar_ssim, nomar = rows["fixed-order"]["per_slice"]["ssim"], rows["fixed-order+nomar"]["per_slice"]["ssim"]
-    for i, label in enumerate(slices):
-        sl = served[label]
-        assert sl.lines == rows["fixed-order"]["lines"][i], label
-        assert abs(sl.metrics["ssim"] - mar_ssim[i]) < 1e-5, label
-        if switched[i]:  # the lines kept, then centre-out's, served zero-filled
-            assert sl.lines == switched_lines and abs(mar_ssim[i] - nomar[i]) < 1e-6, label
-        else:
-            assert sl.lines == order, label
+    _assert_switched_alike(served, slices, rows["fixed-order"], rows["fixed-order+nomar"], switched, switched_lines,
+                           order)
