@@ -51,6 +51,13 @@ def register_mar_check(subparsers: argparse._SubParsersAction, common: argparse.
                     help="a later early switch: the early rule scores the image of each slice's first N own "
                          "lines (N > the initial lines) and a flagged slice continues with centre-out's lines; "
                          "the calibration records after_lines, which the gadget and masc eval play")
+    mc.add_argument("--objective", default="served", choices=["served", "no-harm"],
+                    help="how --calibrate picks the threshold: the largest mean served SSIM (served, default), or "
+                         "the largest among those that keep the do-no-harm target on the calibration subjects "
+                         "(no-harm; docs/mar-safety.md)")
+    mc.add_argument("--calibrate-on", metavar="FOLDER[,FOLDER...]",
+                    help="the data folders (by name) whose slices calibrate the rule (default: every one); the "
+                         "others are held-out domains, served under the rule as calibrated")
     mc.add_argument("--out", required=True, metavar="DIR", help="results.json, report.md, roc.png")
     mc.set_defaults(func=cmd_mar_check)
 
@@ -94,7 +101,8 @@ def cmd_mar_check(args: argparse.Namespace) -> int:
     mar_check(mars, args.data, args.split, acq.initial, acq.budget, args.out, policy=args.policy,
               snr=snr if snr[0] > 0 else None,
               reference=args.reference, ood=ood, do_calibrate=args.calibrate, policies=policies,
-              folds=args.cross_validate, early_lines=args.early_lines)
+              folds=args.cross_validate, early_lines=args.early_lines, objective=args.objective,
+              calibrate_on=[f.strip() for f in args.calibrate_on.split(",") if f.strip()] if args.calibrate_on else None)
     print((Path(args.out) / "report.md").read_text())
     return 0
 

@@ -288,6 +288,21 @@ def result_rows(method: str, traj: Trajectories, initial: int, budget: int) -> l
     return rows
 
 
+def _selected_from(folder: Path, names: list[str]) -> set[str]:
+    """The subjects of ``folder`` among a provenance's validation ``names``: ``FOLDER/sub-XXXX``
+    of a selection over several folders, or bare names of a one-folder selection, which are
+    this folder's only if every one of them is a subject of it (a selection on another folder
+    shares some names: ``sub-0004`` of a simulated set is not ``sub-0004`` of an imported one)."""
+    from sim_scanner.dataset.layout import SPLITS, split_files
+
+    mine = {n.split("/", 1)[1] for n in names if n.startswith(f"{folder.name}/")}
+    bare = {n for n in names if "/" not in n}
+    if bare:
+        everyone = {f.name.split(".")[0] for split in SPLITS for f in split_files(folder, split, allow_empty=True)}
+        mine |= bare if bare <= everyone else set()
+    return mine
+
+
 def warn_repeated_anatomies(checkpoints: list[str], data_dir: str | Path, split: str) -> list[str]:
     """Log (and return) a warning for each checkpoint whose provenance says ``split`` of
     ``data_dir`` touched it: anatomies it was trained on (``training_data``, from ``masc models
@@ -310,7 +325,7 @@ def warn_repeated_anatomies(checkpoints: list[str], data_dir: str | Path, split:
             scored = set(_load(folder, split).subjects)
             provenance = meta.get("provenance") or {}
             if any(d.get("manifest_sha256") == sha for d in provenance.get("data", [])):
-                chose = scored & set((provenance.get("subjects") or {}).get("val", []))
+                chose = scored & _selected_from(folder, (provenance.get("subjects") or {}).get("val", []))
                 if chose:
                     warnings.append(f"{path}: {len(chose)} of the {len(scored)} subjects of {Path(folder).name}/{split} "
                                     f"selected it (its validation: {', '.join(sorted(chose)[:4])}): its score here is "

@@ -40,12 +40,13 @@ from masc_gadget.acquisition.policies import center_out_rank, make_policy, run_e
 from masc_gadget.core.metrics import slice_metrics
 from masc_gadget.core.ood import SCORES, ood_score
 from training.data import SliceSet, data_dirs, load_split
-from training.evaluation.stats import mean_std, subject_folds, subject_tests
+from training.evaluation.calibration import auc_interval, calibrate, cross_validated, fallback_ssim, roc
+from training.evaluation.stats import mean_std, subject_tests
 from training.scoring import do_nothing, harmed, line_masks, score_masks
 
 log = logging.getLogger(__name__)
 
-__all__ = ["calibrate", "mar_check", "roc", "slice_rows"]
+__all__ = ["mar_check", "slice_rows"]
 
 
 def policy_masks(name: str, n: int, n_pe: int, initial: int, budget: int) -> torch.Tensor:
@@ -138,73 +139,6 @@ def promises(summary: dict[str, Any], rows: dict[str, np.ndarray],
     return kept
 
 
-def _auc(scores: np.ndarray, harmed: np.ndarray) -> float:
-    """The ROC area (Mann-Whitney U / n_pos n_neg, ties counted half) from the ranks, O(n log n);
-    NaN when one class is empty."""
-    from scipy.stats import rankdata
-
-    n_pos, n_neg = int(harmed.sum()), int((~harmed).sum())
-    if n_pos == 0 or n_neg == 0:
-        return math.nan
-    ranks = rankdata(scores)
-    return float((ranks[harmed].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
-
-
-def roc(scores: np.ndarray, harmed: np.ndarray) -> dict[str, Any]:
-    """ROC of ``scores`` as a detector of ``harmed`` (higher score = more likely harmed):
-    false / true positive rates over every threshold, and the area (Mann-Whitney U / n_pos n_neg,
-    ties counted half). NaN area when one class is empty."""
-    scores = np.asarray(scores, dtype=np.float64)
-    harmed = np.asarray(harmed, dtype=bool)
-    n_pos, n_neg = int(harmed.sum()), int((~harmed).sum())
-    if n_pos == 0 or n_neg == 0:
-        return {"auc": math.nan, "fpr": [], "tpr": [], "n_harmed": n_pos, "n_helped": n_neg}
-    thresholds = np.unique(scores)[::-1]
-    tpr = [0.0] + [float((scores[harmed] >= t).mean()) for t in thresholds]
-    fpr = [0.0] + [float((scores[~harmed] >= t).mean()) for t in thresholds]
-    return {"auc": _auc(scores, harmed), "fpr": fpr, "tpr": tpr, "n_harmed": n_pos, "n_helped": n_neg}
-
-
-def auc_interval(scores: np.ndarray, harm: np.ndarray, subjects: list[str], draws: int = 1000,
-                 seed: int = 0) -> tuple[float, float]:
-    """The 95 % interval of the ROC area of ``scores`` for ``harm`` under a bootstrap over
-    subjects (slices of one subject are not independent): subjects drawn with replacement,
-    every slice of a drawn subject kept; draws with one class empty are skipped. NaN when none
-    is left."""
-    scores, harm = np.asarray(scores, dtype=np.float64), np.asarray(harm, dtype=bool)
-    names = sorted(set(subjects))
-    rows = {s: np.flatnonzero(np.asarray(subjects) == s) for s in names}
-    rng = np.random.default_rng(seed)
-    areas = []
-    for _ in range(draws):
-        index = np.concatenate([rows[names[i]] for i in rng.integers(len(names), size=len(names))])
-        area = _auc(scores[index], harm[index])
-        if math.isfinite(area):
-            areas.append(area)
-    if not areas:
-        return math.nan, math.nan
-    low, high = np.percentile(areas, [2.5, 97.5])
-    return float(low), float(high)
-
-
-STAGE_KEYS = {"end": ("score_", "zf_ssim"), "early": ("early_score_", "nothing_ssim")}
-"""Per stage of the OOD rule (:mod:`masc_gadget.core.ood`): the prefix of its score rows and the
-row a flagged slice is served as: at the end, the zero-filled image of its own lines; switched
-early, centre-out's zero-filled image (doing nothing), or, switched after more lines than the
-initial ones (``--early-lines``), the zero-filled image of those lines and centre-out's next
-ones (row ``switched_ssim``)."""
-
-
-def fallback_ssim(rows: dict[str, np.ndarray], kind: str, threshold: float, stage: str = "end") -> np.ndarray:
-    """Per-slice served SSIM when slices whose ``stage`` score exceeds ``threshold`` are served
-    by that stage's fallback (:data:`STAGE_KEYS`)."""
-    prefix, fallback = STAGE_KEYS[stage]
-    if stage == "early" and "switched_ssim" in rows:
-        fallback = "switched_ssim"
-    above = rows[f"{prefix}{kind}"] > threshold
-    return np.where(above, rows[fallback], rows["mar_ssim"])
-
-
 def switched_lines(lines: np.ndarray, after: int, n_pe: int) -> np.ndarray:
     """(n, L) each row's first ``after`` lines (acquisition order), then centre-out's lines not
     acquired yet, as many as the row has in all: what a slice switched after ``after`` lines
@@ -225,7 +159,8 @@ def early_rows(mar: torch.nn.Module, data: SliceSet, initial: int, batch_size: i
     lines (``early_score_<kind>``), what the early rule reads at the policy's first decision.
     With the slices' own ``lines`` ((n, initial + budget), acquisition order) and ``after`` >
     ``initial``: the scores of the image of each slice's first ``after`` lines instead, and the
-    SSIM of the image it is served when switched then (``switched_ssim``, :func:`switched_lines`)."""
+    SSIM and PSNR of the image it is served when switched then (``switched_ssim``, ``switched_psnr``,
+    :func:`switched_lines`)."""
     if lines is None or after is None or after <= initial:
         masks = line_masks(len(data), data.n_pe, initial, np.zeros(0, dtype=np.int64))
     else:
@@ -235,8 +170,8 @@ def early_rows(mar: torch.nn.Module, data: SliceSet, initial: int, batch_size: i
     rows = {f"early_score_{kind}": value for kind, value in scored.ood.items()}
     if lines is not None and after is not None and after > initial:
         switched = score_masks(data, _masks_of(switched_lines(lines, after, data.n_pe), data.n_pe), None,
-                               metrics=("ssim",), batch_size=batch_size, device=torch.device("cpu"))
-        rows["switched_ssim"] = switched.flat()["ssim"]
+                               metrics=("ssim", "psnr"), batch_size=batch_size, device=torch.device("cpu"))
+        rows.update({f"switched_{key}": value for key, value in switched.flat().items()})
     return rows
 
 
@@ -244,63 +179,6 @@ def _masks_of(lines: np.ndarray, n_pe: int) -> torch.Tensor:
     masks = torch.zeros(len(lines), n_pe, dtype=torch.bool)
     masks[torch.arange(len(lines))[:, None], torch.as_tensor(np.asarray(lines, dtype=np.int64))] = True
     return masks
-
-
-def calibrate(rows: dict[str, np.ndarray], stage: str = "end") -> dict[str, Any]:
-    """The score with the largest ROC area on ``rows`` (pooled validation slices) and the
-    threshold maximising the mean served SSIM with the ``stage`` fallback (:data:`STAGE_KEYS`;
-    ties: the highest threshold, i.e. the fewest fallbacks)."""
-    prefix, fallback = STAGE_KEYS[stage]
-    harm = harmed(rows["mar_ssim"], rows["nothing_ssim"])
-    areas = {kind: roc(rows[f"{prefix}{kind}"], harm)["auc"] for kind in SCORES}
-    kind = max(SCORES, key=lambda k: -1.0 if math.isnan(areas[k]) else areas[k])
-    candidates = np.unique(np.concatenate([rows[f"{prefix}{kind}"], [np.inf]]))
-    means = np.array([fallback_ssim(rows, kind, t, stage).mean() for t in candidates])
-    best = candidates[np.flatnonzero(means >= means.max() - 1e-12)[-1]]
-    if np.isfinite(best):  # midway to the next score above, so it does not sit on a slice
-        above = candidates[candidates > best]
-        best = float((best + above[0]) / 2) if len(above) and np.isfinite(above[0]) else float(best)
-    served = fallback_ssim(rows, kind, best, stage)
-    return {"score": kind, "threshold": float(best), "stage": stage, "auc": {k: float(v) for k, v in areas.items()},
-            "val_served_ssim": float(served.mean()),
-            "val_mar_ssim": float(rows["mar_ssim"].mean()), "val_zf_ssim": float(rows["zf_ssim"].mean()),
-            "fallback_fraction": float((rows[f"{prefix}{kind}"] > best).mean()), "n_slices": int(len(harm)),
-            "val_nothing_ssim": float(rows["nothing_ssim"].mean()),
-            "val_served_harmed": float(harmed(served, rows["nothing_ssim"]).mean())}
-
-
-def cross_validated(rows: dict[str, np.ndarray], subjects: list[str], folds: int, stage: str = "end"
-                    ) -> dict[str, Any]:
-    """The served image when the OOD rule (its ``stage``) is calibrated without the subject it serves: the
-    subjects (volumes) split into ``folds`` (:func:`~training.evaluation.stats.subject_folds`),
-    each fold served under the score and threshold :func:`calibrate` picks on the others. Per
-    subject and over subjects: the served SSIM, the network always on, doing nothing, the
-    fallback rate, and the tests of served against doing nothing."""
-    fold_of = subject_folds(subjects, folds)
-    served = np.empty(len(subjects))
-    flagged = np.zeros(len(subjects), dtype=bool)
-    chosen = []
-    for fold in range(folds):
-        held = fold_of == fold
-        rule = calibrate({k: v[~held] for k, v in rows.items()}, stage)
-        part = {k: v[held] for k, v in rows.items()}
-        served[held] = fallback_ssim(part, rule["score"], rule["threshold"], stage)
-        flagged[held] = part[f"{STAGE_KEYS[stage][0]}{rule['score']}"] > rule["threshold"]
-        chosen.append({"score": rule["score"], "threshold": rule["threshold"]})
-    names = sorted(set(subjects))
-    where = {s: np.asarray(subjects) == s for s in names}
-    per_subject = {s: {"slices": int(m.sum()), "served_ssim": float(served[m].mean()),
-                       "mar_ssim": float(rows["mar_ssim"][m].mean()),
-                       "nothing_ssim": float(rows["nothing_ssim"][m].mean()),
-                       "fallback_fraction": float(flagged[m].mean())} for s, m in where.items()}
-    gains = np.array([v["served_ssim"] - v["nothing_ssim"] for v in per_subject.values()])
-    return {"folds": folds, "stage": stage, "rules": chosen, "served_ssim": mean_std(served),
-            "fallback_fraction": float(flagged.mean()),
-            "served_vs_nothing_ssim": subject_tests(served, rows["nothing_ssim"], subjects),
-            "mar_vs_nothing_ssim": subject_tests(rows["mar_ssim"], rows["nothing_ssim"], subjects),
-            "harmed_fraction": float(harmed(served, rows["nothing_ssim"]).mean()),
-            "subject_mean_gain": float(gains.mean()), "worst_subject_gain": float(gains.min()),
-            "per_subject": per_subject}
 
 
 def _summary(rows: dict[str, np.ndarray], subjects: list[str], reference: dict[str, np.ndarray] | None,
@@ -352,37 +230,47 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
               out: str | Path, policy: str = "center-out", reference: str | None = None,
               ood: dict[str, dict[str, Any]] | None = None, do_calibrate: bool = False,
               batch_size: int = 32, policies: dict[str, Any] | None = None, folds: int = 0,
-              snr: tuple[float, float] | None = None, early_lines: int | None = None) -> dict[str, Any]:
+              snr: tuple[float, float] | None = None, early_lines: int | None = None,
+              objective: str = "served", calibrate_on: list[str] | None = None) -> dict[str, Any]:
     """Run the check of every network in ``mars`` (name -> MarNet) on ``split`` of each folder of
     ``data``; ``reference`` names the network the others are compared with; ``ood`` gives each
     network's stored calibration (name -> {score, threshold}); ``policies``: the learned policy
     of a network whose checkpoint carries one (name -> policy), whose own lines join the
     calibration. ``snr``: the acquisition SNR range of the noise promise (:func:`noise_rows`;
     None skips it). ``folds`` > 1: also the served image under a rule calibrated without the
-    subject it serves, per folder (:func:`cross_validated`). ``early_lines`` > ``initial``: a
-    later switch: the early rule scores the image of each slice's first ``early_lines`` own
-    lines and a flagged slice continues with centre-out's lines (:func:`early_rows`); its
-    calibration records ``after_lines``, which the gadget and ``masc eval`` play
-    (:func:`masc_gadget.core.ood.switch_point`). Writes ``OUT/results.json``, ``OUT/report.md``, ``OUT/roc.png`` (and
-    ``OUT/ood.json`` with ``do_calibrate``)."""
+    subject it serves, per folder (:func:`~training.evaluation.calibration.cross_validated`).
+    ``early_lines`` > ``initial``: a later switch: the early rule scores the image of each
+    slice's first ``early_lines`` own lines and a flagged slice continues with centre-out's
+    lines (:func:`early_rows`); its calibration records ``after_lines``, which the gadget and
+    ``masc eval`` play (:func:`masc_gadget.core.ood.switch_point`). ``objective``: how the
+    threshold is picked (:data:`~training.evaluation.calibration.OBJECTIVES`);
+    ``calibrate_on``: the folders (names) whose slices calibrate the rule (None: every one); a
+    folder left out is a held-out domain, served under the rule as calibrated. Writes
+    ``OUT/results.json``, ``OUT/report.md``, ``OUT/roc.png`` (and ``OUT/ood.json`` with
+    ``do_calibrate``)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if early_lines is not None and not initial <= early_lines <= initial + budget:
         raise ValueError(f"early_lines must be in [{initial}, {initial + budget}] (initial, initial + budget), "
                          f"got {early_lines}")
+    names = [folder.name for folder in data_dirs(data)]
+    unknown = sorted(set(calibrate_on or []) - set(names))
+    if unknown:
+        raise ValueError(f"calibrate_on names {', '.join(unknown)}, not among the data folders ({', '.join(names)})")
     after = early_lines if early_lines is not None and early_lines > initial else None
     results: dict[str, Any] = {"split": split, "policy": policy, "lines": [initial, budget], "folders": {},
+                               "objective": objective, "calibrated_on_folders": list(calibrate_on or names),
                                **({"early_lines": after} if after else {})}
     own_policies = policies if (do_calibrate or folds > 1) else None
     measured = _measure(mars, data, split, initial, budget, policy, batch_size, own_policies, snr, after)
+    measured.calibrate_on = list(calibrate_on or names)
     calibration = None
     if do_calibrate:
-        calibration = _calibration(mars, measured, data, split, after)
+        calibration = _calibration(mars, measured, data, split, after, objective)
         (out / "ood.json").write_text(json.dumps(calibration, indent=1) + "\n")
         ood = {**(ood or {}), **calibration}
     for folder, by_name in measured.rows.items():
-        results["folders"][folder] = _folder_summaries(by_name, measured.own[folder], measured.subjects[folder],
-                                                       reference, ood, policy, folds, folder)
+        results["folders"][folder] = _folder_summaries(measured, folder, reference, ood, policy, folds, objective)
     if calibration is not None:
         results["calibration"] = calibration
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -394,15 +282,31 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
 @dataclass
 class _Measured:
     """:func:`mar_check`'s per-slice rows: per folder and network on the fixed policy's lines
-    (``rows``) and on the network's own (``own``), each folder's subjects, and the rows pooled
-    over the folders for the end-of-scan rule (``pooled``: both line sets) and the early rule
-    (``pooled_own``: the own lines alone)."""
+    (``rows``) and on the network's own (``own``), each folder's subjects, and the folders whose
+    slices calibrate the rule (``calibrate_on``)."""
 
     rows: dict[str, dict[str, dict[str, np.ndarray]]] = field(default_factory=dict)
     own: dict[str, dict[str, dict[str, np.ndarray]]] = field(default_factory=dict)
     subjects: dict[str, list[str]] = field(default_factory=dict)
-    pooled: dict[str, dict[str, list[np.ndarray]]] = field(default_factory=dict)
-    pooled_own: dict[str, dict[str, list[np.ndarray]]] = field(default_factory=dict)
+    calibrate_on: list[str] = field(default_factory=list)
+
+    def pooled(self, name: str, stage: str) -> tuple[dict[str, np.ndarray], list[str]]:
+        """The rows network ``name`` is calibrated on over the :attr:`calibrate_on` folders, and
+        each one's subject named with its folder (``folder/sub-0001``): for the end-of-scan rule
+        the fixed policy's rows and its own (both line sets it may be served on), for the early
+        rule its own alone (empty when it has none)."""
+        parts, subjects = [], []
+        for folder in self.calibrate_on:
+            own = [self.own[folder][name]] if name in self.own[folder] else []
+            for rows in own if stage == "early" else [self.rows[folder][name], *own]:
+                parts.append(rows)
+                subjects += [f"{folder}/{s}" for s in self.subjects[folder]]
+        if not parts:
+            return {}, []
+        keys = set.intersection(*(set(p) for p in parts))
+        if stage == "end":  # not the early rule's rows
+            keys = {k for k in keys if not k.startswith(("early_", "switched_"))}
+        return {k: np.concatenate([p[k] for p in parts]) for k in sorted(keys)}, subjects
 
 
 def _measure(mars: dict[str, torch.nn.Module], data: str | list[str], split: str, initial: int, budget: int,
@@ -410,7 +314,7 @@ def _measure(mars: dict[str, torch.nn.Module], data: str | list[str], split: str
              after: int | None) -> _Measured:
     """Every network's rows on every folder (:class:`_Measured`); ``policies`` (None: none)
     add each network's own lines and the early rule's scores on them."""
-    m = _Measured(pooled={name: {} for name in mars}, pooled_own={name: {} for name in mars})
+    m = _Measured()
     for folder in data_dirs(data):
         sliceset = load_split(folder, split)
         masks = policy_masks(policy, len(sliceset), sliceset.n_pe, initial, budget)
@@ -423,8 +327,6 @@ def _measure(mars: dict[str, torch.nn.Module], data: str | list[str], split: str
             if snr is not None:
                 rows.update(noise_rows(mar, sliceset, snr, batch_size=batch_size))
             m.rows[folder.name][name] = rows
-            for key, value in rows.items():
-                m.pooled[name].setdefault(key, []).append(value)
             if (policies or {}).get(name) is None:
                 continue
             log.info("mar-check: %s on the lines its own policy plays", name)
@@ -432,39 +334,41 @@ def _measure(mars: dict[str, torch.nn.Module], data: str | list[str], split: str
             own = slice_rows(mar, sliceset, _masks_of(played, sliceset.n_pe), nothing, batch_size)
             own.update(early_rows(mar, sliceset, initial, batch_size, played, after))  # any policy
             m.own[folder.name][name] = own
-            for key, value in own.items():
-                m.pooled_own[name].setdefault(key, []).append(value)
-                if not key.startswith("early_") and key != "switched_ssim":  # not the early rule's rows
-                    m.pooled[name].setdefault(key, []).append(value)
     return m
 
 
 def _calibration(mars: dict[str, torch.nn.Module], m: _Measured, data: str | list[str], split: str,
-                 after: int | None) -> dict[str, Any]:
+                 after: int | None, objective: str = "served") -> dict[str, Any]:
     """Each network's OOD rule picked on the pooled rows (:func:`calibrate`; its early switch
     on its own lines when it has them), with what it was calibrated on."""
     from training.data import data_identity
     from training.run import command_line
 
-    calibrated_on = {"command": command_line(), "split": split,
-                     "subjects": sorted({s for subjects in m.subjects.values() for s in subjects}),
+    used = [folder for folder in data_dirs(data) if folder.name in m.calibrate_on]
+    calibrated_on = {"command": command_line(), "split": split, "objective": objective,
+                     "subjects": sorted({s for f in used for s in m.subjects[f.name]}),
                      "data": [{"folder": folder.name, "manifest_sha256": data_identity(folder)["manifest_sha256"],
-                               "subjects": m.subjects[folder.name]} for folder in data_dirs(data)]}
-    calibration = {name: {**calibrate({k: np.concatenate(v) for k, v in m.pooled[name].items()}),
-                          "calibrated_on": calibrated_on} for name in mars}
-    for name in mars:  # the early switch, for a network that carries its policy
-        if m.pooled_own[name]:
-            calibration[name]["early"] = {
-                **calibrate({k: np.concatenate(v) for k, v in m.pooled_own[name].items()}, "early"),
-                **({"after_lines": after} if after else {})}
+                               "subjects": m.subjects[folder.name]} for folder in used]}
+    calibration = {}
+    for name in mars:
+        rows, subjects = m.pooled(name, "end")
+        calibration[name] = {**calibrate(rows, "end", objective, subjects), "calibrated_on": calibrated_on}
+        rows, subjects = m.pooled(name, "early")
+        if rows:  # the early switch, for a network that carries its policy
+            calibration[name]["early"] = {**calibrate(rows, "early", objective, subjects),
+                                          **({"after_lines": after} if after else {})}
     return calibration
 
 
-def _folder_summaries(by_name: dict[str, dict[str, np.ndarray]], own_rows: dict[str, dict[str, np.ndarray]],
-                      subjects: list[str], reference: str | None, ood: dict[str, Any] | None, policy: str,
-                      folds: int, folder: str) -> dict[str, Any]:
+def _folder_summaries(m: _Measured, folder: str, reference: str | None, ood: dict[str, Any] | None, policy: str,
+                      folds: int, objective: str = "served") -> dict[str, Any]:
     """One folder's entry of ``results.json``: per network its summary (:func:`_summary`, the
-    promises, the cross-validated rules, the early scores' ROC within the folder) and slices."""
+    promises, the cross-validated rules, the early scores' ROC within the folder) and slices.
+    Each fold of the cross-validation is calibrated as the shipped rule is, on every
+    calibration folder (:attr:`_Measured.calibrate_on`), less the fold's subjects
+    (:func:`~training.evaluation.calibration.cross_validated`): a folder that does not calibrate
+    the rule is served under the rule itself."""
+    by_name, own_rows, subjects = m.rows[folder], m.own[folder], m.subjects[folder]
     ref_rows = by_name.get(reference) if reference else None
     entries = {name: {"summary": _summary(rows, subjects, ref_rows if name != reference else None,
                                           (ood or {}).get(name)),
@@ -477,11 +381,15 @@ def _folder_summaries(by_name: dict[str, dict[str, np.ndarray]], own_rows: dict[
         summary["promises"] = promises(summary, rows, reference_ssim)
         if folds > 1 and len(set(subjects)) >= folds:  # on the lines the network is served with
             served_rows = own_rows.get(name, rows)
-            summary["cross_validated"] = {"lines": "own" if name in own_rows else policy,
-                                          **cross_validated(served_rows, subjects, folds)}
-            if "early_score_flip" in own_rows.get(name, {}):
-                summary["cross_validated_early"] = {"lines": "own, switched",
-                                                    **cross_validated(served_rows, subjects, folds, "early")}
+            held_out = folder not in m.calibrate_on
+            for key, stage, lines in (("cross_validated", "end", "own" if name in own_rows else policy),
+                                      ("cross_validated_early", "early", "own, switched")):
+                pool, pool_subjects = m.pooled(name, stage)
+                if stage == "early" and ("early_score_flip" not in served_rows or not pool):
+                    continue
+                summary[key] = {"lines": lines, "held_out": held_out,
+                                **cross_validated(served_rows, subjects, folds, stage, objective=objective,
+                                                  pool=pool, pool_subjects=pool_subjects, prefix=f"{folder}/")}
     if folds > 1 and len(set(subjects)) < folds:
         log.warning("mar-check: %s has %d subjects, fewer than %d folds: not cross-validated", folder,
                     len(set(subjects)), folds)
@@ -542,6 +450,33 @@ def _switch_point(results: dict[str, Any]) -> str:
     return f"its first {after} lines (--early-lines)" if after else "the initial lines"
 
 
+def _served_table(results: dict[str, Any], folder: str, by_name: dict[str, Any]) -> list[str]:
+    """The report's lines on one folder's slices served under a rule no subject chose for itself."""
+    crossed = [(n, e["summary"][key]) for n, e in by_name.items()
+               for key in ("cross_validated", "cross_validated_early") if key in e["summary"]]
+    if not crossed:
+        return []
+    calibrated = ", ".join(results.get("calibrated_on_folders", [])) or "every folder"
+    how = (f"this folder calibrates nothing (the rule is calibrated on {calibrated}): served under the rule"
+           if crossed[0][1].get("held_out") else
+           f"calibrated as the shipped rule, on {calibrated}, less the subject served ({crossed[0][1]['folds']} "
+           "folds by subject)")
+    lines = ["", f"Served under the OOD rule ({results.get('objective', 'served')} objective; {how}), against doing "
+             "nothing (centre-out's zero-filled image, as many lines); lines `own, switched`: the early switch (a "
+             f"flagged slice continues with centre-out's lines after {_switch_point(results)} and is served "
+             "zero-filled):", "",
+             "| MAR network | lines | served SSIM | network always on - nothing | served - nothing (p) | "
+             "subject mean / worst | subject mean, dB | harmed | fallback |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, cv in crossed:
+        on, served = cv["mar_vs_nothing_ssim"], cv["served_vs_nothing_ssim"]
+        lines.append(f"| {name} | {cv['lines']} | {_f(cv['served_ssim']['mean'])} | {on['diff']:+.3f} | "
+                     f"{served['diff']:+.3f} ({_p(served['p_ttest'])}) | {cv['subject_mean_gain']:+.3f} / "
+                     f"{cv['worst_subject_gain']:+.3f} | {_f(cv.get('subject_mean_gain_psnr'), 2)} | "
+                     f"{100 * cv['harmed_fraction']:.0f} % | {100 * cv['fallback_fraction']:.0f} % |")
+    return lines
+
+
 def render_report(results: dict[str, Any]) -> str:
     """The markdown report of :func:`mar_check`."""
     lines = [f"# MAR check: {results['split']} split, {results['policy']} lines ({results['lines'][0]} + "
@@ -581,21 +516,7 @@ def render_report(results: dict[str, Any]) -> str:
                     f"{'kept' if v['kept'] else 'BROKEN'} ({v['value']:.{digits}f})"
             lines.append(f"- {name}: identity {word('identity_ssim')}, noise {word('noise_share', 2)}, "
                          f"centre-out {word('center_out')}")
-        crossed = [(n, e["summary"][key]) for n, e in by_name.items()
-                   for key in ("cross_validated", "cross_validated_early") if key in e["summary"]]
-        if crossed:
-            lines += ["", f"Served under an OOD rule calibrated without the subject served ({crossed[0][1]['folds']} "
-                      "folds by subject), against doing nothing (centre-out's zero-filled image, as many lines); "
-                      "lines `own, switched`: the early switch (a flagged slice continues with centre-out's lines "
-                      f"after {_switch_point(results)} and is served zero-filled):", "",
-                      "| MAR network | lines | served SSIM | network always on - nothing | served - nothing (p) | "
-                      "subject mean / worst | harmed | fallback |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-            for name, cv in crossed:
-                on, served = cv["mar_vs_nothing_ssim"], cv["served_vs_nothing_ssim"]
-                lines.append(f"| {name} | {cv['lines']} | {_f(cv['served_ssim']['mean'])} | {on['diff']:+.3f} | "
-                             f"{served['diff']:+.3f} ({_p(served['p_ttest'])}) | {cv['subject_mean_gain']:+.3f} / "
-                             f"{cv['worst_subject_gain']:+.3f} | {100 * cv['harmed_fraction']:.0f} % | "
-                             f"{100 * cv['fallback_fraction']:.0f} % |")
+        lines += _served_table(results, folder, by_name)
         early = [(n, e["summary"]["early_roc"]) for n, e in by_name.items() if "early_roc" in e["summary"]]
         if early:
             lines += ["", f"The early scores (the output for the image of {_switch_point(results)}) against harm on "
@@ -618,7 +539,8 @@ def render_report(results: dict[str, Any]) -> str:
                              f"(p {_p(q['p_ttest'])}) over {r['n_subjects']} subjects")
         lines.append("")
     if "calibration" in results:
-        lines += ["## Calibration (pooled over the folders)", ""]
+        lines += [f"## Calibration (pooled over {', '.join(results.get('calibrated_on_folders', [])) or 'the folders'}; "
+                  f"objective {results.get('objective', 'served')})", ""]
         for name, c in results["calibration"].items():
             for label, rule in (("", c), (" early switch", c.get("early"))):
                 if rule is None:
@@ -629,7 +551,9 @@ def render_report(results: dict[str, Any]) -> str:
                              f"{rule['threshold']:.4g}: {100 * rule['fallback_fraction']:.0f} % of slices {served_as}, "
                              f"mean served SSIM {rule['val_served_ssim']:.4f} (MAR always {rule['val_mar_ssim']:.4f}, "
                              f"doing nothing {rule['val_nothing_ssim']:.4f}), harmed "
-                             f"{100 * rule['val_served_harmed']:.0f} %")
+                             f"{100 * rule['val_served_harmed']:.0f} %"
+                             + ("" if rule.get("keeps_no_harm", True) else "; NO threshold keeps the do-no-harm "
+                                "target on these slices: every slice flagged"))
         lines.append("")
     return "\n".join(lines)
 

@@ -122,6 +122,15 @@ def test_scoring_on_subjects_that_selected_or_calibrated_the_model_is_named(tmp_
     assert len(said) == 2 and "selected it" in said[0] and "calibrated its OOD rule" in said[1]
     assert warn_repeated_anatomies([str(touched)], tiny_dataset, "test") == []  # other subjects: nothing to say
     assert warn_repeated_anatomies([str(perturbed_mar)], tiny_dataset, "val") == []
+    # selected on another folder whose subjects share a name with these: nothing to say
+    elsewhere = save_checkpoint(tmp_path / "elsewhere.pt", ck.state_dicts, {
+        **ck.metadata, "provenance": {"data": [identity], "subjects": {"val": [*val, "sub-9999"]}}})
+    assert warn_repeated_anatomies([str(elsewhere)], tiny_dataset, "val") == []
+    named = save_checkpoint(tmp_path / "named.pt", ck.state_dicts, {
+        **ck.metadata, "provenance": {"data": [identity], "subjects": {"val": [f"{tiny_dataset.name}/{val[0]}",
+                                                                             f"other/{val[-1]}"]}}})
+    (said,) = warn_repeated_anatomies([str(named)], tiny_dataset, "val")
+    assert f"1 of the {len(val)} subjects" in said and val[0] in said
 
 
 def test_every_shipped_model_keeps_its_promises_and_says_so():

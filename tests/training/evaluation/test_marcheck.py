@@ -9,7 +9,7 @@ import pytest
 
 from masc_gadget.cli import main
 from masc_gadget.models.checkpoint import load_mar
-from training.evaluation.marcheck import calibrate, roc
+from training.evaluation.calibration import calibrate, roc
 
 from tests.conftest import CONFIGS
 
@@ -47,7 +47,7 @@ def test_harm_is_judged_against_doing_nothing_not_the_chosen_lines_zero_filled_i
 
 
 def test_the_roc_area_has_a_subject_bootstrap_interval():
-    from training.evaluation.marcheck import auc_interval
+    from training.evaluation.calibration import auc_interval
 
     subjects = [f"s{i // 4}" for i in range(24)]
     harm = np.tile([True, True, False, False], 6)
@@ -60,7 +60,7 @@ def test_the_roc_area_has_a_subject_bootstrap_interval():
 
 
 def test_cross_validation_never_calibrates_on_the_subject_it_serves():
-    from training.evaluation.marcheck import cross_validated
+    from training.evaluation.calibration import cross_validated
 
     # subject a: the network harms every slice and scores high; b, c, d: it helps and scores low
     subjects = ["a"] * 3 + ["b"] * 3 + ["c"] * 3 + ["d"] * 3
@@ -116,7 +116,7 @@ def test_the_command_checks_calibrates_and_the_export_carries_the_calibration(ti
     crossed_results = json.loads((crossed / "results.json").read_text())["folders"][tiny_dataset.name]["p"]
     assert set(crossed_results["summary"]["cross_validated"]["per_subject"]) == set(crossed_results["slices"]["subject"])
     assert len(crossed_results["summary"]["cross_validated"]["per_subject"]) == 2
-    assert "calibrated without the subject served" in (crossed / "report.md").read_text()
+    assert "less the subject served" in (crossed / "report.md").read_text()
     shipped = tmp_path / "shipped.pt"
     assert main(["export", str(perturbed_mar), "--out", str(shipped), "--ood", f"{out / 'ood.json'}:p"]) == 0
     mar, meta = load_mar(shipped)
@@ -200,7 +200,7 @@ def test_the_early_switch_serves_doing_nothing_and_never_harms():
     assert end["val_served_harmed"] == 0.5 and end["fallback_fraction"] == 0.0
     assert early["score"] == "consistency" and early["fallback_fraction"] == 0.5
     assert early["val_served_harmed"] == 0.0 and early["val_served_ssim"] == pytest.approx(np.mean([0.5, 0.5, 0.6, 0.7]))
-    from training.evaluation.marcheck import cross_validated
+    from training.evaluation.calibration import cross_validated
 
     cv = cross_validated({k: np.tile(v, 2) for k, v in rows.items()}, ["a"] * 4 + ["b"] * 4, 2, "early")
     assert cv["stage"] == "early" and cv["harmed_fraction"] == 0.0
