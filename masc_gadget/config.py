@@ -118,6 +118,11 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
+        if not isinstance(value, Mapping) and hasattr(tp, "from_shorthand"):  # e.g. corruption: 0.1
+            try:
+                return tp.from_shorthand(value)
+            except (TypeError, ValueError) as err:
+                raise ConfigError(f"{where}: {err}") from None
         return from_dict(tp, value, where)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         try:
@@ -166,9 +171,11 @@ def from_dict(cls: type, data: Mapping[str, Any] | None, where: str = "") -> Any
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
+        moved = getattr(cls, "MOVED_KEYS", {}).get(unknown[0])
         raise ConfigError(
-            f"unknown key {prefix}{str(unknown[0])[:QUOTE_CHARS]}; allowed keys of {where or cls.__name__}: "
-            + ", ".join(sorted(fields))
+            f"unknown key {prefix}{str(unknown[0])[:QUOTE_CHARS]}"
+            + (f" (now {prefix}{moved})" if moved else "")
+            + f"; allowed keys of {where or cls.__name__}: " + ", ".join(sorted(fields))
         )
     kwargs = {name: _coerce(hints[name], value, f"{prefix}{name}") for name, value in data.items()}
     try:

@@ -19,6 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -299,10 +300,10 @@ def _check(config: Config, mar_path: str | Path | None) -> None:
     if tcfg.mar_mode != "none" and not mar_path:
         raise ValueError(f"mar_mode {tcfg.mar_mode!r} needs a pre-trained MAR checkpoint (--mar); "
                          "use --set masc_train.mar_mode=none to train without MAR")
-    if (ecfg.corruption > 0) != config["policy_net"].reacquire:
+    if ecfg.corruption.enabled != config["policy_net"].reacquire:
         raise ValueError("a policy that may acquire a flagged line again needs corrupted acquisitions, and the "
                          "reverse: set env.corruption > 0 together with policy_net.reacquire=true "
-                         f"(got env.corruption={ecfg.corruption}, policy_net.reacquire="
+                         f"(got env.corruption.probability={ecfg.corruption.probability}, policy_net.reacquire="
                          f"{str(config['policy_net'].reacquire).lower()})")
 
 
@@ -334,7 +335,7 @@ def _masc_trainer(config: Config, data_dir: str | Path, mar_path: str | Path | N
     ecfg: EnvConfig = config["env"]
     acq = config["acquisition"]
     if tcfg.mar_mode == "none":
-        ecfg = EnvConfig(**{**to_dict(ecfg), "observe_mar": False, "reward_mar": False})
+        ecfg = dataclasses.replace(ecfg, observe_mar=False, reward_mar=False)
     train = load_split(data_dir, "train", tcfg.max_train_slices)
     val = load_split(data_dir, "val", tcfg.max_val_slices)
     run.describe(data_dir, train=train, val=val)

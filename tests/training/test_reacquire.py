@@ -16,7 +16,7 @@ from tests.conftest import CONFIGS
 from training.coadapt import train_masc
 
 N = 16
-CORRUPTED = ["env.corruption=0.5", "env.corruption_kind=spike", "policy_net.reacquire=true",
+CORRUPTED = ["env.corruption.probability=0.5", "env.corruption.kind=spike", "policy_net.reacquire=true",
              "policy_net.repeat_weight=10"]
 
 
@@ -87,7 +87,7 @@ def reacquiring_masc(tiny_dataset, perturbed_mar, tmp_path_factory):
 def test_masc_trains_on_corrupted_acquisitions(reacquiring_masc, tiny_dataset, perturbed_mar, tmp_path):
     policy, _, meta = load_masc(reacquiring_masc, "cpu")
     assert policy.net.config.reacquire
-    assert meta["config"]["env"]["corruption"] == 0.5
+    assert meta["config"]["env"]["corruption"]["probability"] == 0.5 and meta["config"]["env"]["corruption"]["kind"] == "spike"
     log = (reacquiring_masc.with_suffix(".csv")).read_text().splitlines()
     assert len(log) >= 3  # rollout 0 and two rollouts, validated on corrupted acquisitions
     for mismatch in (["env.corruption=0.5"], ["policy_net.reacquire=true"]):
@@ -99,9 +99,9 @@ def test_masc_trains_on_corrupted_acquisitions(reacquiring_masc, tiny_dataset, p
 def test_headroom_judges_a_reacquiring_policy_against_the_gated_order(reacquiring_masc, tiny_dataset, perturbed_mar,
                                                                        tmp_path):
     args = ["--config", str(CONFIGS / "tiny.yaml"), "--data", str(tiny_dataset), "--split", "train",
-            "--set", "headroom.slices_per_subject=0", "--set", "headroom.corruption=0.5",
-            "--set", "headroom.corruption_kind=spike", "--set", "headroom.detection=1",
-            "--set", "headroom.false_alarm=0"]
+            "--set", "headroom.slices_per_subject=0", "--set", "headroom.corruption.probability=0.5",
+            "--set", "headroom.corruption.kind=spike", "--set", "headroom.corruption.detection=1",
+            "--set", "headroom.corruption.false_alarm=0"]
     assert main(["headroom", *args, "--mar", str(perturbed_mar), "--policy", str(reacquiring_masc),
                  "--out", str(tmp_path / "hr")]) == 0
     report = json.loads((tmp_path / "hr" / "headroom.json").read_text())

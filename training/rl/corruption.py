@@ -42,9 +42,12 @@ KINDS = ("motion", "spike")
 
 @dataclass(frozen=True)
 class CorruptionModel:
-    """Each acquisition of a line is corrupted with ``probability`` (module docstring)."""
+    """Each acquisition of a line is corrupted with ``probability`` (module docstring): the
+    ``corruption`` section of ``env`` and ``headroom`` (a bare number there is the probability,
+    :meth:`from_shorthand`)."""
 
-    probability: float = 0.1
+    probability: float = 0.0
+    """0: none."""
     kind: str = "motion"
     shift: float = 4.0
     """Largest rigid shift along the readout, in pixels (``motion``)."""
@@ -55,6 +58,23 @@ class CorruptionModel:
     navigator's or a spike detector's sensitivity)."""
     false_alarm: float = 0.02
     """The probability that a clean acquisition is flagged all the same."""
+    attempts: int = 3
+    """Acquisitions of one line at most (the first and its repeats)."""
+    seed: int = 0
+    """The seed of the draws every method is compared on (:func:`draw_attempts`; the environment's
+    validation, ``masc check headroom``); training episodes draw from the environment's own stream."""
+
+    @classmethod
+    def from_shorthand(cls, value: Any) -> CorruptionModel:
+        """``corruption: 0.1``: the probability, every other setting its default."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"must be a probability or a mapping of corruption settings (probability, kind, "
+                             f"shift, spike, detection, false_alarm, attempts, seed), got {value!r}")
+        return cls(probability=float(value))
+
+    @property
+    def enabled(self) -> bool:
+        return self.probability > 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.probability <= 1.0:
@@ -66,6 +86,10 @@ class CorruptionModel:
         for name in ("detection", "false_alarm"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be a probability in [0, 1], got {getattr(self, name)}")
+        for name, least in (("attempts", 1), ("seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
 def draw_attempts(kspace: torch.Tensor, slices: np.ndarray, model: CorruptionModel, attempts: int,

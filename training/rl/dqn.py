@@ -451,7 +451,7 @@ def train_dqn(config: Config, data_dir: str | Path, mar_path: str | Path | None,
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
     dist = setup()
     cfg: DQNConfig = config["dqn"]
-    if config["env"].corruption > 0:
+    if config["env"].corruption.enabled:
         raise ValueError("env.corruption (re-acquiring flagged lines) is trained with MASC (masc train masc, "
                          "policy_net.reacquire=true); the DQN baselines acquire each line once: set env.corruption=0")
     device = resolve_device(dist.device(cfg.device))

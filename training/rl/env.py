@@ -15,7 +15,7 @@ IFFT and ONE batched MAR forward per step, for all of them (the per-env current 
 so a step never recomputes the previous state). Everything runs under ``torch.no_grad``.
 :mod:`training.rl.gym_env` wraps it as a single-episode Gymnasium environment.
 
-With ``corruption`` > 0 each acquisition of a line may be corrupted and flagged by the scanner
+With ``corruption`` (its probability > 0) each acquisition of a line may be corrupted and flagged by the scanner
 (:mod:`training.rl.corruption`); the observation then also holds the flagged lines
 (``repeatable``), an action may name one of them to acquire it again (:class:`RepeatEpisodes`:
 every acquisition spends a step), and the image is made of each line's latest acquisition.
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -78,24 +78,20 @@ class EnvConfig:
     checkpoint kept is the one with the best ``roi_ssim``."""
     margin: int = 8
     """With ``region: implant``: pixels the implant is dilated by."""
-    corruption: float = 0.0
-    """Probability that an acquisition of a line is corrupted (0: none,
-    :class:`training.rl.corruption.CorruptionModel`). With corruption, the scanner flags
-    each acquisition it finds corrupted (``detection``, ``false_alarm``), and an acquired line
-    whose latest acquisition is flagged may be acquired again, up to ``attempts`` times: that
-    spends a line of the budget, and the new acquisition replaces the flagged one."""
-    corruption_kind: str = "motion"
-    """``motion`` (a rigid shift along the readout during that line) or ``spike``."""
-    attempts: int = 3
-    """With corruption: acquisitions of one line at most (the first and its repeats)."""
-    detection: float = 0.9
-    """With corruption: the probability that the scanner flags a corrupted acquisition."""
-    false_alarm: float = 0.02
-    """With corruption: the probability that it flags a clean one."""
-    corruption_seed: int = 0
-    """With corruption: the seed of :meth:`BatchedAcquisitionEnv.evaluate`'s draws, which are
-    those of ``masc check headroom`` with ``headroom.seed`` (training episodes draw from the env's
-    own stream)."""
+    corruption: CorruptionModel = field(default_factory=CorruptionModel)
+    """The k-space corruption of each acquisition and the scanner's flags (a bare number: its
+    probability; 0, the default: none; :class:`training.rl.corruption.CorruptionModel`). With
+    corruption, an acquired line whose latest acquisition is flagged may be acquired again, up to
+    ``attempts`` times: that spends a line of the budget, and the new acquisition replaces the
+    flagged one; :meth:`BatchedAcquisitionEnv.evaluate` replays the draws of ``seed``, those of
+    ``masc check headroom`` with the same section (training episodes draw from the env's own
+    stream)."""
+
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "corruption_kind": "corruption.kind", "attempts": "corruption.attempts",
+        "detection": "corruption.detection", "false_alarm": "corruption.false_alarm",
+        "corruption_seed": "corruption.seed"}
+    """Keys of the flat corruption settings before they were nested, for the error that names them."""
 
     def __post_init__(self) -> None:
         for name in ("alpha", "l_ssim", "l_nmse"):
@@ -119,16 +115,8 @@ class EnvConfig:
             raise ValueError(f"region must be one of {', '.join(REGIONS)}, got {self.region!r}")
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
             raise ValueError(f"margin must be an integer >= 0 (pixels), got {self.margin!r}")
-        self.corruption_model()  # refuses a bad probability or kind
-        for name in ("attempts", "corruption_seed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "attempts" else 0):
-                raise ValueError(f"{name} must be an integer >= {1 if name == 'attempts' else 0}, got {value!r}")
-
-    def corruption_model(self) -> CorruptionModel:
-        """The corruption and the scanner's flags (``corruption``, ``detection``, ...)."""
-        return CorruptionModel(self.corruption, self.corruption_kind, detection=self.detection,
-                               false_alarm=self.false_alarm)
+        if not isinstance(self.corruption, CorruptionModel):
+            raise TypeError(f"corruption must be a CorruptionModel, got {self.corruption!r}")
 
     @property
     def selection_metric(self) -> str:
@@ -224,7 +212,7 @@ class BatchedAcquisitionEnv:
         # (N, PE, RO) complex, the readout transform done once (to_hybrid): each step's
         # reconstruction is then one 1D inverse FFT
         self._kspace_all = to_hybrid(kspace.to(self.device))
-        self._corruption = cfg.corruption_model() if cfg.corruption > 0 else None
+        self._corruption = cfg.corruption if cfg.corruption.enabled else None
         if self._corruption is not None:
             if lines_per_decision != 1:
                 raise ValueError("with corruption the policy chooses one line per decision (a repeat is one "
@@ -337,15 +325,15 @@ class BatchedAcquisitionEnv:
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every attempt of every line of ``slices`` ((n,) long): ((n, A, PE, RO) raw k-space,
         (n, A, PE) bool flags). ``positions``: draw each slice's stream from its position in the
-        data (:func:`~training.rl.corruption.draw_flagged`, ``corruption_seed``), as ``masc
+        data (:func:`~training.rl.corruption.draw_flagged`, ``corruption.seed``), as ``masc
         headroom`` does; None: from the env's own stream (training)."""
         index = slices.cpu().numpy()
         raw = self._raw_all[slices]
         if positions is not None:
-            attempts, _, flags = draw_flagged(raw, self._slices_all[index], self._corruption, self.cfg.attempts,
-                                              self.cfg.corruption_seed, positions=positions)
+            attempts, _, flags = draw_flagged(raw, self._slices_all[index], self._corruption,
+                                              self._corruption.attempts, self._corruption.seed, positions=positions)
         else:
-            drawn = [corrupt_slice(raw[j], self._corruption, self.cfg.attempts, self._draws)
+            drawn = [corrupt_slice(raw[j], self._corruption, self._corruption.attempts, self._draws)
                      for j in range(len(index))]
             attempts = torch.stack([d[0] for d in drawn])
             flags = np.stack([d[2] for d in drawn])

@@ -164,7 +164,7 @@ class ActiveAcquisitionEnv(gymnasium.Env):
         if data is None:
             data = load_split(data_dir, split)
         acq, env_cfg = episode_config(config)
-        if env_cfg.corruption > 0:
+        if env_cfg.corruption.enabled:
             raise ValueError("the Gymnasium view acquires each line once (its action space is the free lines): "
                              "env.corruption needs the batched environment (training.rl.env)")
         self.acquisition = acq

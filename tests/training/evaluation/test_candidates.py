@@ -55,7 +55,7 @@ def test_the_oracle_acquires_a_spoiled_line_again():
 
 
 def test_headroom_with_corruption(tiny_dataset, perturbed_mar):
-    config = load_config(CONFIGS / "tiny.yaml", ["headroom.corruption=0.5", "headroom.corruption_kind=spike",
+    config = load_config(CONFIGS / "tiny.yaml", ["headroom.corruption.probability=0.5", "headroom.corruption.kind=spike",
                                                   "headroom.slices_per_subject=0"])
     report = headroom(config, tiny_dataset, "train", [perturbed_mar], progress=False)
     run = report.runs[0]

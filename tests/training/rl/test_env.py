@@ -89,6 +89,31 @@ def test_config_defaults_follow_the_paper_and_validate():
         build_config({"env": {"kspace": "both"}}, sections={"env": EnvConfig})
 
 
+def test_the_corruption_is_one_nested_section_and_a_bare_number_is_its_probability():
+    from training.evaluation.headroom.config import HeadroomConfig, corruption_of
+    from training.rl.corruption import CorruptionModel
+
+    sections = {"env": EnvConfig, "headroom": HeadroomConfig}
+    nested = build_config({"env": {"corruption": {"probability": 0.3, "kind": "spike", "attempts": 2}},
+                           "headroom": {"corruption": 0.3}}, sections=sections)
+    assert nested["env"].corruption == CorruptionModel(0.3, "spike", attempts=2)
+    assert nested["headroom"].corruption == CorruptionModel(0.3) and nested["headroom"].corruption.enabled
+    assert not EnvConfig().corruption.enabled and HeadroomConfig().env_config().corruption == CorruptionModel()
+    assert HeadroomConfig(corruption=CorruptionModel(0.2, seed=5)).env_config().corruption.seed == 5
+    with pytest.raises(ConfigError, match=r"unknown key env.corruption_kind \(now env.corruption.kind\)"):
+        build_config({"env": {"corruption": 0.3, "corruption_kind": "spike"}}, sections=sections)
+    with pytest.raises(ConfigError, match=r"headroom.corruption: must be a probability or a mapping"):
+        build_config({"headroom": {"corruption": "often"}}, sections=sections)
+    with pytest.raises(ConfigError, match="attempts must be an integer >= 1"):
+        build_config({"env": {"corruption": {"attempts": 0}}}, sections=sections)
+    # a report written before the section was nested reads as it was measured
+    old = {"corruption": 0.1, "corruption_kind": "spike", "attempts": 2, "detection": 1.0, "false_alarm": 0.0,
+           "seed": 3, "folds": 2}
+    assert corruption_of(old) == CorruptionModel(0.1, "spike", attempts=2, detection=1.0, false_alarm=0.0, seed=3)
+    assert HeadroomConfig.from_settings(old).corruption == corruption_of(old)
+    assert corruption_of({"folds": 2}) == CorruptionModel()
+
+
 def test_episode_config_reads_paths_mappings_and_dataclasses():
     acq, env = episode_config(CONFIGS / "tiny.yaml")
     assert (acq.initial, acq.budget) == (1, 2) and env == EnvConfig(n_envs=4)  # tiny.yaml sets n_envs
@@ -505,9 +530,9 @@ def test_mar_on_another_device_is_refused(data):
 
 def test_a_flagged_line_may_be_acquired_again_and_its_new_acquisition_is_served(data, mar, global_rng_guard):
     from training.oracle import kspace_of
-    from training.rl.corruption import draw_flagged
+    from training.rl.corruption import CorruptionModel, draw_flagged
 
-    cfg = dict(n_envs=3, corruption=0.5, corruption_kind="spike", detection=1.0, false_alarm=0.0, attempts=2)
+    cfg = dict(n_envs=3, corruption=CorruptionModel(0.5, "spike", detection=1.0, false_alarm=0.0, attempts=2))
     env = _env(data, mar, seed=1, **cfg)
     obs = env.reset()
     assert obs.repeatable is not None and not (obs.repeatable & ~obs.mask).any()
@@ -544,8 +569,8 @@ def test_a_flagged_line_may_be_acquired_again_and_its_new_acquisition_is_served(
                                                 _lowest_free(o)))
     counts = played["counts"].numpy()
     assert (counts.sum(axis=1) == INITIAL + BUDGET).all() and (counts <= 2).all() and (counts == 2).any()
-    attempts, corrupted, flagged = draw_flagged(data.kspace_metal, data.slices, env.cfg.corruption_model(), 2,
-                                                env.cfg.corruption_seed)
+    attempts, corrupted, flagged = draw_flagged(data.kspace_metal, data.slices, env.cfg.corruption, 2,
+                                                env.cfg.corruption.seed)
     assert np.array_equal(flagged, corrupted)  # detection 1, no false alarm
     served = zero_filled(kspace_of(attempts, counts), torch.from_numpy(counts > 0))
     with torch.no_grad():
@@ -555,6 +580,6 @@ def test_a_flagged_line_may_be_acquired_again_and_its_new_acquisition_is_served(
                                                _lowest_free(o)), batch_size=2)
     assert torch.equal(again["counts"], played["counts"]) and torch.equal(again["images"], played["images"])
     with pytest.raises(ValueError, match="one line per decision"):
-        BatchedAcquisitionEnv(data, EnvConfig(corruption=0.1), INITIAL, BUDGET, lines_per_decision=2)
+        BatchedAcquisitionEnv(data, EnvConfig(corruption=CorruptionModel(0.1)), INITIAL, BUDGET, lines_per_decision=2)
     with pytest.raises(ValueError, match="detection"):
-        EnvConfig(corruption=0.1, detection=1.5)
+        EnvConfig(corruption=CorruptionModel(0.1, detection=1.5))

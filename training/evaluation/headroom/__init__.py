@@ -22,7 +22,7 @@ without the OOD fallback: a line choice is compared, not a fallback rule). The l
 fixed`` is tested over subjects (:func:`training.evaluation.stats.subject_tests`). With several
 MAR networks (``--mar A,B,C``, e.g. three training seeds) each is measured apart, and the
 report gives the mean and spread of the lead and a test on the subjects' leads averaged over the
-networks. With ``corruption`` > 0, each acquisition of a line is corrupted with that probability
+networks. With ``corruption`` (its probability > 0), each acquisition of a line is corrupted with that probability
 (:mod:`training.rl.corruption`, ``motion`` or ``spike``): the fixed order and centre-out
 play their lines' first acquisitions, and the oracle may also acquire a line again. With ``recon:
 sense`` the lines are reconstructed with ``coils`` receive coils by CG-SENSE

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 
 import numpy as np
 
+from masc_gadget.config import from_dict, to_dict
 from training.data import REGIONS, SliceSet
 from training.rl.corruption import CorruptionModel
 from training.rl.env import EnvConfig
@@ -42,20 +44,11 @@ class HeadroomConfig:
     """Beams of the oracle's search (1: the greedy oracle)."""
     gate: float = 0.03
     """The SSIM lead at which adaptivity is worth training for."""
-    corruption: float = 0.0
-    """Probability that an acquisition of a line is corrupted (0: none); the oracle may then
-    acquire a line again."""
-    corruption_kind: str = "motion"
-    """``motion`` (a rigid shift along the readout during that line) or ``spike``."""
-    attempts: int = 3
-    """With corruption: acquisitions of one line at most (the first and its repeats)."""
-    detection: float = 0.9
-    """With corruption: the probability that the scanner flags a corrupted acquisition (what the
-    gated order and a learned policy see; the oracle knows every draw)."""
-    false_alarm: float = 0.02
-    """With corruption: the probability that it flags a clean acquisition."""
-    seed: int = 0
-    """The corruption draws' seed."""
+    corruption: CorruptionModel = field(default_factory=CorruptionModel)
+    """The k-space corruption of each acquisition and the scanner's flags (a bare number: its
+    probability; 0: none; :class:`training.rl.corruption.CorruptionModel`): the oracle may then
+    acquire a line again (it knows every draw; the gated order and a learned policy see the
+    flags), up to ``attempts`` times; ``seed`` seeds the draws."""
     recon: str = "zero-filled"
     """``zero-filled`` (the product's image, then each MAR network) or ``sense`` (``coils``
     receive coils, CG-SENSE, no MAR network)."""
@@ -65,6 +58,11 @@ class HeadroomConfig:
     """With ``recon: sense``: conjugate-gradient iterations."""
     batch_size: int = 32
     device: str = "auto"
+
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        "corruption_kind": "corruption.kind", "attempts": "corruption.attempts", "detection": "corruption.detection",
+        "false_alarm": "corruption.false_alarm", "seed": "corruption.seed"}
+    """Keys of the flat corruption settings before they were nested, for the error that names them."""
 
     def __post_init__(self) -> None:
         if self.folds < 2:
@@ -78,30 +76,43 @@ class HeadroomConfig:
             raise ValueError(f"beam and batch_size must be >= 1, got {self.beam} and {self.batch_size}")
         if not self.gate > 0:
             raise ValueError(f"gate must be > 0, got {self.gate}")
-        self.corruption_model()  # refuses a bad probability or kind
-        if self.attempts < 1 or self.seed < 0:
-            raise ValueError(f"attempts must be >= 1 and seed >= 0, got {self.attempts} and {self.seed}")
+        if not isinstance(self.corruption, CorruptionModel):
+            raise TypeError(f"corruption must be a CorruptionModel, got {self.corruption!r}")
         if self.recon not in RECONS:
             raise ValueError(f"recon must be one of {', '.join(RECONS)}, got {self.recon!r}")
         if self.coils < 1 or self.sense_iterations < 1:
             raise ValueError(f"coils and sense_iterations must be >= 1, got {self.coils} and {self.sense_iterations}")
-        if self.corruption > 0 and self.recon != "zero-filled":
+        if self.corruption.enabled and self.recon != "zero-filled":
             raise ValueError("corruption is measured on the zero-filled image: set recon zero-filled")
-        if self.corruption > 0 and self.beam > 1:
+        if self.corruption.enabled and self.beam > 1:
             raise ValueError("with corruption the oracle is greedy over new lines and repeats: set beam 1")
 
 
-    def corruption_model(self) -> CorruptionModel:
-        """The corruption and the scanner's flags."""
-        return CorruptionModel(self.corruption, self.corruption_kind, detection=self.detection,
-                               false_alarm=self.false_alarm)
+    @classmethod
+    def from_settings(cls, settings: dict[str, Any]) -> HeadroomConfig:
+        """The settings a report was measured with (its ``headroom`` section, as written), the
+        flat corruption keys of earlier reports included (:func:`corruption_of`)."""
+        known = {f.name for f in fields(cls)}
+        plain = {k: v for k, v in settings.items() if k in known and k != "corruption"}
+        return from_dict(cls, {**plain, "corruption": to_dict(corruption_of(settings))}, "headroom")
 
     def env_config(self, observe_mar: bool = True) -> EnvConfig:
         """The acquisition environment that replays this measurement's draws (the same attempts
         and flags of every line of every slice) for the gated order and learned policies."""
         return EnvConfig(n_envs=1, region=self.region, margin=self.margin, corruption=self.corruption,
-                         corruption_kind=self.corruption_kind, attempts=self.attempts, detection=self.detection,
-                         false_alarm=self.false_alarm, corruption_seed=self.seed, observe_mar=observe_mar)
+                         observe_mar=observe_mar)
+
+
+def corruption_of(settings: dict[str, Any]) -> CorruptionModel:
+    """The corruption of a report's ``headroom`` settings: the nested section, or the flat keys
+    (``corruption`` a probability, ``corruption_kind``, ``attempts``, ``detection``,
+    ``false_alarm``, ``seed``) of reports written before it was nested."""
+    value = settings.get("corruption", 0.0)
+    if isinstance(value, dict):
+        return CorruptionModel(**value)
+    flat = {"kind": "corruption_kind", "attempts": "attempts", "detection": "detection",
+            "false_alarm": "false_alarm", "seed": "seed"}
+    return CorruptionModel(float(value or 0.0), **{k: settings[old] for k, old in flat.items() if old in settings})
 
 
 def measured_slices(data: SliceSet, per_subject: int) -> np.ndarray:

@@ -20,7 +20,7 @@ from masc_gadget.device import resolve_device
 from masc_gadget.models.checkpoint import load_mar
 from sim_scanner.physics.coils import body_array
 from training.data import SliceSet, load_split
-from training.evaluation.headroom.config import METHODS, HeadroomConfig, measured_slices
+from training.evaluation.headroom.config import METHODS, HeadroomConfig, corruption_of, measured_slices
 from training.evaluation.headroom.summary import better_fixed, captured_share, summarise
 from training.evaluation.sense import SenseRecon
 from training.evaluation.stats import subject_folds, subject_tests
@@ -54,9 +54,9 @@ def _measure_one(data: SliceSet, mar: torch.nn.Module | None, acq: AcquisitionCo
     objective = roi if hcfg.region == "implant" else None
     oracle = BeamOracle(hcfg.beam, recon=recon)
     attempts = None
-    if hcfg.corruption > 0:  # every method's first acquisitions; the oracle may repeat a line
-        attempts, corrupted = draw_attempts(data.kspace_metal, data.slices, hcfg.corruption_model(), hcfg.attempts,
-                                            hcfg.seed)
+    model = hcfg.corruption
+    if model.enabled:  # every method's first acquisitions; the oracle may repeat a line
+        attempts, corrupted = draw_attempts(data.kspace_metal, data.slices, model, model.attempts, model.seed)
         clean = data
         data = replace(data, kspace_metal=attempts[:, 0].contiguous())
     folds, fixed, orders = _fixed_orders(data, mar, acq, hcfg, oracle, objective, device, progress, fit_data, fit_roi)
@@ -181,7 +181,7 @@ def headroom(config: Config, data_dir: str | Path, split: str, mar_paths: list[s
     hcfg, fit_data, fit_roi = _fit_split(hcfg, data, data_dir, split, full.n_pe)
     log.info("headroom on %s/%s: %d slices of %d subjects, %d + %d of %d lines, region %s, beam %d, corruption "
              "%g (%s), %d MAR network(s)", data_dir, split, len(data), len(set(data.subjects)), acq.initial,
-             acq.budget, data.n_pe, hcfg.region, hcfg.beam, hcfg.corruption, hcfg.corruption_kind, len(mar_paths))
+             acq.budget, data.n_pe, hcfg.region, hcfg.beam, hcfg.corruption.probability, hcfg.corruption.kind, len(mar_paths))
     key = _key(hcfg.region)
     recon = zero_filled
     if hcfg.recon == "sense":
@@ -285,7 +285,7 @@ def _attach_policy(run: HeadroomRun, scores: dict[str, dict[str, np.ndarray]], p
     also tested against the gated order."""
     best = run.best_fixed
     run.policy = str(path)
-    if hcfg.corruption > 0:
+    if hcfg.corruption.enabled:
         run.policy_lines, scores["policy"] = _play_reacquiring(path, data, mar, acq, roi, device, hcfg)
         run.policy_vs_gated = subject_tests(scores["policy"][key], scores["gated"][key], data.subjects)
     else:
@@ -322,7 +322,7 @@ def add_policies(config: Config, report: HeadroomReport, policy_paths: list[str 
     h, rec = report.settings, report.acquisition
     if h.get("recon") == "sense":
         raise ValueError("learned policies are scored on the zero-filled image: this report measured SENSE")
-    if h.get("corruption", 0) > 0 and "gated" not in runs[0].slices:
+    if corruption_of(h).enabled and "gated" not in runs[0].slices:
         raise ValueError("this corruption report has no gated order (it was measured before the scanner's flags "
                          "were modelled): measure it again, with --policy")
     acq: AcquisitionConfig = config["acquisition"]
@@ -337,8 +337,7 @@ def add_policies(config: Config, report: HeadroomReport, policy_paths: list[str 
                          f"({len(missing)} missing, e.g. {missing[0]})")
     data = full.subset(np.asarray([where[lab] for lab in report.labels]))
     roi = data.periprosthetic_roi(h["margin"])
-    known = {f.name for f in dataclasses.fields(HeadroomConfig)}
-    hcfg = HeadroomConfig(**{k: v for k, v in h.items() if k in known})  # the measurement's settings
+    hcfg = HeadroomConfig.from_settings(h)  # the measurement's settings
     device = resolve_device(h.get("device", "auto"))
     key = report.metric
     out = copy.deepcopy(report)
@@ -388,7 +387,8 @@ def _play_reacquiring(path: str | Path, data: SliceSet, mar: torch.nn.Module | N
                                 mar, device)
     played = env.evaluate(lambda obs: greedy_actions(net, obs, acq.budget), batch_size=hcfg.batch_size)
     count = played["counts"].numpy()
-    attempts, _ = draw_attempts(data.kspace_metal, data.slices, hcfg.corruption_model(), hcfg.attempts, hcfg.seed)
+    model = hcfg.corruption
+    attempts, _ = draw_attempts(data.kspace_metal, data.slices, model, model.attempts, model.seed)
     served = replace(data, kspace_metal=kspace_of(attempts, count))
     return played["lines"].tolist(), _scores(served, count > 0, mar, roi, device, hcfg.batch_size)
 

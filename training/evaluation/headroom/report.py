@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from training.evaluation.headroom.config import corruption_of
 from training.evaluation.headroom.summary import summarise
 from training.evaluation.headroom.types import HeadroomReport
 
@@ -22,9 +23,10 @@ def render_headroom(report: HeadroomReport) -> str:
     h = report.settings
     region = "whole image" if h["region"] == "image" else f"periprosthetic region (implant + {h['margin']} px)"
     oracle = "greedy oracle" if h["beam"] == 1 else f"beam-{h['beam']} oracle"
-    if h.get("corruption", 0) > 0:
-        oracle = (f"{h['corruption']:.0%} of acquisitions corrupted ({h['corruption_kind']}); greedy oracle that may "
-                  f"acquire a line again (up to {h['attempts']} times)")
+    corruption = corruption_of(h)
+    if corruption.enabled:
+        oracle = (f"{corruption.probability:.0%} of acquisitions corrupted ({corruption.kind}); greedy oracle that "
+                  f"may acquire a line again (up to {corruption.attempts} times)")
     if h.get("recon") == "sense":
         oracle += f"; {h['coils']}-coil CG-SENSE ({h['sense_iterations']} iterations), no MAR network"
     lines = [
@@ -126,8 +128,9 @@ def describe(report: HeadroomReport) -> str:
     parts.append("whole image" if h["region"] == "image" else f"implant + {h['margin']} px")
     if h.get("recon") == "sense":
         parts.append(f"{h['coils']}-coil SENSE, no MAR")
-    if h.get("corruption", 0) > 0:
-        parts.append(f"{h['corruption']:.0%} {h['corruption_kind']}, repeats allowed")
+    corruption = corruption_of(h)
+    if corruption.enabled:
+        parts.append(f"{corruption.probability:.0%} {corruption.kind}, repeats allowed")
     if h["beam"] > 1:
         parts.append(f"beam {h['beam']}")
     if h.get("fit_split"):
