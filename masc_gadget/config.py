@@ -72,6 +72,31 @@ _EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 """A number in exponent notation, which YAML 1.1 (PyYAML) reads as a string without a dot."""
 
 
+def _coerce_container(tp: Any, value: Any, where: str) -> Any:
+    """:func:`_coerce` of a ``tuple``, ``list`` or ``dict`` / ``Mapping`` annotation, item by item."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: must be a mapping, got {quote(value)}")
+        key_tp, val_tp = args if args else (Any, Any)
+        return {
+            _coerce(key_tp, k, f"{where}.{k}"): _coerce(val_tp, v, f"{where}.{k}")
+            for k, v in value.items()
+        }
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{where}: must be a list ({_type_name(tp)}), got {quote(value)}")
+    if origin is tuple and args and args[-1] is not Ellipsis:
+        if len(value) != len(args):
+            raise ConfigError(
+                f"{where}: must have {len(args)} items ({_type_name(tp)}), got {len(value)}"
+            )
+        items = [_coerce(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value))]
+    else:
+        item_tp = args[0] if args else Any
+        items = [_coerce(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    return tuple(items) if origin is tuple else items
+
+
 def _coerce(tp: Any, value: Any, where: str) -> Any:
     """Check ``value`` against the annotation ``tp``; return it converted (lists to tuples...)."""
     if tp is Any:
@@ -94,27 +119,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
             except ConfigError as err:
                 errors.append(str(err))
         raise ConfigError(f"{where}: must be {_type_name(tp)}, got {quote(value)}")
-    if origin in (tuple, list):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: must be a list ({_type_name(tp)}), got {quote(value)}")
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                raise ConfigError(
-                    f"{where}: must have {len(args)} items ({_type_name(tp)}), got {len(value)}"
-                )
-            items = [_coerce(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value))]
-        else:
-            item_tp = args[0] if args else Any
-            items = [_coerce(item_tp, v, f"{where}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if origin in (dict, Mapping):
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: must be a mapping, got {quote(value)}")
-        key_tp, val_tp = args if args else (Any, Any)
-        return {
-            _coerce(key_tp, k, f"{where}.{k}"): _coerce(val_tp, v, f"{where}.{k}")
-            for k, v in value.items()
-        }
+    if origin in (tuple, list, dict, Mapping):
+        return _coerce_container(tp, value, where)
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value

@@ -16,6 +16,15 @@ def register_train(subparsers: argparse._SubParsersAction, common: argparse.Argu
                                   description="Training: MAR pre-training (stage 1), MASC (stage 2) and the "
                                   "learned baselines.")
     actions = train.add_subparsers(dest="action", metavar="WHAT", required=True)
+    _register_stages(actions, common)
+    _register_baselines(actions, common)
+    _register_fixed_order(actions, common)
+    register_refit(actions, common, "refit")
+    _register_adapt(actions, common)
+
+
+def _register_stages(actions: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """``masc train mar`` (stage 1) and ``masc train masc`` (stage 2)."""
     mar = actions.add_parser("mar", parents=[common], help="pre-train the MAR U-Net (stage 1)",
                              description="Pre-train the MAR U-Net on paired metal / clean images "
                              "with L1 + lambda (1 - SSIM); best checkpoint by validation loss.")
@@ -36,6 +45,10 @@ def register_train(subparsers: argparse._SubParsersAction, common: argparse.Argu
     masc.add_argument("--demos", metavar="FILE", help="where the greedy oracle's demonstrations for the "
                       "imitation warm start (imitation.slices > 0) are kept: read when they match, else written")
     masc.set_defaults(func=cmd_train_masc)
+
+
+def _register_baselines(actions: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """The learned baselines: ``dqn``, ``ss-ddqn`` and ``loupe``."""
     for variant, title in (("dqn", "DQN (Mnih et al. 2015)"),
                            ("ss-ddqn", "SS-DDQN (Pineda et al. 2020): Double DQN on the reconstruction and its k-space")):
         q = actions.add_parser(variant, parents=[common], help=f"value-based baseline: {title}",
@@ -58,6 +71,10 @@ def register_train(subparsers: argparse._SubParsersAction, common: argparse.Argu
                        "<CKPT stem>.last.pt and .csv are written beside it")
     loupe.add_argument("--resume", metavar="CKPT", help="continue from a .last.pt checkpoint")
     loupe.set_defaults(func=cmd_train_loupe)
+
+
+def _register_fixed_order(actions: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """``masc train fixed-order`` and the shared recipe, ``masc train finetune``."""
     fixed = actions.add_parser("fixed-order", parents=[common],
                                help="the population order of a protocol + its MAR network co-adapted to it",
                                description="Learn the population-greedy order of the acquisition section's "
@@ -89,7 +106,10 @@ def register_train(subparsers: argparse._SubParsersAction, common: argparse.Argu
     tune.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     tune.add_argument("--out", required=True, metavar="CKPT", help="best checkpoint (.pt); .last.pt and .csv beside it")
     tune.set_defaults(func=cmd_train_finetune)
-    register_refit(actions, common, "refit")
+
+
+def _register_adapt(actions: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """``masc train adapt``: a model adapted to a site's own images."""
     adapt = actions.add_parser("adapt", parents=[common],
                                help="adapt a model to a site's own metal-free images and judge it on held-out volumes",
                                description="Import a site's metal-free volumes (DICOM folders, NIfTI, fastMRI / "
