@@ -293,31 +293,11 @@ def read_config_xml(scfg: ScannerConfig) -> str:
     return path.read_text()
 
 
-def scan_subject(
-    path: str | os.PathLike,
-    subject_id: str,
-    scfg: ScannerConfig,
-    acq: AcquisitionConfig,
-    *,
-    images_path: str | os.PathLike | None = None,
-    require_gadget: bool = True,
-    on_slice_done: Callable[[int], None] | None = None,
-    figure: str | os.PathLike | None = None,
-    data: ScanInput | None = None,
-) -> SubjectReport:
-    """Scan one subject file against the gadget of ``scfg`` (see the module docstring).
-
-    images_path: ISMRMRD file to append this subject's images to (group ``subject_id``);
-    require_gadget: raise ConnectionError when the gadget cannot be reached (else scan on the
-    fallback order and record ``connection = "unreachable"``); on_slice_done(slice) is called
-    when a slice has all its lines (progress bars); figure: where to draw the subject's lines
-    and images (:func:`~sim_scanner.scanner.figure.plot_scan_subject`), or None. data: what to
-    replay, when not the subject file at ``path`` (a recorded scan,
-    :func:`~sim_scanner.dataset.streams.read_mrd_scan_input`).
-    """
-    started = time.perf_counter()
-    config_xml = read_config_xml(scfg)
-    data = read_scan_input(path) if data is None else data
+def _prepare_subject(path: str | os.PathLike, subject_id: str, scfg: ScannerConfig, acq: AcquisitionConfig,
+                     data: ScanInput) -> tuple[_Subject, str]:
+    """The scan of one subject before its first line: where each slice stands, the open-loop
+    order (``scanner.order``), the k-space as the receive array records it (the stream style)
+    and the header sent with it."""
     n_total_slices, _, n_pe, _ = data.kspace.shape
     acq.check(n_pe)
     n_slices = min(n_total_slices, scfg.max_slices or n_total_slices)
@@ -342,7 +322,16 @@ def scan_subject(
         rng = np.random.default_rng(np.random.SeedSequence([scfg.noise_seed, zlib.crc32(str(subject_id).encode())]))
         run.sent = styled_kspace(data.kspace[:n_slices], run.style, rng, field_of_view_mm(data.header_xml))
         header_xml = styled_header(data.header_xml, run.style, run.sent.shape[1])
-    schedule = _schedule(n_slices, acq.initial, acq.budget, scfg.interleave, acq.lines_per_decision)
+    return run, header_xml
+
+
+def _play_subject(run: _Subject, header_xml: str, config_xml: str, require_gadget: bool,
+                  on_slice_done: Callable[[int], None] | None) -> None:
+    """Every line of the subject's schedule, each chosen by the gadget or the fallback and sent
+    in its slot (``scanner.pace``), then the end of the stream; the link and the ZeroMQ pump are
+    closed whatever happens."""
+    scfg, acq, report, data = run.scfg, run.acq, run.report, run.data
+    schedule = _schedule(report.n_slices, acq.initial, acq.budget, scfg.interleave, acq.lines_per_decision)
     period_ticks = (
         mrd.line_period_ms(data.seq, "interleaved" if scfg.interleave else "sequential")
         / mrd.TIMESTAMP_TICK_MS
@@ -376,6 +365,36 @@ def scan_subject(
             run.link.shutdown()
         if pump is not None:
             pump.close()
+
+
+def scan_subject(
+    path: str | os.PathLike,
+    subject_id: str,
+    scfg: ScannerConfig,
+    acq: AcquisitionConfig,
+    *,
+    images_path: str | os.PathLike | None = None,
+    require_gadget: bool = True,
+    on_slice_done: Callable[[int], None] | None = None,
+    figure: str | os.PathLike | None = None,
+    data: ScanInput | None = None,
+) -> SubjectReport:
+    """Scan one subject file against the gadget of ``scfg`` (see the module docstring).
+
+    images_path: ISMRMRD file to append this subject's images to (group ``subject_id``);
+    require_gadget: raise ConnectionError when the gadget cannot be reached (else scan on the
+    fallback order and record ``connection = "unreachable"``); on_slice_done(slice) is called
+    when a slice has all its lines (progress bars); figure: where to draw the subject's lines
+    and images (:func:`~sim_scanner.scanner.figure.plot_scan_subject`), or None. data: what to
+    replay, when not the subject file at ``path`` (a recorded scan,
+    :func:`~sim_scanner.dataset.streams.read_mrd_scan_input`).
+    """
+    started = time.perf_counter()
+    config_xml = read_config_xml(scfg)
+    data = read_scan_input(path) if data is None else data
+    run, header_xml = _prepare_subject(path, subject_id, scfg, acq, data)
+    report, n_slices = run.report, run.report.n_slices
+    _play_subject(run, header_xml, config_xml, require_gadget, on_slice_done)
 
     images = run.link.images if run.link is not None else []
     arrived = run.link.image_times if run.link is not None else []
@@ -479,6 +498,28 @@ def _finish_link(link: GadgetLink, report: SubjectReport, scfg: ScannerConfig, n
             report.connection_lost_at = n_lines
 
 
+def _scan_inputs(data_dir: str | os.PathLike, split: str, scanner: ScannerConfig, mrd_group: str | None
+                 ) -> tuple[list[str], list[Path], list[ScanInput | None], str, int]:
+    """What :func:`run_scan` replays: the subjects, their files, the recorded scan when
+    ``mrd_group`` names one (else None: each subject file is read), the split it reports and the
+    slices in all (for the progress bar)."""
+    if mrd_group is not None:
+        from sim_scanner.dataset.streams import read_mrd_scan_input
+
+        recorded = read_mrd_scan_input(data_dir, mrd_group)
+        n_slices = min(len(recorded.kspace), scanner.max_slices or len(recorded.kspace))
+        return [Path(data_dir).stem], [Path(data_dir)], [recorded], mrd_group, n_slices
+    manifest = read_manifest(data_dir)
+    subjects = split_subjects(data_dir, split, manifest)
+    if scanner.max_subjects:
+        subjects = subjects[: scanner.max_subjects]
+    if not subjects:
+        raise ValueError(f"split {split!r} of {data_dir} has no subjects")
+    paths = [subject_path(data_dir, sid, manifest) for sid in subjects]
+    n_slices = sum(min(n, scanner.max_slices or n) for n in (subject_slices(p) for p in paths))
+    return subjects, paths, [None] * len(paths), split, n_slices
+
+
 def run_scan(
     config: Config,
     data_dir: str | os.PathLike,
@@ -504,26 +545,7 @@ def run_scan(
     if scanner is None:
         scanner = config.sections["scanner"] if "scanner" in config.sections else ScannerConfig()
     acq: AcquisitionConfig = config["acquisition"]
-    inputs: list[ScanInput | None]
-    if mrd_group is not None:
-        from sim_scanner.dataset.streams import read_mrd_scan_input
-
-        recorded = read_mrd_scan_input(data_dir, mrd_group)
-        subjects, paths, inputs, split = [Path(data_dir).stem], [Path(data_dir)], [recorded], mrd_group
-        n_slices = min(len(recorded.kspace), scanner.max_slices or len(recorded.kspace))
-    else:
-        manifest = read_manifest(data_dir)
-        subjects = split_subjects(data_dir, split, manifest)
-        if scanner.max_subjects:
-            subjects = subjects[: scanner.max_subjects]
-        if not subjects:
-            raise ValueError(f"split {split!r} of {data_dir} has no subjects")
-        paths = [subject_path(data_dir, sid, manifest) for sid in subjects]
-        inputs = [None] * len(paths)
-        n_slices = 0
-        for p in paths:
-            n = subject_slices(p)
-            n_slices += min(n, scanner.max_slices or n)
+    subjects, paths, inputs, split, n_slices = _scan_inputs(data_dir, split, scanner, mrd_group)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -121,66 +121,122 @@ def run_method(policy: SamplingPolicy | GreedyOracle, data: SliceSet, initial: i
     early = ood is not None and ood.stage == "early"
     if early and (mar is None or isinstance(policy, GreedyOracle)):
         raise ValueError("an early OOD rule needs a MAR network and a policy (not the oracle)")
-    t_switch = (switch_point(ood, initial, lines_per_decision) or initial) - initial  # lines chosen when scored
-    n, n_pe = len(data), data.n_pe
-    steps = budget + 1
-    lines = np.zeros((n, initial + budget), dtype=np.int64)
+    n = len(data)
     settings = [False] + ([True] if mar is not None else [])
-    curves = {m: {k: np.zeros((n, steps)) for k in METRICS} for m in settings}
-    finals: dict[bool, list[tuple[int, torch.Tensor]]] = {m: [] for m in settings}
-    wanted = {int(i): j for j, i in enumerate(example_index)}
-    served_mar = np.zeros(n, dtype=bool)
+    play = _Play(policy, initial, budget, mar, ood, score, lines_per_decision, early,
+                 (switch_point(ood, initial, lines_per_decision) or initial) - initial,  # lines chosen when scored
+                 settings, {m: {k: np.zeros((n, budget + 1)) for k in METRICS} for m in settings},
+                 {m: [] for m in settings}, {int(i): j for j, i in enumerate(example_index)}, np.zeros(n, dtype=bool))
+    lines = np.zeros((n, initial + budget), dtype=np.int64)
     bar = tqdm(total=n, desc=getattr(policy, "name", "method"), unit="slice", leave=False, disable=not progress)
     for start in range(0, n, batch_size):
         index = list(range(start, min(start + batch_size, n)))
-        kspace = data.kspace_metal[index].to(device)
-        target = data.target[index].to(device)
-        episodes = EpisodeBatch(n_pe, initial, budget, len(index), device,
-                                rngs=[slice_rng(seed, int(data.slices[i])) for i in index])
-        for t in range(steps):
-            if not score and t == budget:
-                break
-            needed = score or (policy.needs_image and not isinstance(policy, GreedyOracle)) or (early and t == t_switch)
-            images = {False: zero_filled(kspace, episodes.mask)} if needed else {}  # what a policy observes
-            if mar is not None and needed:
-                images[True] = mar(images[False])
-            if early and t == t_switch:  # the engine's decision pass at the switch point
-                flagged, verdict = early_switch(ood, images[False], images[True], episodes.mask, mar)
-                episodes.switch(None, flagged.cpu().numpy(), verdict.cpu().numpy())
-            if score:  # what the gadget returns
-                scores = score_batch(images[False], images.get(True), target, ood=ood, mask=episodes.mask, mar=mar,
-                                     switched=torch.from_numpy(episodes.switched).to(device),
-                                     early_score=torch.from_numpy(episodes.switch_score).to(device))
-                scored = {False: scores.served.zero_filled, True: scores.served.image}
-                for m in settings:
-                    for key, value in (scores.image if m else scores.zero_filled).items():
-                        curves[m][key][index, t] = value.double().cpu().numpy()
-            if t == budget:
-                if mar is not None:
-                    served_mar[index] = scores.served.mar_used.cpu().numpy()
-                for b, i in enumerate(index):
-                    if i in wanted:
-                        for m in settings:
-                            finals[m].append((wanted[i], scored[m][b].cpu()))
-                break
-            if isinstance(policy, GreedyOracle):
-                episodes.acquire(policy.choose(episodes, kspace, target, mar))
-                continue
-            seen = None
-            if policy.needs_image and (lines_per_decision == 1 or t % lines_per_decision == 0):
-                seen = images[policy.sees_mar(mar is not None)].cpu().numpy()
-            if lines_per_decision == 1:
-                episodes.acquire(select_next(policy, episodes, images=seen))
-                continue
-            if t % lines_per_decision == 0:  # a new train, chosen from the image before it
-                trains = select_trains(policy, episodes.states(images=seen), episodes.rngs, lines_per_decision)
-            episodes.acquire(trains[:, t % lines_per_decision])
-        lines[index] = episodes.chosen()
+        lines[index] = _play_batch(play, data, index, seed, device)
         bar.update(len(index))
     bar.close()
-    return Trajectories(lines, curves, {m: torch.stack([img for _, img in sorted(v, key=lambda x: x[0])])
-                                        for m, v in finals.items() if v},
-                        served_mar if mar is not None and score else None)
+    return Trajectories(lines, play.curves, {m: torch.stack([img for _, img in sorted(v, key=lambda x: x[0])])
+                                             for m, v in play.finals.items() if v},
+                        play.served_mar if mar is not None and score else None)
+
+
+@dataclass
+class _Play:
+    """:func:`run_method`'s settings, and what it gathers over the batches (the curves per
+    setting, MAR off / on, the example images, which slices were served their MAR image)."""
+
+    policy: SamplingPolicy | GreedyOracle
+    initial: int
+    budget: int
+    mar: torch.nn.Module | None
+    ood: OodCalibration | None
+    score: bool
+    lines_per_decision: int
+    early: bool
+    t_switch: int
+    settings: list[bool]
+    curves: dict[bool, dict[str, np.ndarray]]
+    finals: dict[bool, list[tuple[int, torch.Tensor]]]
+    wanted: dict[int, int]
+    served_mar: np.ndarray
+
+
+def _play_batch(p: _Play, data: SliceSet, index: list[int], seed: int, device: torch.device) -> np.ndarray:
+    """One batch of :func:`run_method`: the slices ``index`` played line by line, scored into
+    ``p``; returns their lines in acquisition order."""
+    policy, mar, k = p.policy, p.mar, p.lines_per_decision
+    kspace = data.kspace_metal[index].to(device)
+    target = data.target[index].to(device)
+    episodes = EpisodeBatch(data.n_pe, p.initial, p.budget, len(index), device,
+                            rngs=[slice_rng(seed, int(data.slices[i])) for i in index])
+    for t in range(p.budget + 1):
+        if not p.score and t == p.budget:
+            break
+        at_switch = p.early and t == p.t_switch
+        needed = p.score or (policy.needs_image and not isinstance(policy, GreedyOracle)) or at_switch
+        images = {False: zero_filled(kspace, episodes.mask)} if needed else {}  # what a policy observes
+        if mar is not None and needed:
+            images[True] = mar(images[False])
+        if at_switch:  # the engine's decision pass at the switch point
+            flagged, verdict = early_switch(p.ood, images[False], images[True], episodes.mask, mar)
+            episodes.switch(None, flagged.cpu().numpy(), verdict.cpu().numpy())
+        if p.score:  # what the gadget returns
+            scores = score_batch(images[False], images.get(True), target, ood=p.ood, mask=episodes.mask, mar=mar,
+                                 switched=torch.from_numpy(episodes.switched).to(device),
+                                 early_score=torch.from_numpy(episodes.switch_score).to(device))
+            for m in p.settings:
+                for key, value in (scores.image if m else scores.zero_filled).items():
+                    p.curves[m][key][index, t] = value.double().cpu().numpy()
+        if t == p.budget:
+            if mar is not None:
+                p.served_mar[index] = scores.served.mar_used.cpu().numpy()
+            scored = {False: scores.served.zero_filled, True: scores.served.image}
+            p.finals.update({m: p.finals[m] + [(p.wanted[i], scored[m][b].cpu()) for b, i in enumerate(index)
+                                               if i in p.wanted] for m in p.settings})
+            break
+        if isinstance(policy, GreedyOracle):
+            episodes.acquire(policy.choose(episodes, kspace, target, mar))
+            continue
+        seen = None
+        if policy.needs_image and (k == 1 or t % k == 0):
+            seen = images[policy.sees_mar(mar is not None)].cpu().numpy()
+        if k == 1:
+            episodes.acquire(select_next(policy, episodes, images=seen))
+            continue
+        if t % k == 0:  # a new train, chosen from the image before it
+            trains = select_trains(policy, episodes.states(images=seen), episodes.rngs, k)
+        episodes.acquire(trains[:, t % k])
+    return episodes.chosen()
+
+
+def _score_method(config: Config, data: SliceSet, acc: str, method: str, policy: Any, mar: torch.nn.Module | None,
+                  examples: list[int], results: dict[str, Any], figures: dict[str, Any], device: torch.device,
+                  progress: bool) -> None:
+    """One method at one acceleration of :func:`evaluate`, played and served under ``mar`` as the
+    gadget serves it (its OOD rule from ``gadget.mar_fallback``): its rows into ``results``
+    (with doing nothing, the reference of harm, once per acceleration) and its example images
+    into ``figures``."""
+    ecfg: EvalConfig = config["eval"]
+    initial, budget = ecfg.accelerations[acc]
+    k = config["acquisition"].lines_per_decision
+    traj = run_method(policy, data, initial, budget, mar, ecfg.seed, ecfg.batch_size, device, examples,
+                      progress=progress and isinstance(policy, GreedyOracle), lines_per_decision=k,
+                      ood=fallback_rule(mar, config["gadget"].mar_fallback,
+                                        switches_early=not isinstance(policy, GreedyOracle)))
+    if acc not in results["accelerations"]:  # doing nothing: the reference of harm
+        nothing = do_nothing(data, initial, budget, batch_size=ecfg.batch_size)
+        results["accelerations"][acc] = {
+            "initial": initial, "budget": budget, "n_pe": data.n_pe, "lines_per_decision": k,
+            "factor": data.n_pe / (initial + budget), "rows": [],
+            "nothing": {key: v.tolist() for key, v in nothing.items()},
+        }
+    block = results["accelerations"][acc]
+    for row in result_rows(method, traj, initial, budget):
+        block["rows"].append(row)
+        if row["mar"] in traj.finals:
+            masks = np.zeros((len(examples), data.n_pe), dtype=bool)
+            for j, i in enumerate(examples):
+                masks[j, traj.lines[i]] = True
+            figures["rows"][(acc, row["key"])] = (traj.finals[row["mar"]], masks)
 
 
 def pick_examples(data: SliceSet, count: int) -> list[int]:
@@ -407,26 +463,8 @@ def evaluate(config: Config, data_dir: str | Path, split: str, methods: list[str
                                  f"({data.n_pe}), got {initial} + {budget}")
             bar.set_postfix(acc=acc, method=method)
             policy = population[acc] if method == POPULATION else policies[method]
-            traj = run_method(policy, data, initial, budget, method_mar[method], ecfg.seed, ecfg.batch_size,
-                              device, examples, progress=progress and isinstance(policy, GreedyOracle),
-                              lines_per_decision=config["acquisition"].lines_per_decision,
-                              ood=fallback_rule(method_mar[method], config["gadget"].mar_fallback,
-                                                switches_early=not isinstance(policy, GreedyOracle)))
-            if acc not in results["accelerations"]:  # doing nothing: the reference of harm
-                nothing = do_nothing(data, initial, budget, batch_size=ecfg.batch_size)
-            block = results["accelerations"].setdefault(acc, {
-                "initial": initial, "budget": budget, "n_pe": data.n_pe,
-                "lines_per_decision": config["acquisition"].lines_per_decision,
-                "factor": data.n_pe / (initial + budget), "rows": [],
-                "nothing": {k: v.tolist() for k, v in nothing.items()},
-            })
-            for row in result_rows(method, traj, initial, budget):
-                block["rows"].append(row)
-                if row["mar"] in traj.finals:
-                    masks = np.zeros((len(examples), data.n_pe), dtype=bool)
-                    for j, i in enumerate(examples):
-                        masks[j, traj.lines[i]] = True
-                    figures["rows"][(acc, row["key"])] = (traj.finals[row["mar"]], masks)
+            _score_method(config, data, acc, method, policy, method_mar[method], examples, results, figures,
+                          device, progress)
     bar.close()
     add_tests(results)
     return results, figures

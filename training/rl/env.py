@@ -583,6 +583,41 @@ class BatchedAcquisitionEnv:
         return metrics
 
     @torch.no_grad()
+    def _evaluate_batch(self, policy_fn: Callable[[Observation], torch.Tensor], idx: torch.Tensor
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """One deterministic episode on each slice of ``idx`` (:meth:`evaluate`): its parts (the
+        qualities, return, served image, mask, lines, and with corruption the counts) and the
+        served image's metrics."""
+        kspace, target, ref = self._kspace_all[idx], self._target_all[idx], self._reference(idx)
+        episodes = self._new_episodes(idx.numel())
+        attempts = flags = None
+        if self._corruption is not None:  # the slices' own draws, as masc check headroom draws them
+            attempts, flags = self._draw_attempts(idx, positions=idx.cpu().numpy())
+            kspace = self._current(episodes, attempts)
+        m = self._measure(kspace, episodes.mask, ref)
+        q0 = m.quality
+        q, ret = q0, torch.zeros_like(q0)
+        n_steps = math.ceil(self._budget / self.lines_per_decision)
+        for t in range(n_steps):
+            repeatable = None if flags is None else repeatable_lines(flags, episodes.counts)
+            actions = policy_fn(Observation(m.observed, episodes.mask, episodes.steps_left_tensor(), repeatable))
+            if attempts is None:
+                self._acquire(episodes, actions)
+            else:
+                episodes.acquire(actions, repeatable=repeatable.cpu().numpy())
+                kspace = self._current(episodes, attempts)
+            m = self._measure(kspace, episodes.mask, ref, force_mar=t == n_steps - 1)
+            ret = ret + self.cfg.alpha * (m.quality - q)
+            q = m.quality
+        # the final image as the gadget serves it (clamped, float32), scored
+        scores = score_batch(m.zero_filled, m.corrected if self.mar is not None else None, target,
+                             roi=None if self._roi_all is None else self._roi_all[idx])
+        parts = {"initial_quality": q0, "final_quality": q, "returns": ret, "images": scores.served.image,
+                 "masks": episodes.mask, "lines": torch.from_numpy(episodes.chosen()[:, self._initial:])}
+        if attempts is not None:
+            parts["counts"] = torch.from_numpy(episodes.counts.copy())
+        return parts, {**scores.image, **{f"roi_{k}": v for k, v in scores.roi.items()}}
+
     def evaluate(self, policy_fn: Callable[[Observation], torch.Tensor],
                  indices: Sequence[int] | np.ndarray | torch.Tensor | None = None,
                  batch_size: int = 64) -> dict[str, Any]:
@@ -622,43 +657,10 @@ class BatchedAcquisitionEnv:
             "initial_quality", "final_quality", "returns", "images", "masks", "lines")}
         metric_parts: dict[str, list[torch.Tensor]] = {}
         for start in range(0, idx_all.numel(), batch_size):
-            idx = idx_all[start:start + batch_size]
-            b = idx.numel()
-            kspace, target, ref = self._kspace_all[idx], self._target_all[idx], self._reference(idx)
-            episodes = self._new_episodes(b)
-            attempts = flags = None
-            if self._corruption is not None:  # the slices' own draws, as masc check headroom draws them
-                attempts, flags = self._draw_attempts(idx, positions=idx.cpu().numpy())
-                kspace = self._current(episodes, attempts)
-            m = self._measure(kspace, episodes.mask, ref)
-            q0 = m.quality
-            q, ret = q0, torch.zeros_like(q0)
-            n_steps = math.ceil(self._budget / self.lines_per_decision)
-            for t in range(n_steps):
-                repeatable = None if flags is None else repeatable_lines(flags, episodes.counts)
-                actions = policy_fn(Observation(m.observed, episodes.mask, episodes.steps_left_tensor(), repeatable))
-                if attempts is None:
-                    self._acquire(episodes, actions)
-                else:
-                    episodes.acquire(actions, repeatable=repeatable.cpu().numpy())
-                    kspace = self._current(episodes, attempts)
-                last = t == n_steps - 1
-                m = self._measure(kspace, episodes.mask, ref, force_mar=last)
-                ret = ret + self.cfg.alpha * (m.quality - q)
-                q = m.quality
-            # the final image as the gadget serves it (clamped, float32), scored
-            scores = score_batch(m.zero_filled, m.corrected if self.mar is not None else None, target,
-                                 roi=None if self._roi_all is None else self._roi_all[idx])
-            final = scores.served.image
-            parts["initial_quality"].append(q0)
-            parts["final_quality"].append(q)
-            parts["returns"].append(ret)
-            parts["images"].append(final)
-            parts["masks"].append(episodes.mask)
-            parts["lines"].append(torch.from_numpy(episodes.chosen()[:, self._initial:]))
-            if attempts is not None:
-                parts.setdefault("counts", []).append(torch.from_numpy(episodes.counts.copy()))
-            for key, value in {**scores.image, **{f"roi_{k}": v for k, v in scores.roi.items()}}.items():
+            batch, metrics = self._evaluate_batch(policy_fn, idx_all[start:start + batch_size])
+            for key, value in batch.items():
+                parts.setdefault(key, []).append(value)
+            for key, value in metrics.items():
                 metric_parts.setdefault(key, []).append(value)
         out: dict[str, Any] = {k: torch.cat(v).cpu() for k, v in parts.items()}
         out["index"] = idx_all.cpu()
