@@ -28,3 +28,13 @@ def tcp_pair():
     yield a, b
     a.close()
     b.close()
+
+
+@pytest.fixture
+def pair():
+    """(sender, receiver) MrdStreams over an AF_UNIX socketpair."""
+    a, b = socket.socketpair()
+    sender, receiver = MrdStream(a), MrdStream(b)
+    yield sender, receiver
+    sender.close()
+    receiver.close()

@@ -16,7 +16,7 @@ from masc_gadget.mrd.frames import (ID_CLOSE, ID_TEXT, frame_close, frame_text, 
                                     ProtocolError, ReadTimeout)
 from masc_gadget.mrd.protocol import MrdStream
 
-from tests.masc_gadget.mrd.test_protocol import HEADER_XML
+from tests.masc_gadget.mrd.messages import HEADER_XML
 
 
 def _drip(sock: socket.socket, data: bytes, every: float) -> threading.Thread:
