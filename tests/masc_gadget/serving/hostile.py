@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import threading
 import time
 
 import ismrmrd
@@ -14,7 +15,7 @@ from masc_gadget.config import load_config
 from masc_gadget.mrd.frames import ID_CLOSE, ID_ERROR, ID_IMAGE, ID_TEXT, ConnectionClosed
 from masc_gadget.mrd.protocol import MrdStream
 from masc_gadget.serving.models import ModelCache
-from masc_gadget.serving.server import MascServer
+from masc_gadget.serving.server import MascServer, serve_connect_mode
 
 from tests.conftest import CONFIGS
 
@@ -155,3 +156,58 @@ def errors_of(port: int, send, timeout: float = 10.0) -> tuple[dict, list[str], 
         return drain(stream, timeout)
     finally:
         stream.close()
+
+
+@contextlib.contextmanager
+def connect_mode(*overrides: str):
+    """Gadgetron's connect mode (the gadgetron dialect of the same listener) on a free port."""
+    config = load_config(CONFIGS / "tiny.yaml", ["gadget.device=cpu", *overrides])
+    stop, ready = threading.Event(), []
+    thread = threading.Thread(target=serve_connect_mode, args=(config, 0, "127.0.0.1", CACHE, stop, ready.append),
+                              daemon=True)
+    thread.start()
+    for _ in range(400):
+        if ready:
+            break
+        time.sleep(0.025)
+    assert ready, "connect mode never listened"
+    try:
+        yield ready[0], stop
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def gadgetron_stream(port: int, config: str = "<configuration/>", header: str | None = None,
+                     lines=LINES, slices: int = 2, close: bool = True) -> tuple[dict, list[str], list[int]]:
+    """What Gadgetron sends a connect-mode module: its stream configuration, the header, lines;
+    what comes back (:func:`drain`)."""
+    stream = connect(port)
+    try:
+        stream.send_config_text(config)
+        stream.send_header(header or header_xml(slices=slices))
+        for s in range(slices):
+            for pe in lines:
+                stream.send_acquisition(line(s, pe))
+        if close:
+            stream.send_close()
+        return drain(stream)
+    except OSError:
+        return drain(stream)
+    finally:
+        stream.close()
+
+
+def threads_named(prefix: str) -> int:
+    return sum(t.name.startswith(prefix) and t.is_alive() for t in threading.enumerate())
+
+
+def settle(predicate, seconds: float = 10.0) -> bool:
+    """Whether ``predicate()`` holds within ``seconds`` (polled; returns as soon as it does: a
+    loaded machine only makes it wait longer)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
