@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import re
 import reprlib
 import types
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
+
+log = logging.getLogger(__name__)
 
 SECTIONS_GROUP = "masc.config_sections"
 
@@ -163,6 +166,25 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     return value
 
 
+def _nest_flat_keys(cls: type, data: Mapping[str, Any], prefix: str) -> Mapping[str, Any]:
+    """``data`` with the keys a dataclass declares moved (its ``FLAT_KEYS``: old key -> ``entry.key``)
+    put where they now live, each with a note; ConfigError when both spellings are given."""
+    moved = {key: path for key, path in getattr(cls, "FLAT_KEYS", {}).items() if key in data}
+    if not moved:
+        return data
+    out = {k: v for k, v in data.items() if k not in moved}
+    for key, path in moved.items():
+        entry, _, name = path.partition(".")
+        nested = out.get(entry, {})
+        if not isinstance(nested, Mapping):
+            raise ConfigError(f"{prefix}{entry}: must be a mapping of keys, got {quote(nested)}")
+        if name in nested:
+            raise ConfigError(f"{prefix}{key} and {prefix}{path} are one setting: give {prefix}{path} only")
+        out[entry] = {**nested, name: data[key]}
+        log.warning("%s%s is now %s%s (the old key works until 0.4)", prefix, key, prefix, path)
+    return out
+
+
 def from_dict(cls: type, data: Mapping[str, Any] | None, where: str = "") -> Any:
     """Build dataclass ``cls`` from its defaults overridden by ``data``.
 
@@ -173,6 +195,7 @@ def from_dict(cls: type, data: Mapping[str, Any] | None, where: str = "") -> Any
     prefix = f"{where}." if where else ""
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where or cls.__name__}: must be a mapping of keys, got {quote(data)}")
+    data = _nest_flat_keys(cls, data, prefix)
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields), key=str)
@@ -229,16 +252,31 @@ def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
     return out
 
 
-def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+def _merge(base: dict[str, Any], extra: Mapping[str, Any], sections: Mapping[str, type] | None = None
+           ) -> dict[str, Any]:
     """Overrides replace whole field values (a dict-valued field such as
-    ``eval.accelerations`` is replaced, not merged); sections merge key by key."""
+    ``eval.accelerations`` is replaced, not merged); sections merge key by key, and so do the
+    entries of a section that are settings of their own (a dataclass-typed field of the
+    section's class in ``sections``, such as ``mar_train.run``)."""
     out = dict(base)
     for section, fields in extra.items():
         if isinstance(fields, Mapping) and isinstance(out.get(section), Mapping):
-            out[section] = {**out[section], **fields}
+            cls = (sections or {}).get(section)
+            nested = _nested_fields(cls) if isinstance(cls, type) and dataclasses.is_dataclass(cls) else {}
+            out[section] = {**out[section], **{
+                key: _merge({key: out[section][key]}, {key: value}, nested)[key]
+                if key in nested and isinstance(value, Mapping) and isinstance(out[section].get(key), Mapping)
+                else value for key, value in fields.items()}}
         else:
             out[section] = fields
     return out
+
+
+def _nested_fields(cls: type) -> dict[str, type]:
+    """The fields of dataclass ``cls`` whose type is a dataclass (settings of their own)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)
+            if isinstance(hints.get(f.name), type) and dataclasses.is_dataclass(hints[f.name])}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,7 +338,7 @@ def build_config(
     data = {} if data is None else data
     if not isinstance(data, Mapping):
         raise ConfigError(f"{source or 'config'}: top level must be a mapping of sections")
-    merged = _merge(dict(data), parse_overrides(overrides))
+    merged = _merge(dict(data), parse_overrides(overrides), sections)
     unknown = sorted(set(merged) - set(sections))
     if unknown:
         raise ConfigError(
@@ -333,5 +371,5 @@ def load_config(
             raise ConfigError(f"config file {file} is not valid YAML: {err}") from None
         if not isinstance(layer, Mapping):
             raise ConfigError(f"{file}: top level must be a mapping of sections")
-        data = _merge(data, layer)
+        data = _merge(data, layer, config_sections() if sections is None else sections)
     return build_config(data, overrides, sections, None if path is None else str(path))

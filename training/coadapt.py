@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ from masc_gadget.device import resolve_device
 from masc_gadget.acquisition.learned import KIND, policy_metadata
 from masc_gadget.models.policy_net import PolicyNet
 from training.csvlog import append_row, plot_training
-from training.run import Checkpoints, Trainer, TrainingRun, seeded, snapshot
+from training.run import RUN_KEYS, Checkpoints, RunSettings, Trainer, TrainingRun, seeded, snapshot
 from training.data import SliceSet, load_split, spread_subset
 from training.distributed import Dist, setup
 from training.imitation import ImitationConfig, imitate, load_or_make_demonstrations
@@ -66,14 +66,10 @@ class MascTrainConfig:
     """Images per MAR fine-tuning step."""
     val_every: int = 10
     """Validate (greedy episodes on the val split) every N rollouts, and after the last."""
-    max_train_slices: int = 0
-    """Use only the first N training slices (0 = all)."""
-    max_val_slices: int = 0
-    """Use only the first N validation slices (0 = all)."""
-    device: str = "auto"
-    """cpu, cuda, cuda:N or auto."""
-    seed: int = 0
-    """Seed of the networks' init, slice draws, action sampling and minibatches."""
+    run: RunSettings = field(default_factory=RunSettings)
+    """Seed, device and slice caps (:class:`training.run.RunSettings`; the seed of the networks' init, slice draws, action sampling and minibatches)."""
+    FLAT_KEYS: ClassVar[dict[str, str]] = RUN_KEYS
+    """The run keys written flat before 0.3, read under ``run``."""
     prior_slices: int = 32
     """With ``policy_net.prior_weight`` > 0: training slices (spread over the split) the
     population-greedy prior order is computed on, under the pre-trained MAR network (0 = all)."""
@@ -313,7 +309,7 @@ def _policy(config: Config, ecfg: EnvConfig, train: SliceSet, mar: torch.nn.Modu
     starts from the population-greedy order, and PPO learns where to leave it."""
     tcfg: MascTrainConfig = config["masc_train"]
     acq, pncfg = config["acquisition"], config["policy_net"]
-    net = seeded(tcfg.seed, lambda: PolicyNet(train.n_pe, *train.target.shape[1:], pncfg,
+    net = seeded(tcfg.run.seed, lambda: PolicyNet(train.n_pe, *train.target.shape[1:], pncfg,
                                               prior_lines=acq.budget if pncfg.prior_weight > 0 else 0).to(device))
     net.prior_train = acq.lines_per_decision  # the prior marks the order's next echo train
     if net.prior_lines and fresh:
@@ -336,12 +332,12 @@ def _masc_trainer(config: Config, data_dir: str | Path, mar_path: str | Path | N
     acq = config["acquisition"]
     if tcfg.mar_mode == "none":
         ecfg = dataclasses.replace(ecfg, observe_mar=False, reward_mar=False)
-    train = load_split(data_dir, "train", tcfg.max_train_slices)
-    val = load_split(data_dir, "val", tcfg.max_val_slices)
+    train = load_split(data_dir, "train", tcfg.run.max_train_slices)
+    val = load_split(data_dir, "val", tcfg.run.max_val_slices)
     run.describe(data_dir, train=train, val=val)
     acq.check(train.n_pe)
     mar, mar_meta = load_mar(mar_path, device) if tcfg.mar_mode != "none" else (None, {})
-    gen = torch.Generator().manual_seed(tcfg.seed + dist.rank)  # each rank samples its own actions
+    gen = torch.Generator().manual_seed(tcfg.run.seed + dist.rank)  # each rank samples its own actions
     net = _policy(config, ecfg, train, mar, device, run.checkpoint is None, progress)
     optimizer = make_optimizer(net, config["ppo"])
     mar_opt = torch.optim.Adam(mar.parameters(), lr=tcfg.mar_lr) if tcfg.mar_mode == "joint" else None
@@ -349,14 +345,14 @@ def _masc_trainer(config: Config, data_dir: str | Path, mar_path: str | Path | N
                                                      "mar_optimizer": mar_opt}, "rollout",
                        optional=("mar", "mar_optimizer"))
     if run.checkpoint is not None and dist.rank:  # a resumed rank keeps its own action stream
-        gen.manual_seed(tcfg.seed + dist.rank + 7919 * done)
+        gen.manual_seed(tcfg.run.seed + dist.rank + 7919 * done)
     elif run.checkpoint is None and dist.main:
         _imitation_csv(run.out).unlink(missing_ok=True)
     k = acq.lines_per_decision
     # each rank draws its own slices: seed + rank (rank 0 as one process)
     env = BatchedAcquisitionEnv(train, ecfg, acq.initial, acq.budget, mar, device,
-                                seed=tcfg.seed + done + 1_000_003 * dist.rank, lines_per_decision=k)
-    val_env = BatchedAcquisitionEnv(val, ecfg, acq.initial, acq.budget, mar, device, seed=tcfg.seed,
+                                seed=tcfg.run.seed + done + 1_000_003 * dist.rank, lines_per_decision=k)
+    val_env = BatchedAcquisitionEnv(val, ecfg, acq.initial, acq.budget, mar, device, seed=tcfg.run.seed,
                                     lines_per_decision=k)
     recorder = _Recorder(env)
     kspace = train.kspace_clean if ecfg.kspace == "clean" else train.kspace_metal
@@ -385,7 +381,7 @@ def train_masc(config: Config, data_dir: str | Path, mar_path: str | Path | None
     rollout, its MAR fine-tuning, validation and log row are :class:`_MascTrainer`'s."""
     dist = setup()
     tcfg: MascTrainConfig = config["masc_train"]
-    device = resolve_device(dist.device(tcfg.device))
+    device = resolve_device(dist.device(tcfg.run.device))
     _check(config, mar_path)
     run = TrainingRun(out, config["env"].selection_metric, higher_is_better=True, main=dist.main, resume=resume,
                       kind=KIND, map_location=device)

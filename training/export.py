@@ -20,6 +20,12 @@ log = logging.getLogger(__name__)
 
 
 SEEDED = ("masc_train", "finetune", "loupe", "dqn", "mar_train")
+
+
+def _seed_of(section: dict[str, Any]) -> int | None:
+    """A trainer section's seed as a checkpoint stored it: ``run.seed``, or ``seed`` before the
+    run settings were nested."""
+    return (section.get("run") or {}).get("seed", section.get("seed"))
 """The config sections whose ``seed`` is a checkpoint's training seed, in the order looked up."""
 
 
@@ -59,8 +65,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, command: str = ""
         "kind": ck.metadata.get("kind"),
         "command": command or (ck.metadata.get("provenance") or {}).get("command", ""),
         "provenance": ck.metadata.get("provenance"),
-        "seed": next((c[k]["seed"] for c in (ck.metadata.get("finetune_config") or {}, cfg) for k in SEEDED
-                      if "seed" in c.get(k, {})), None),
+        "seed": next((seed for c in (ck.metadata.get("finetune_config") or {}, cfg) for k in SEEDED
+                      if (seed := _seed_of(c.get(k) or {})) is not None), None),
         "code_version": ck.metadata.get("code_version", __version__),
         "trained_rollouts": ck.metadata.get("rollout"),
         "validation": ck.metadata.get("val"),

@@ -22,10 +22,10 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ from masc_gadget.core.metrics import scale_by_target
 from training.data import SliceSet
 from training.distributed import Dist
 from training.mar import acquisition_noise, check_snr_range, mar_loss
-from training.run import Checkpoints, Trainer, TrainingRun
+from training.run import RUN_KEYS, Checkpoints, RunSettings, Trainer, TrainingRun
 from training.scoring import score_masks
 
 __all__ = ["FinetuneConfig", "JointFinetuneConfig", "center_out_masks", "episode_pairs", "finetune_mar",
@@ -80,13 +80,14 @@ class FinetuneConfig:
     fallback_fraction: float = 0.0
     """Share of the pairs given centre-out's lines instead of their own (as many lines): the
     deadline fallback's mask, which the centre-out promise of ``masc check mar`` tests."""
-    max_val_slices: int = 0
-    """Validation slices scored (0 = all)."""
-    seed: int = 0
-    """Seed of the shuffles and the clean anchors' draws."""
+    run: RunSettings = field(default_factory=RunSettings)
+    """Seed, device and slice caps (:class:`training.run.RunSettings`; the seed of the shuffles and
+    the clean anchors' draws; ``masc train finetune --device`` overrides the device)."""
+    FLAT_KEYS: ClassVar[dict[str, str]] = RUN_KEYS
+    """The run keys written flat before 0.3, read under ``run``."""
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "steps", "val_every", "max_val_slices", "seed"):
+        for name in ("epochs", "steps", "val_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.batch_size < 1 or not self.lr > 0:
@@ -260,7 +261,7 @@ class _FinetuneTrainer(Trainer):
     @cached_property
     def generator(self) -> torch.Generator:
         """The shuffles' and the anchors' stream."""
-        return torch.Generator().manual_seed(self.recipe.seed)
+        return torch.Generator().manual_seed(self.recipe.run.seed)
 
     @cached_property
     def batches(self) -> Iterator[torch.Tensor]:

@@ -38,7 +38,7 @@ RECIPES = ("finetune", "finetune_joint")
 
 
 def finetune_policy(config: Config, data_dir: str | Path, policy_path: str | Path, mar_path: str | Path,
-                    out: str | Path, recipe_name: str = "finetune", device: str = "auto",
+                    out: str | Path, recipe_name: str = "finetune", device: str | None = None,
                     progress: bool = True, select_on: str | Path | None = None) -> dict[str, Any]:
     """The module's command; returns the best validation metrics. ``select_on``: the folder(s)
     whose validation split selects the network (default ``data_dir``), e.g. the simulation
@@ -50,10 +50,10 @@ def finetune_policy(config: Config, data_dir: str | Path, policy_path: str | Pat
         raise ValueError(f"--recipe must name a recipe section ({', '.join(RECIPES)}), got {recipe_name!r}")
     recipe: FinetuneConfig = config[recipe_name]
     acq = config["acquisition"]
-    dev = resolve_device(device)
+    dev = resolve_device(device or recipe.run.device)
     policy, own_mar, _ = load_learned(policy_path, dev)
-    train = load_split(data_dir, "train")
-    val = load_split(select_on or data_dir, "val", recipe.max_val_slices)
+    train = load_split(data_dir, "train", recipe.run.max_train_slices)
+    val = load_split(select_on or data_dir, "val", recipe.run.max_val_slices)
     acq.check(train.n_pe)
     k = acq.lines_per_decision
     mar, mar_meta = load_mar(mar_path, dev)

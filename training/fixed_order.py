@@ -50,6 +50,8 @@ class FixedOrderConfig:
     population_slices: int = 32
     """Training slices the order is learned on (spread over the subjects; 0 = all)."""
     device: str = "auto"
+    """Where the order is learned and the network fine-tuned (the fine-tuning's seed and slice
+    caps are the recipe's, ``finetune.run``)."""
 
     def __post_init__(self) -> None:
         if self.population_slices < 0:
@@ -66,8 +68,8 @@ def _fit(config: Config, data_dir: str | Path, mar: torch.nn.Module, out: str | 
     recipe: FinetuneConfig = config["finetune"]
     if not finetune:
         recipe = replace(recipe, epochs=0, steps=0)
-    train = load_split(data_dir, "train")
-    val = load_split(data_dir, "val", recipe.max_val_slices)
+    train = load_split(data_dir, "train", recipe.run.max_train_slices)
+    val = load_split(data_dir, "val", recipe.run.max_val_slices)
     acq.check(train.n_pe)
     if order is None:
         subset = spread_subset(train, fcfg.population_slices) if fcfg.population_slices else train

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ from masc_gadget.core.kspace import to_hybrid
 from masc_gadget.device import resolve_device
 from masc_gadget.models.checkpoint import load_mar
 from masc_gadget.models.unet import build_mar
-from training.run import Checkpoints, Trainer, TrainingRun, seeded, snapshot
+from training.run import RUN_KEYS, Checkpoints, RunSettings, Trainer, TrainingRun, seeded, snapshot
 from training.data import SliceSet, load_split
 from training.distributed import Dist, setup, shard
 from training.mar import mar_loss, validate
@@ -67,14 +67,10 @@ class LoupeConfig:
     """Slope of the sigmoid from logit to selection probability (LOUPE's)."""
     temperature: float = 0.5
     """Temperature of the relaxed sampler's gradient path."""
-    max_train_slices: int = 0
-    """Use only the first N training slices (0 = all)."""
-    max_val_slices: int = 0
-    """Use only the first N validation slices (0 = all)."""
-    device: str = "auto"
-    """cpu, cuda, cuda:N or auto."""
-    seed: int = 0
-    """Seed of the logits' init, the MAR init (without --mar), the mask draws and the shuffling."""
+    run: RunSettings = field(default_factory=RunSettings)
+    """Seed, device and slice caps (:class:`training.run.RunSettings`; the seed of the logits' init, the MAR init without --mar, the mask draws and the shuffling)."""
+    FLAT_KEYS: ClassVar[dict[str, str]] = RUN_KEYS
+    """The run keys written flat before 0.3, read under ``run``."""
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size"):
@@ -246,15 +242,15 @@ def _loupe_trainer(config: Config, data_dir: str | Path, mar_path: str | Path | 
     from scratch) and optimizer, resumed from the run's last checkpoint when there is one."""
     cfg: LoupeConfig = config["loupe"]
     acq = config["acquisition"]
-    train = load_split(data_dir, "train", cfg.max_train_slices)
-    val = load_split(data_dir, "val", cfg.max_val_slices)
+    train = load_split(data_dir, "train", cfg.run.max_train_slices)
+    val = load_split(data_dir, "val", cfg.run.max_val_slices)
     run.describe(data_dir, train=train, val=val)
     acq.check(train.n_pe)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.run.seed)
     if mar_path:
         mar, mar_meta = load_mar(mar_path, device)
     else:
-        mar, mar_meta = seeded(cfg.seed, lambda: build_mar(config["mar_model"]).to(device)), {}
+        mar, mar_meta = seeded(cfg.run.seed, lambda: build_mar(config["mar_model"]).to(device)), {}
     mask = LoupeMask(train.n_pe, acq.initial, acq.budget, cfg.slope, cfg.temperature, generator=gen).to(device)
     optimizer = torch.optim.Adam([{"params": mask.parameters(), "lr": cfg.lr_mask},
                                   {"params": mar.parameters(), "lr": cfg.lr_mar}])
@@ -272,7 +268,7 @@ def train_loupe(config: Config, data_dir: str | Path, mar_path: str | Path | Non
     cfg: LoupeConfig = config["loupe"]
     acq = config["acquisition"]
     dist = setup()
-    device = resolve_device(dist.device(cfg.device))
+    device = resolve_device(dist.device(cfg.run.device))
     run = TrainingRun(out, "ssim", higher_is_better=True, main=dist.main, resume=resume, kind=LOUPE,
                       map_location=device)
     trainer = _loupe_trainer(config, data_dir, mar_path, run, dist, device)

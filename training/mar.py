@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ from masc_gadget.core.kspace import zero_filled
 from masc_gadget.core.metrics import scale_by_target, slice_metrics, ssim
 from masc_gadget.models.unet import build_mar
 from masc_gadget.acquisition.policies import make_policy, run_episode
-from training.run import Checkpoints, Trainer, TrainingRun, seeded, snapshot
+from training.run import RUN_KEYS, Checkpoints, RunSettings, Trainer, TrainingRun, seeded, snapshot
 from training.distributed import Dist, setup, shard
 from training.csvlog import plot_epochs
 from training.data import SliceSet, data_dirs, load_split
@@ -62,14 +62,10 @@ class MarTrainConfig:
     (the earlier recipe; draws nothing)."""
     policies: tuple[str, ...] = ("center-out", "random", "random-lowbias", "equispaced")
     """Policies that draw the undersampling masks of ``undersampled`` / ``mixed`` inputs."""
-    device: str = "auto"
-    """cpu, cuda, cuda:N or auto."""
-    seed: int = 0
-    """Seed of weight init, shuffling and masks."""
-    max_train_slices: int = 0
-    """Use only the first N training slices (0 = all)."""
-    max_val_slices: int = 0
-    """Use only the first N validation slices (0 = all)."""
+    run: RunSettings = field(default_factory=RunSettings)
+    """Seed, device and slice caps (:class:`training.run.RunSettings`; the seed of weight init, shuffling and masks)."""
+    FLAT_KEYS: ClassVar[dict[str, str]] = RUN_KEYS
+    """The run keys written flat before 0.3, read under ``run``."""
 
     def __post_init__(self) -> None:
         for name in ("epochs", "batch_size"):
@@ -309,21 +305,21 @@ def _mar_trainer(config: Config, data_dir: str | Path, run: TrainingRun, dist: D
     """The MAR pre-training's trainer: its splits, seeded network, optimizer and random streams,
     resumed from the run's last checkpoint when there is one, and its validation inputs."""
     tcfg: MarTrainConfig = config["mar_train"]
-    train = load_split(data_dir, "train", tcfg.max_train_slices)
-    val = load_split(data_dir, "val", tcfg.max_val_slices)
+    train = load_split(data_dir, "train", tcfg.run.max_train_slices)
+    val = load_split(data_dir, "val", tcfg.run.max_val_slices)
     run.describe(data_dir, train=train, val=val)
     if tcfg.input != "full":
         config["acquisition"].check(train.n_pe)
-    model = seeded(tcfg.seed, lambda: build_mar(config["mar_model"]).to(device))
+    model = seeded(tcfg.run.seed, lambda: build_mar(config["mar_model"]).to(device))
     optimizer = torch.optim.Adam(model.parameters(), lr=tcfg.lr)
-    shuffle, rng = torch.Generator().manual_seed(tcfg.seed), np.random.default_rng(tcfg.seed)
+    shuffle, rng = torch.Generator().manual_seed(tcfg.run.seed), np.random.default_rng(tcfg.run.seed)
     done = run.restore({"mar": model}, {"optimizer": optimizer, "shuffle_state": shuffle, "numpy_rng_state": rng},
                        "epoch")
     val_inputs = (
-        draw_masks(len(val), val.n_pe, config["acquisition"], tcfg.policies, np.random.default_rng(tcfg.seed + 1))
+        draw_masks(len(val), val.n_pe, config["acquisition"], tcfg.policies, np.random.default_rng(tcfg.run.seed + 1))
         if tcfg.input != "full" else None,
-        draw_clean(len(val), tcfg.clean_fraction, np.random.default_rng(tcfg.seed + 2)),
-        draw_anchor_noise(len(val), tcfg.anchor_snr, np.random.default_rng(tcfg.seed + 3)))
+        draw_clean(len(val), tcfg.clean_fraction, np.random.default_rng(tcfg.run.seed + 2)),
+        draw_anchor_noise(len(val), tcfg.anchor_snr, np.random.default_rng(tcfg.run.seed + 3)))
     return _MarTrainer(config, tcfg, tcfg.epochs, data_dir, run, train, val, model, dist.wrap(model), optimizer,
                        shuffle, rng, device, dist, val_inputs, done)
 
@@ -338,7 +334,7 @@ def train_mar(config: Config, data_dir: str | Path, out: str | Path, resume: str
     validates (the same model, the same numbers)."""
     dist = setup()
     tcfg: MarTrainConfig = config["mar_train"]
-    device = resolve_device(dist.device(tcfg.device))
+    device = resolve_device(dist.device(tcfg.run.device))
     run = TrainingRun(out, "loss", higher_is_better=False, main=dist.main, resume=resume)
     trainer = _mar_trainer(config, data_dir, run, dist, device)
     log.info("MAR pre-training: %d train / %d val slices, input %s, %d epochs on %s%s",

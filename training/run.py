@@ -56,11 +56,38 @@ from masc_gadget.models.checkpoint import Checkpoint, load_checkpoint, save_chec
 from training.csvlog import append_row
 from training.distributed import Dist
 
-__all__ = ["Checkpoints", "Trainer", "TrainingRun", "git_commit", "seeded", "snapshot"]
+__all__ = ["RUN_KEYS", "Checkpoints", "RunSettings", "Trainer", "TrainingRun", "git_commit", "seeded", "snapshot"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every trainer's section holds alike (its ``run`` entry: ``mar_train.run.seed``, ...)."""
+
+    seed: int = 0
+    """Seed of weight init, shuffling, masks and the trainer's own draws."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N or auto (a distributed run: each rank's own GPU)."""
+    max_train_slices: int = 0
+    """Use only the first N training slices (0 = all)."""
+    max_val_slices: int = 0
+    """Use only the first N validation slices (0 = all)."""
+
+    def __post_init__(self) -> None:
+        for name in ("seed", "max_train_slices", "max_val_slices"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
+
+
+RUN_KEYS = {name: f"run.{name}" for name in ("seed", "device", "max_train_slices", "max_val_slices")}
+"""A trainer section's keys from before they were nested under ``run``; the config loader reads
+them there, with a note (:func:`masc_gadget.config.from_dict`, ``FLAT_KEYS``)."""
 
 
 def seeded(seed: int, build: Callable[[], T]) -> T:

@@ -14,7 +14,7 @@ from masc_gadget.models.checkpoint import load_checkpoint
 
 from tests.conftest import CONFIGS, free_port
 
-SETTINGS = ["mar_model.norm=group", "mar_train.batch_size=4", "mar_train.device=cpu", "mar_train.input=mixed"]
+SETTINGS = ["mar_model.norm=group", "mar_train.batch_size=4", "mar_train.run.device=cpu", "mar_train.input=mixed"]
 
 
 def _cmd(data, out, epochs, ranks, port, resume=None):
@@ -136,7 +136,7 @@ def _train(what, tiny_dataset, out, ranks, settings):
 
 
 def test_learned_mask_on_two_ranks_equals_one_process(tiny_dataset, tmp_path):
-    settings = ["mar_model.norm=group", "loupe.epochs=2", "loupe.batch_size=4", "loupe.device=cpu"]
+    settings = ["mar_model.norm=group", "loupe.epochs=2", "loupe.batch_size=4", "loupe.run.device=cpu"]
     for name, ranks in (("two", 2), ("one", 1)):
         result = _train("loupe", tiny_dataset, tmp_path / f"{name}.pt", ranks, settings)
         assert result.returncode == 0, result.stderr[-2000:]
@@ -147,7 +147,7 @@ def test_learned_mask_on_two_ranks_equals_one_process(tiny_dataset, tmp_path):
 
 def test_dqn_on_two_ranks_stays_in_sync(tiny_dataset, tmp_path):
     settings = ["dqn.steps=64", "dqn.learning_starts=16", "dqn.val_every=32", "dqn.target_update=32",
-                "dqn.device=cpu", "q_net.channels=[8]", "q_net.hidden=16", "q_net.pool_size=2"]
+                "dqn.run.device=cpu", "q_net.channels=[8]", "q_net.hidden=16", "q_net.pool_size=2"]
     result = _train("dqn", tiny_dataset, tmp_path / "dqn.pt", 2, settings)
     assert result.returncode == 0, result.stderr[-2000:]  # each validation compares the ranks' parameters
     assert load_checkpoint(tmp_path / "dqn.last.pt").metadata["transitions"] == 64

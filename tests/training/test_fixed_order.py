@@ -81,7 +81,7 @@ def test_calibrated_on_its_own_order_exported_and_served_with_the_fallback(tiny_
     assert main(["export", str(out), "--out", str(shipped), "--ood", f"{check / 'ood.json'}:fixed"]) == 0
     meta = load_checkpoint(shipped).metadata
     assert meta["kind"] == FIXED and meta["ood"]["score"] == calibration["score"]
-    assert json.loads(shipped.with_suffix(".json").read_text())["seed"] == 0  # finetune.seed
+    assert json.loads(shipped.with_suffix(".json").read_text())["seed"] == 0  # finetune.run.seed
     assert json.loads(shipped.with_suffix(".json").read_text())["ood"]["threshold"] == calibration["threshold"]
     _, mar, _ = load_learned(shipped, "cpu")
     assert mar.ood is not None and mar.ood.threshold == calibration["threshold"]

@@ -104,9 +104,9 @@ def tiny_outputs(data: Path, mar: Path, tmp: Path) -> dict[str, float]:
     # the other trainers: MAR pre-training, the learned mask, DQN
     for name, extra in (("mar", ["--set", "mar_train.clean_fraction=0.25", "--set", "mar_train.input=mixed"]),
                         ("loupe", ["--mar", str(mar), "--set", "loupe.epochs=2", "--set", "loupe.batch_size=4",
-                                   "--set", "loupe.device=cpu"]),
+                                   "--set", "loupe.run.device=cpu"]),
                         ("dqn", ["--mar", str(mar), "--set", "dqn.steps=16", "--set", "dqn.val_every=8",
-                                 "--set", "dqn.batch_size=8", "--set", "dqn.device=cpu"])):
+                                 "--set", "dqn.batch_size=8", "--set", "dqn.run.device=cpu"])):
         path = tmp / f"{name}.pt"
         assert main(["train", name, *COMMON, "--data", str(data), "--out", str(path), *extra]) == 0
         _numbers(load_checkpoint(path).metadata["best_val"], f"train-{name}/best", out)

@@ -136,9 +136,9 @@ def test_every_trainer_goes_through_the_shared_loop(tiny_dataset, perturbed_mar,
         return load_config(CONFIGS / "tiny.yaml", list(extra))
 
     train_mar(config("mar_train.epochs=1"), tiny_dataset, tmp_path / "mar.pt", progress=False)
-    train_loupe(config("loupe.epochs=1", "loupe.device=cpu"), tiny_dataset, perturbed_mar, tmp_path / "loupe.pt",
+    train_loupe(config("loupe.epochs=1", "loupe.run.device=cpu"), tiny_dataset, perturbed_mar, tmp_path / "loupe.pt",
                 progress=False)
-    train_dqn(config("dqn.steps=8", "dqn.val_every=8", "dqn.batch_size=4", "dqn.device=cpu"), tiny_dataset,
+    train_dqn(config("dqn.steps=8", "dqn.val_every=8", "dqn.batch_size=4", "dqn.run.device=cpu"), tiny_dataset,
               perturbed_mar, tmp_path / "dqn.pt", progress=False)
     train_masc(config("masc_train.rollouts=1"), tiny_dataset, perturbed_mar, tmp_path / "masc.pt", progress=False)
     train_fixed_order(config("fixed_order.population_slices=1", "fixed_order.device=cpu", "finetune.epochs=1"),
@@ -146,3 +146,23 @@ def test_every_trainer_goes_through_the_shared_loop(tiny_dataset, perturbed_mar,
     assert spy == ["_MarTrainer", "_LoupeTrainer", "_DQNTrainer", "_MascTrainer", "_FinetuneTrainer"]
     for name in ("mar", "loupe", "dqn", "masc", "fixed"):
         assert _rows(tmp_path / f"{name}.csv") and (tmp_path / f"{name}.last.pt").exists()
+
+
+def test_every_trainer_keeps_its_run_settings_in_one_nested_section(caplog):
+    """Seed, device and slice caps are one ``run`` entry of each trainer's section; the flat keys of
+    earlier configs still land there, with a note, and giving both spellings is refused."""
+    from masc_gadget.config import ConfigError
+    from training.run import RunSettings
+
+    trainers = ("mar_train", "masc_train", "dqn", "loupe", "finetune", "finetune_joint")
+    config = load_config(CONFIGS / "tiny.yaml", [f"{name}.run.seed=5" for name in trainers])
+    assert all(config[name].run == RunSettings(seed=5, device=config[name].run.device) for name in trainers)
+    assert config["mar_train"].run.device == "cpu"  # tiny.yaml: run: {device: cpu}
+    with caplog.at_level("WARNING", logger="masc_gadget.config"):
+        flat = load_config(CONFIGS / "tiny.yaml", ["finetune.seed=3", "dqn.max_val_slices=2"])
+    assert flat["finetune"].run.seed == 3 and flat["dqn"].run.max_val_slices == 2
+    assert "finetune.seed is now finetune.run.seed" in caplog.text
+    with pytest.raises(ConfigError, match="finetune.seed and finetune.run.seed are one setting"):
+        load_config(CONFIGS / "tiny.yaml", ["finetune.seed=3", "finetune.run.seed=4"])
+    with pytest.raises(ConfigError, match="max_val_slices must be an integer >= 0"):
+        load_config(CONFIGS / "tiny.yaml", ["loupe.run.max_val_slices=-1"])

@@ -51,7 +51,7 @@ def test_config_is_checked():
 
 def test_learned_mask_trains_jointly_and_plays_as_a_fixed_order(tiny_dataset, tmp_path, perturbed_mar,
                                                                 global_rng_guard):
-    config = load_config(CONFIGS / "tiny.yaml", ["loupe.epochs=3", "loupe.device=cpu", "loupe.batch_size=4"])
+    config = load_config(CONFIGS / "tiny.yaml", ["loupe.epochs=3", "loupe.run.device=cpu", "loupe.batch_size=4"])
     out = tmp_path / "loupe.pt"
     best = train_loupe(config, tiny_dataset, perturbed_mar, out, progress=False)
     assert np.isfinite(best["ssim"])
@@ -71,6 +71,6 @@ def test_learned_mask_trains_jointly_and_plays_as_a_fixed_order(tiny_dataset, tm
     models = load_models(GadgetSettings(policy="loupe", policy_checkpoint=str(out), device="cpu"), ModelCache())
     assert models.policy.name == "loupe" and models.mar is not None  # it brings its own MAR network
     # resume continues the epochs
-    more = load_config(CONFIGS / "tiny.yaml", ["loupe.epochs=4", "loupe.device=cpu", "loupe.batch_size=4"])
+    more = load_config(CONFIGS / "tiny.yaml", ["loupe.epochs=4", "loupe.run.device=cpu", "loupe.batch_size=4"])
     train_loupe(more, tiny_dataset, perturbed_mar, out, resume=tmp_path / "loupe.last.pt", progress=False)
     assert len((tmp_path / "loupe.csv").read_text().splitlines()) == 5

@@ -103,7 +103,7 @@ def _register_fixed_order(actions: argparse._SubParsersAction, common: argparse.
                            "e.g. the simulation alone, so that real volumes choose nothing they are scored on")
     tune.add_argument("--recipe", default="finetune", choices=("finetune", "finetune_joint"),
                       help="the config section of the recipe (default finetune)")
-    tune.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    tune.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default: the recipe's run.device, auto)")
     tune.add_argument("--out", required=True, metavar="CKPT", help="best checkpoint (.pt); .last.pt and .csv beside it")
     tune.set_defaults(func=cmd_train_finetune)
 

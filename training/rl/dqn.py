@@ -42,7 +42,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -54,7 +54,7 @@ from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
 from masc_gadget.models.checkpoint import load_mar
 from masc_gadget.models.q_net import QNet, masked_q
-from training.run import Checkpoints, Trainer, TrainingRun, seeded, snapshot
+from training.run import RUN_KEYS, Checkpoints, RunSettings, Trainer, TrainingRun, seeded, snapshot
 from training.data import load_split
 from training.distributed import Dist, setup
 from training.rl.env import BatchedAcquisitionEnv, EnvConfig
@@ -98,14 +98,10 @@ class DQNConfig:
     """Global gradient-norm clip."""
     val_every: int = 2000
     """Validate (greedy episodes on the val split) and checkpoint every N transitions, and at the end."""
-    max_train_slices: int = 0
-    """Use only the first N training slices (0 = all)."""
-    max_val_slices: int = 0
-    """Use only the first N validation slices (0 = all)."""
-    device: str = "auto"
-    """cpu, cuda, cuda:N or auto."""
-    seed: int = 0
-    """Seed of the network init, slice draws, exploration and minibatches."""
+    run: RunSettings = field(default_factory=RunSettings)
+    """Seed, device and slice caps (:class:`training.run.RunSettings`; the seed of the network init, slice draws, exploration and minibatches)."""
+    FLAT_KEYS: ClassVar[dict[str, str]] = RUN_KEYS
+    """The run keys written flat before 0.3, read under ``run``."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "replay_size", "batch_size", "updates_per_step", "target_update", "val_every"):
@@ -408,8 +404,8 @@ def _dqn_trainer(config: Config, data_dir: str | Path, mar_path: str | Path | No
     cfg: DQNConfig = config["dqn"]
     ecfg: EnvConfig = config["env"]
     acq = config["acquisition"]
-    train = load_split(data_dir, "train", cfg.max_train_slices)
-    val = load_split(data_dir, "val", cfg.max_val_slices)
+    train = load_split(data_dir, "train", cfg.run.max_train_slices)
+    val = load_split(data_dir, "val", cfg.run.max_val_slices)
     run.describe(data_dir, train=train, val=val)
     acq.check(train.n_pe)
     if acq.lines_per_decision != 1:
@@ -418,19 +414,19 @@ def _dqn_trainer(config: Config, data_dir: str | Path, mar_path: str | Path | No
     mar, mar_meta = (load_mar(mar_path, device) if mar_path else (None, {}))
     if mar is not None:
         mar.eval().requires_grad_(False)
-    net = seeded(cfg.seed, lambda: QNet(train.n_pe, *train.target.shape[1:], config["q_net"],
+    net = seeded(cfg.run.seed, lambda: QNet(train.n_pe, *train.target.shape[1:], config["q_net"],
                                         spectral=VARIANTS[variant]["spectral"]).to(device))
     target = copy.deepcopy(net).eval().requires_grad_(False)
     optimizer = torch.optim.Adam(net.parameters(), lr=cfg.lr)
-    gen = torch.Generator().manual_seed(cfg.seed + dist.rank)  # each rank explores on its own stream
+    gen = torch.Generator().manual_seed(cfg.run.seed + dist.rank)  # each rank explores on its own stream
     replay = MaskReplay(cfg.replay_size, train.n_pe)
     done = run.restore({"q": net, "target": target}, {"optimizer": optimizer, "generator": gen, "replay": replay},
                        "transitions")
     if done and dist.rank:  # the checkpoint holds rank 0's stream and memory; other ranks start their own
-        gen.manual_seed(cfg.seed + dist.rank + 7919 * done)
+        gen.manual_seed(cfg.run.seed + dist.rank + 7919 * done)
     env = BatchedAcquisitionEnv(train, ecfg, acq.initial, acq.budget, mar, device,
-                                seed=cfg.seed + done + 1_000_003 * dist.rank)
-    val_env = BatchedAcquisitionEnv(val, ecfg, acq.initial, acq.budget, mar, device, seed=cfg.seed)
+                                seed=cfg.run.seed + done + 1_000_003 * dist.rank)
+    val_env = BatchedAcquisitionEnv(val, ecfg, acq.initial, acq.budget, mar, device, seed=cfg.run.seed)
     log.info("%s: %d train / %d val slices, %d envs, %d transitions, replay %d (%.1f MB, no images), MAR %s, on %s",
              variant, len(train), len(val), ecfg.n_envs, cfg.steps, cfg.replay_size, replay.nbytes / 1e6,
              "frozen" if mar is not None else "none", device)
@@ -454,7 +450,7 @@ def train_dqn(config: Config, data_dir: str | Path, mar_path: str | Path | None,
     if config["env"].corruption.enabled:
         raise ValueError("env.corruption (re-acquiring flagged lines) is trained with MASC (masc train masc, "
                          "policy_net.reacquire=true); the DQN baselines acquire each line once: set env.corruption=0")
-    device = resolve_device(dist.device(cfg.device))
+    device = resolve_device(dist.device(cfg.run.device))
     run = TrainingRun(out, "ssim", higher_is_better=True, main=dist.main, resume=resume, kind=variant,
                       map_location=device)
     trainer = _dqn_trainer(config, data_dir, mar_path, variant, run, dist, device)

@@ -16,14 +16,17 @@ from masc_gadget.acquisition.batcher import (
 
 
 class Recorder:
-    """A pass that records its groups; blocks on ``gate`` so requests pile up meanwhile."""
+    """A pass that records its groups; blocks on ``gate`` so requests pile up meanwhile
+    (``entered``: a pass has started)."""
 
     def __init__(self):
         self.groups = []
         self.gate = threading.Event()
         self.gate.set()
+        self.entered = threading.Event()
 
     def __call__(self, group):
+        self.entered.set()
         self.gate.wait(5)
         self.groups.append([r.payload for r in group])
         return [r.payload * 10 for r in group]
@@ -35,7 +38,7 @@ def test_waiting_requests_share_one_pass_per_key():
     try:
         run.gate.clear()
         first = batcher.submit(DecisionRequest("a", 0, 1))  # occupies the worker
-        time.sleep(0.05)
+        assert run.entered.wait(5)  # the pass is running (gated)
         futures = [batcher.submit(DecisionRequest("a" if i % 2 else "b", i, 1)) for i in range(1, 7)]
         run.gate.set()
         assert first.result(5) == 0
@@ -53,7 +56,7 @@ def test_max_batch_splits_a_group():
     try:
         run.gate.clear()
         batcher.submit(DecisionRequest("k", -1, 1))
-        time.sleep(0.05)
+        assert run.entered.wait(5)  # the pass is running (gated)
         futures = [batcher.submit(DecisionRequest("k", i, 1)) for i in range(5)]
         run.gate.set()
         assert [f.result(5) for f in futures] == [0, 10, 20, 30, 40]
@@ -68,9 +71,9 @@ def test_expired_requests_are_not_computed():
     try:
         run.gate.clear()
         batcher.submit(DecisionRequest("k", 1, 1))
-        time.sleep(0.05)
+        assert run.entered.wait(5)  # the pass is running (gated)
         late = batcher.submit(DecisionRequest("k", 2, 1, deadline=time.monotonic() + 0.01))
-        time.sleep(0.05)
+        time.sleep(0.05)  # past the late request's deadline
         run.gate.set()
         with pytest.raises(DeadlineExpired):
             late.result(5)
@@ -85,7 +88,7 @@ def test_full_queue_and_failing_pass_are_errors():
     try:
         run.gate.clear()
         batcher.submit(DecisionRequest("k", 1, 1))
-        time.sleep(0.05)
+        assert run.entered.wait(5)  # the pass is running (gated)
         batcher.submit(DecisionRequest("k", 2, 1))
         with pytest.raises(QueueFull, match="1 decisions are already waiting"):
             batcher.submit(DecisionRequest("k", 3, 1))

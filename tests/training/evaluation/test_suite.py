@@ -18,11 +18,11 @@ from tests.conftest import CONFIGS
 def test_suite_writes_every_table_from_a_runs_folder(tiny_dataset, tmp_path, perturbed_mar, monkeypatch):
     runs = tmp_path / "runs"
     runs.mkdir()
-    config = load_config(CONFIGS / "tiny.yaml", ["masc_train.rollouts=2", "loupe.epochs=1", "loupe.device=cpu",
+    config = load_config(CONFIGS / "tiny.yaml", ["masc_train.rollouts=2", "loupe.epochs=1", "loupe.run.device=cpu",
                                                  "eval.accelerations={10x: [1, 2], 5x: [2, 4]}"])
     for seed in (0, 1):
         shutil.copy(perturbed_mar, runs / f"mar_s{seed}.pt")
-        train_masc(load_config(CONFIGS / "tiny.yaml", ["masc_train.rollouts=2", f"masc_train.seed={seed}"]),
+        train_masc(load_config(CONFIGS / "tiny.yaml", ["masc_train.rollouts=2", f"masc_train.run.seed={seed}"]),
                    tiny_dataset, perturbed_mar, runs / f"masc_s{seed}.pt", progress=False)
     train_loupe(config, tiny_dataset, perturbed_mar, runs / "loupe_s0.pt", progress=False)
     train_masc(load_config(CONFIGS / "tiny.yaml", ["masc_train.rollouts=2", "masc_train.mar_mode=none"]),
@@ -84,7 +84,7 @@ def test_suite_writes_every_table_from_a_runs_folder(tiny_dataset, tmp_path, per
     assert evaluated == [] and again["table2"] == report["table2"]
     assert json.loads((out / "table1_s1" / "inputs.json").read_text())["checkpoints"][0]["path"].endswith("masc_s1.pt")
     train_masc(load_config(CONFIGS / "tiny.yaml", ["masc_train.rollouts=2", "masc_train.mar_mode=none",
-                                                   "masc_train.seed=3"]),
+                                                   "masc_train.run.seed=3"]),
                tiny_dataset, None, runs / "ablation-metal_s0.pt", progress=False)
     run_suite(config, tiny_dataset, runs, out, [0, 1], external=tmp_path / "ext", progress=False, resume=True)
     assert [e[1] for e in evaluated] == [("masc",)] and evaluated[0][2].endswith("ablation-metal_s0.pt")

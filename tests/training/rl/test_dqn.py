@@ -85,7 +85,7 @@ def test_config_is_checked():
 
 
 DQN_SETTINGS = ["dqn.steps=384", "dqn.learning_starts=32", "dqn.val_every=192", "dqn.target_update=64",
-                "dqn.device=cpu", "dqn.lr=0.001", "q_net.channels=[8, 16]", "q_net.hidden=32", "q_net.pool_size=4"]
+                "dqn.run.device=cpu", "dqn.lr=0.001", "q_net.channels=[8, 16]", "q_net.hidden=32", "q_net.pool_size=4"]
 
 
 def test_dqn_learns_and_its_checkpoint_plays_in_eval_and_the_gadget(tiny_dataset, tmp_path, perturbed_mar,
