@@ -87,7 +87,8 @@ def cmd_mar_check(args: argparse.Namespace) -> int:
         if not sep:
             name, path = Path(item).stem, item
         mars[name] = load_mar(path, "cpu")[0]
-        if ((args.calibrate or args.cross_validate > 1)
+        stored_early = getattr(mars[name], "ood_early", None) is not None
+        if ((args.calibrate or args.cross_validate > 1 or stored_early)
                 and load_checkpoint(path, map_location="cpu").metadata.get("kind") in OWN_LINES):
             policies[name] = load_learned(path, "cpu")[0]  # its own lines join the calibration
     if args.reference and args.reference not in mars:
@@ -96,6 +97,17 @@ def cmd_mar_check(args: argparse.Namespace) -> int:
         raise CommandError("--calibrate chooses thresholds: use it on the validation split (--split val)")
     ood = {n: {"score": m.ood.score, "threshold": m.ood.threshold} for n, m in mars.items()
            if getattr(m, "ood", None) is not None}
+    for n, m in mars.items():  # the stored early switch: its slices are served as the gadget serves them
+        early = getattr(m, "ood_early", None)
+        if early is not None and n in policies:
+            ood.setdefault(n, {})["early"] = {"score": early.score, "threshold": early.threshold,
+                                              "after_lines": early.after_lines}
+    stored = {e["early"]["after_lines"] for e in ood.values() if "early" in e}
+    if args.early_lines is None and len(stored) == 1 and not args.calibrate:
+        args.early_lines = stored.pop()  # scored where the stored rule scores
+    elif len(stored) > 1 and not args.calibrate and args.early_lines is None:
+        raise CommandError("the networks' stored early rules switch after different line counts: check them apart "
+                           "or give --early-lines")
     acq = config["acquisition"]
     snr = tuple(config["variation"].snr) if tuple(config["variation"].snr) != (0.0, 0.0) else (config["physics"].snr,) * 2
     mar_check(mars, args.data, args.split, acq.initial, acq.budget, args.out, policy=args.policy,

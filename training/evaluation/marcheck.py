@@ -40,7 +40,7 @@ from masc_gadget.acquisition.policies import center_out_rank, make_policy, run_e
 from masc_gadget.core.metrics import slice_metrics
 from masc_gadget.core.ood import SCORES, ood_score
 from training.data import SliceSet, data_dirs, load_split
-from training.evaluation.calibration import auc_interval, calibrate, cross_validated, fallback_ssim, roc
+from training.evaluation.calibration import auc_interval, calibrate, cross_validated, fallback_ssim, roc, served_under
 from training.evaluation.stats import mean_std, subject_tests
 from training.scoring import do_nothing, harmed, line_masks, score_masks
 
@@ -196,7 +196,7 @@ def _summary(rows: dict[str, np.ndarray], subjects: list[str], reference: dict[s
         "roc": {kind: {**roc(rows[f"score_{kind}"], harm),
                        "auc_interval": auc_interval(rows[f"score_{kind}"], harm, subjects)} for kind in SCORES},
     }
-    if ood is not None:
+    if ood is not None and "score" in ood:  # the end-of-scan rule
         served = fallback_ssim(rows, ood["score"], ood["threshold"])
         kept = rows[f"identity_score_{ood['score']}"] > ood["threshold"]  # served as acquired: SSIM 1
         summary["fallback"] = {"score": ood["score"], "threshold": ood["threshold"],
@@ -261,16 +261,19 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
     results: dict[str, Any] = {"split": split, "policy": policy, "lines": [initial, budget], "folders": {},
                                "objective": objective, "calibrated_on_folders": list(calibrate_on or names),
                                **({"early_lines": after} if after else {})}
-    own_policies = policies if (do_calibrate or folds > 1) else None
+    stored_early = any("early" in (entry or {}) for entry in (ood or {}).values())
+    own_policies = policies if (do_calibrate or folds > 1 or stored_early) else None
     measured = _measure(mars, data, split, initial, budget, policy, batch_size, own_policies, snr, after)
     measured.calibrate_on = list(calibrate_on or names)
+    stored = {name: entry["early"] for name, entry in (ood or {}).items() if "early" in (entry or {})}
     calibration = None
     if do_calibrate:
         calibration = _calibration(mars, measured, data, split, after, objective)
         (out / "ood.json").write_text(json.dumps(calibration, indent=1) + "\n")
         ood = {**(ood or {}), **calibration}
     for folder, by_name in measured.rows.items():
-        results["folders"][folder] = _folder_summaries(measured, folder, reference, ood, policy, folds, objective)
+        results["folders"][folder] = _folder_summaries(measured, folder, reference, ood, policy, folds, objective,
+                                                       stored)
     if calibration is not None:
         results["calibration"] = calibration
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -361,13 +364,15 @@ def _calibration(mars: dict[str, torch.nn.Module], m: _Measured, data: str | lis
 
 
 def _folder_summaries(m: _Measured, folder: str, reference: str | None, ood: dict[str, Any] | None, policy: str,
-                      folds: int, objective: str = "served") -> dict[str, Any]:
+                      folds: int, objective: str = "served", stored: dict[str, dict[str, Any]] | None = None
+                      ) -> dict[str, Any]:
     """One folder's entry of ``results.json``: per network its summary (:func:`_summary`, the
     promises, the cross-validated rules, the early scores' ROC within the folder) and slices.
     Each fold of the cross-validation is calibrated as the shipped rule is, on every
     calibration folder (:attr:`_Measured.calibrate_on`), less the fold's subjects
     (:func:`~training.evaluation.calibration.cross_validated`): a folder that does not calibrate
-    the rule is served under the rule itself."""
+    the rule is served under the rule itself. ``stored``: per network the early rule its
+    checkpoint carries, under which its slices are also served as they come (``served_early``)."""
     by_name, own_rows, subjects = m.rows[folder], m.own[folder], m.subjects[folder]
     ref_rows = by_name.get(reference) if reference else None
     entries = {name: {"summary": _summary(rows, subjects, ref_rows if name != reference else None,
@@ -396,6 +401,12 @@ def _folder_summaries(m: _Measured, folder: str, reference: str | None, ood: dic
     for name, own in own_rows.items():  # within this domain: do the early scores find the harm?
         if "early_score_flip" not in own:
             continue
+        rule = (stored or {}).get(name)
+        if rule is not None:  # as the gadget serves it, no refit
+            entries[name]["summary"]["served_early"] = {
+                "lines": "own, switched (stored rule)", "rule": rule,
+                **served_under(own, subjects, [{"score": rule["score"], "threshold": rule["threshold"]}],
+                               np.zeros(len(subjects), dtype=np.int64), "early")}
         harm = harmed(own["mar_ssim"], own["nothing_ssim"])
         if "switched_ssim" in own:  # a later switch: is the image of the lines it keeps still safe?
             entries[name]["summary"]["switched_vs_nothing"] = subject_tests(own["switched_ssim"], own["nothing_ssim"],
@@ -453,15 +464,17 @@ def _switch_point(results: dict[str, Any]) -> str:
 def _served_table(results: dict[str, Any], folder: str, by_name: dict[str, Any]) -> list[str]:
     """The report's lines on one folder's slices served under a rule no subject chose for itself."""
     crossed = [(n, e["summary"][key]) for n, e in by_name.items()
-               for key in ("cross_validated", "cross_validated_early") if key in e["summary"]]
+               for key in ("cross_validated", "cross_validated_early", "served_early") if key in e["summary"]]
     if not crossed:
         return []
     calibrated = ", ".join(results.get("calibrated_on_folders", [])) or "every folder"
-    how = (f"this folder calibrates nothing (the rule is calibrated on {calibrated}): served under the rule"
+    folds = next((cv["folds"] for _, cv in crossed if "folds" in cv), None)
+    how = ("the stored rule: the one the checkpoint carries, as the gadget serves it" if folds is None else
+           f"this folder calibrates nothing (the rule is calibrated on {calibrated}): served under the rule"
            if crossed[0][1].get("held_out") else
-           f"calibrated as the shipped rule, on {calibrated}, less the subject served ({crossed[0][1]['folds']} "
-           "folds by subject)")
-    lines = ["", f"Served under the OOD rule ({results.get('objective', 'served')} objective; {how}), against doing "
+           f"calibrated as the shipped rule, on {calibrated}, less the subject served ({folds} folds by subject)")
+    objective = "" if folds is None else f"{results.get('objective', 'served')} objective; "
+    lines = ["", f"Served under the OOD rule ({objective}{how}), against doing "
              "nothing (centre-out's zero-filled image, as many lines); lines `own, switched`: the early switch (a "
              f"flagged slice continues with centre-out's lines after {_switch_point(results)} and is served "
              "zero-filled):", "",

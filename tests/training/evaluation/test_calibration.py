@@ -86,3 +86,23 @@ def test_a_folder_left_out_of_the_calibration_is_served_as_a_held_out_domain(tin
     assert "calibrates nothing" in (tmp_path / "c" / "report.md").read_text()
     with pytest.raises(ValueError, match="not among the data folders"):
         mar_check({"p": mar}, str(tiny_dataset), "val", 1, 2, tmp_path / "x", calibrate_on=["elsewhere"])
+
+
+def test_a_stored_early_rule_serves_its_slices_as_they_come(tiny_dataset, perturbed_mar, tmp_path):
+    """A checkpoint's own early rule (no calibration on the slices checked): every slice scoring
+    above its threshold is switched, the others are served their network's image."""
+    from masc_gadget.acquisition.policies import make_policy
+    from masc_gadget.models.checkpoint import load_mar
+    from training.evaluation.marcheck import mar_check
+
+    mar = load_mar(perturbed_mar)[0]
+    policies = {"p": make_policy("equispaced")}
+    first = mar_check({"p": mar}, str(tiny_dataset), "train", 1, 2, tmp_path / "a", policies=policies, folds=2)
+    assert "served_early" not in first["folders"][tiny_dataset.name]["p"]["summary"]  # no stored rule
+    rule = {"score": "consistency", "threshold": 1e-6, "after_lines": None}  # flags every slice
+    results = mar_check({"p": mar}, str(tiny_dataset), "train", 1, 2, tmp_path / "b", policies=policies,
+                        ood={"p": {"early": rule}})
+    served = results["folders"][tiny_dataset.name]["p"]["summary"]["served_early"]
+    assert served["rule"] == rule and served["fallback_fraction"] == 1.0
+    assert served["subject_mean_gain"] == pytest.approx(0.0, abs=1e-9)  # switched at the initial lines: doing nothing
+    assert "the stored rule" in (tmp_path / "b" / "report.md").read_text()
