@@ -164,21 +164,16 @@ def early_rows(mar: torch.nn.Module, data: SliceSet, initial: int, batch_size: i
     if lines is None or after is None or after <= initial:
         masks = line_masks(len(data), data.n_pe, initial, np.zeros(0, dtype=np.int64))
     else:
-        masks = _masks_of(lines[:, :after], data.n_pe)
+        masks = line_masks(len(data), data.n_pe, initial, lines[:, :after])
     scored = score_masks(data, masks, mar, metrics=("ssim",), kinds=SCORES, batch_size=batch_size,
                          device=torch.device("cpu"))
     rows = {f"early_score_{kind}": value for kind, value in scored.ood.items()}
     if lines is not None and after is not None and after > initial:
-        switched = score_masks(data, _masks_of(switched_lines(lines, after, data.n_pe), data.n_pe), None,
+        kept = switched_lines(lines, after, data.n_pe)
+        switched = score_masks(data, line_masks(len(data), data.n_pe, initial, kept), None,
                                metrics=("ssim", "psnr"), batch_size=batch_size, device=torch.device("cpu"))
         rows.update({f"switched_{key}": value for key, value in switched.flat().items()})
     return rows
-
-
-def _masks_of(lines: np.ndarray, n_pe: int) -> torch.Tensor:
-    masks = torch.zeros(len(lines), n_pe, dtype=torch.bool)
-    masks[torch.arange(len(lines))[:, None], torch.as_tensor(np.asarray(lines, dtype=np.int64))] = True
-    return masks
 
 
 def _summary(rows: dict[str, np.ndarray], subjects: list[str], reference: dict[str, np.ndarray] | None,
@@ -334,7 +329,8 @@ def _measure(mars: dict[str, torch.nn.Module], data: str | list[str], split: str
                 continue
             log.info("mar-check: %s on the lines its own policy plays", name)
             played = own_lines(policies[name], mar, sliceset, initial, budget, batch_size)
-            own = slice_rows(mar, sliceset, _masks_of(played, sliceset.n_pe), nothing, batch_size)
+            own = slice_rows(mar, sliceset, torch.from_numpy(line_masks(len(sliceset), sliceset.n_pe, initial, played)),
+                             nothing, batch_size)
             own.update(early_rows(mar, sliceset, initial, batch_size, played, after))  # any policy
             m.own[folder.name][name] = own
     return m
