@@ -127,11 +127,8 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
-        if not isinstance(value, Mapping) and hasattr(tp, "from_shorthand"):  # e.g. corruption: 0.1
-            try:
-                return tp.from_shorthand(value)
-            except (TypeError, ValueError) as err:
-                raise ConfigError(f"{where}: {err}") from None
+        if not isinstance(value, Mapping) and hasattr(tp, "SHORTHAND_KEY"):  # e.g. corruption: 0.1
+            value = {tp.SHORTHAND_KEY: value}
         return from_dict(tp, value, where)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         try:
@@ -173,9 +170,12 @@ def _nest_flat_keys(cls: type, data: Mapping[str, Any], prefix: str) -> Mapping[
     if not moved:
         return data
     out = {k: v for k, v in data.items() if k not in moved}
+    hints = typing.get_type_hints(cls)
     for key, path in moved.items():
         entry, _, name = path.partition(".")
         nested = out.get(entry, {})
+        if not isinstance(nested, Mapping) and hasattr(hints.get(entry), "SHORTHAND_KEY"):
+            nested = {hints[entry].SHORTHAND_KEY: nested}  # e.g. corruption: 0.1
         if not isinstance(nested, Mapping):
             raise ConfigError(f"{prefix}{entry}: must be a mapping of keys, got {quote(nested)}")
         if name in nested:
@@ -200,11 +200,9 @@ def from_dict(cls: type, data: Mapping[str, Any] | None, where: str = "") -> Any
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
-        moved = getattr(cls, "MOVED_KEYS", {}).get(unknown[0])
         raise ConfigError(
-            f"unknown key {prefix}{str(unknown[0])[:QUOTE_CHARS]}"
-            + (f" (now {prefix}{moved})" if moved else "")
-            + f"; allowed keys of {where or cls.__name__}: " + ", ".join(sorted(fields))
+            f"unknown key {prefix}{str(unknown[0])[:QUOTE_CHARS]}; allowed keys of {where or cls.__name__}: "
+            + ", ".join(sorted(fields))
         )
     kwargs = {name: _coerce(hints[name], value, f"{prefix}{name}") for name, value in data.items()}
     try:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -44,10 +44,12 @@ KINDS = ("motion", "spike")
 class CorruptionModel:
     """Each acquisition of a line is corrupted with ``probability`` (module docstring): the
     ``corruption`` section of ``env`` and ``headroom`` (a bare number there is the probability,
-    :meth:`from_shorthand`)."""
+    :attr:`SHORTHAND_KEY`)."""
 
     probability: float = 0.0
     """0: none."""
+    SHORTHAND_KEY: ClassVar[str] = "probability"
+    """A config may give the section as a bare number: this setting (``corruption: 0.1``)."""
     kind: str = "motion"
     shift: float = 4.0
     """Largest rigid shift along the readout, in pixels (``motion``)."""
@@ -63,14 +65,6 @@ class CorruptionModel:
     seed: int = 0
     """The seed of the draws every method is compared on (:func:`draw_attempts`; the environment's
     validation, ``masc check headroom``); training episodes draw from the environment's own stream."""
-
-    @classmethod
-    def from_shorthand(cls, value: Any) -> CorruptionModel:
-        """``corruption: 0.1``: the probability, every other setting its default."""
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"must be a probability or a mapping of corruption settings (probability, kind, "
-                             f"shift, spike, detection, false_alarm, attempts, seed), got {value!r}")
-        return cls(probability=float(value))
 
     @property
     def enabled(self) -> bool:

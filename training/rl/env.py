@@ -87,11 +87,11 @@ class EnvConfig:
     ``masc check headroom`` with the same section (training episodes draw from the env's own
     stream)."""
 
-    MOVED_KEYS: ClassVar[dict[str, str]] = {
+    FLAT_KEYS: ClassVar[dict[str, str]] = {
         "corruption_kind": "corruption.kind", "attempts": "corruption.attempts",
         "detection": "corruption.detection", "false_alarm": "corruption.false_alarm",
         "corruption_seed": "corruption.seed"}
-    """Keys of the flat corruption settings before they were nested, for the error that names them."""
+    """The corruption keys written flat before 0.3, read under ``corruption``."""
 
     def __post_init__(self) -> None:
         for name in ("alpha", "l_ssim", "l_nmse"):

@@ -100,9 +100,12 @@ def test_the_corruption_is_one_nested_section_and_a_bare_number_is_its_probabili
     assert nested["headroom"].corruption == CorruptionModel(0.3) and nested["headroom"].corruption.enabled
     assert not EnvConfig().corruption.enabled and HeadroomConfig().env_config().corruption == CorruptionModel()
     assert HeadroomConfig(corruption=CorruptionModel(0.2, seed=5)).env_config().corruption.seed == 5
-    with pytest.raises(ConfigError, match=r"unknown key env.corruption_kind \(now env.corruption.kind\)"):
-        build_config({"env": {"corruption": 0.3, "corruption_kind": "spike"}}, sections=sections)
-    with pytest.raises(ConfigError, match=r"headroom.corruption: must be a probability or a mapping"):
+    flat = build_config({"env": {"corruption": 0.3, "corruption_kind": "spike", "corruption_seed": 2}},
+                        sections=sections)  # the keys of earlier configs, read where they now live
+    assert flat["env"].corruption == CorruptionModel(0.3, "spike", seed=2)
+    with pytest.raises(ConfigError, match="env.attempts and env.corruption.attempts are one setting"):
+        build_config({"env": {"corruption": {"attempts": 2}, "attempts": 3}}, sections=sections)
+    with pytest.raises(ConfigError, match=r"headroom.corruption.probability: must be a number"):
         build_config({"headroom": {"corruption": "often"}}, sections=sections)
     with pytest.raises(ConfigError, match="attempts must be an integer >= 1"):
         build_config({"env": {"corruption": {"attempts": 0}}}, sections=sections)

@@ -59,10 +59,11 @@ class HeadroomConfig:
     batch_size: int = 32
     device: str = "auto"
 
-    MOVED_KEYS: ClassVar[dict[str, str]] = {
+    FLAT_KEYS: ClassVar[dict[str, str]] = {
         "corruption_kind": "corruption.kind", "attempts": "corruption.attempts", "detection": "corruption.detection",
         "false_alarm": "corruption.false_alarm", "seed": "corruption.seed"}
-    """Keys of the flat corruption settings before they were nested, for the error that names them."""
+    """The corruption keys written flat before 0.3, read under ``corruption`` (and so are the
+    settings of reports written then, :func:`corruption_of`)."""
 
     def __post_init__(self) -> None:
         if self.folds < 2:
