@@ -128,8 +128,8 @@ def test_headroom_scores_a_learned_policy_against_the_oracle_s_lead(tiny_dataset
     scores = {m: np.asarray(run["slices"][m]["ssim"]) for m in ("oracle", "fixed", "policy")}
     gain, lead = scores["policy"].mean() - scores["fixed"].mean(), scores["oracle"].mean() - scores["fixed"].mean()
     assert run["policy_vs_fixed"]["diff"] == pytest.approx(gain)
-    if lead > 0:
-        assert run["captured"] == pytest.approx(gain / lead)
+    # the one captured-share rule: the share of the lead the policy takes, undefined (NaN) without a lead
+    assert run["captured"] == pytest.approx(gain / lead if lead > 0 else float("nan"), nan_ok=True)
     lines = np.asarray(run["policy_lines"])
     assert lines.shape == (report["n_slices"], 2) and all(len(set(r)) == 2 for r in lines.tolist())
     assert "learned policy" in (tmp_path / "hr" / "headroom.md").read_text()
