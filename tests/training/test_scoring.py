@@ -1,5 +1,9 @@
 """The one measurement of a line set's served image (training.scoring)."""
 
+import collections
+import contextlib
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -78,3 +82,56 @@ def test_score_masks_refuses_masks_of_another_shape(tiny_dataset):
         score_masks(data, np.ones((len(data) + 1, data.n_pe), dtype=bool), None)
     with pytest.raises(ValueError, match="batch_size"):
         score_masks(data, np.ones((len(data), data.n_pe), dtype=bool), None, batch_size=0)
+
+
+@contextlib.contextmanager
+def calls_to(*functions):
+    """Count the calls of ``functions`` while the block runs, however the caller bound their names
+    (the profiler sees each call's code object)."""
+    codes = {f.__code__: f.__name__ for f in functions}
+    seen = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code in codes:
+            seen[codes[frame.f_code]] += 1
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield seen
+    finally:
+        sys.setprofile(previous)
+
+
+def test_every_site_that_scores_a_line_set_goes_through_the_one_measurement(tiny_dataset, perturbed_mar, tmp_path):
+    """The headroom gate, the fixed order's selection, the MAR check, the environment's validation and
+    masc eval score a line set's served image with one function (``score_batch``), and build a
+    protocol's masks with one (``line_masks``) where they start from lines."""
+    from masc_gadget.acquisition.policies import make_policy
+    from masc_gadget.config import load_config
+    from training.evaluation.evaluate import run_method
+    from training.evaluation.headroom import headroom
+    from training.evaluation.marcheck import mar_check
+    from training.fixed_order import train_fixed_order
+    from training.rl.env import BatchedAcquisitionEnv, EnvConfig
+    from training.scoring import score_batch
+
+    from tests.conftest import CONFIGS
+
+    config = load_config(CONFIGS / "tiny.yaml", ["headroom.slices_per_subject=1", "fixed_order.population_slices=1",
+                                                 "fixed_order.device=cpu", "finetune.epochs=1"])
+    data, mar = load_split(tiny_dataset, "val"), load_mar(perturbed_mar)[0]
+    sites = {
+        "headroom": lambda: headroom(config, tiny_dataset, "train", [perturbed_mar], progress=False),
+        "fixed order": lambda: train_fixed_order(config, tiny_dataset, perturbed_mar, tmp_path / "f.pt", progress=False),
+        "mar check": lambda: mar_check({"p": mar}, str(tiny_dataset), "val", 1, 2, tmp_path / "c"),
+        "environment": lambda: BatchedAcquisitionEnv(data, EnvConfig(n_envs=1), 1, 2, mar).evaluate(
+            lambda obs: (~obs.mask).float().argmax(dim=1)),
+        "masc eval": lambda: run_method(make_policy("center-out"), data, 1, 2, mar, 0, 8, torch.device("cpu")),
+    }
+    for name, run in sites.items():
+        with calls_to(score_batch, line_masks) as seen:
+            run()
+        assert seen["score_batch"] > 0, f"{name} scores its images elsewhere"
+        if name in ("headroom", "fixed order", "mar check"):
+            assert seen["line_masks"] > 0, f"{name} builds its masks elsewhere"
