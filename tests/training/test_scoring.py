@@ -123,7 +123,8 @@ def test_every_site_that_scores_a_line_set_goes_through_the_one_measurement(tiny
     data, mar = load_split(tiny_dataset, "val"), load_mar(perturbed_mar)[0]
     sites = {
         "headroom": lambda: headroom(config, tiny_dataset, "train", [perturbed_mar], progress=False),
-        "fixed order": lambda: train_fixed_order(config, tiny_dataset, perturbed_mar, tmp_path / "f.pt", progress=False),
+        "fixed order": lambda: train_fixed_order(config, tiny_dataset, perturbed_mar, tmp_path / "f.pt",
+                                                 progress=False),
         "mar check": lambda: mar_check({"p": mar}, str(tiny_dataset), "val", 1, 2, tmp_path / "c"),
         "environment": lambda: BatchedAcquisitionEnv(data, EnvConfig(n_envs=1), 1, 2, mar).evaluate(
             lambda obs: (~obs.mask).float().argmax(dim=1)),

@@ -15,10 +15,10 @@ Two objectives pick the threshold (:data:`OBJECTIVES`):
     the largest mean served SSIM among the thresholds that keep the do-no-harm target on the
     calibration subjects (:data:`NO_HARM`: the mean over subjects of served - nothing at least
     -0.005 SSIM and -0.05 dB, and no subject of 4 slices or more below it by more than 0.02
-    SSIM), flagging every slice among them; when none keeps it, the one that flags every slice. A rule picked by ``served`` on
-    one set of harm cases follows them: it flags a new kind of harm only if it scores above the
-    harm it was picked on; ``no-harm`` spends the margin the target leaves on the subjects it
-    can see.
+    SSIM), flagging every slice among the candidates; when none keeps it, the one that flags
+    every slice. A rule picked by ``served`` on one set of harm cases follows them: it flags a new
+    kind of harm only if it scores above the harm it was picked on; ``no-harm`` spends the margin
+    the target leaves on the subjects it can see.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from training.scoring import harmed
 log = logging.getLogger(__name__)
 
 __all__ = ["NO_HARM", "OBJECTIVES", "STAGE_KEYS", "auc_interval", "calibrate", "cross_validated", "fallback_rows",
-           "fallback_ssim", "roc", "served_under"]
+           "roc", "served_under"]
 
 OBJECTIVES = ("served", "no-harm")
 
@@ -115,11 +115,6 @@ def fallback_rows(rows: dict[str, np.ndarray], kind: str, threshold: float, stag
     return np.where(above, rows[f"{fallback}_{metric}"], rows[f"mar_{metric}"])
 
 
-def fallback_ssim(rows: dict[str, np.ndarray], kind: str, threshold: float, stage: str = "end") -> np.ndarray:
-    """Per-slice served SSIM (:func:`fallback_rows`)."""
-    return fallback_rows(rows, kind, threshold, stage)
-
-
 def _subject_gains(served: np.ndarray, nothing: np.ndarray, codes: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """(S,) each subject's mean of ``served - nothing`` (``codes``: each slice's subject index)."""
     return np.bincount(codes, weights=served - nothing, minlength=len(counts)) / counts
@@ -157,7 +152,7 @@ def calibrate(rows: dict[str, np.ndarray], stage: str = "end", objective: str = 
         candidates = np.concatenate([[every], candidates]) if every < candidates[0] else candidates
         _, codes, counts = np.unique(np.asarray(subjects), return_inverse=True, return_counts=True)
         feasible = np.array([_keeps_no_harm(rows, kind, t, stage, codes, counts) for t in candidates])
-    means = np.array([fallback_ssim(rows, kind, t, stage).mean() for t in candidates])
+    means = np.array([fallback_rows(rows, kind, t, stage).mean() for t in candidates])
     if feasible.any():
         best = candidates[np.flatnonzero(feasible & (means >= means[feasible].max() - 1e-12))[-1]]
     else:  # not even flagging every slice keeps the target
@@ -166,7 +161,7 @@ def calibrate(rows: dict[str, np.ndarray], stage: str = "end", objective: str = 
     if np.isfinite(best) and best > every:  # midway to the next score above, off the slices
         above = candidates[candidates > best]
         best = float((best + above[0]) / 2) if len(above) and np.isfinite(above[0]) else float(best)
-    served = fallback_ssim(rows, kind, best, stage)
+    served = fallback_rows(rows, kind, best, stage)
     return {"score": kind, "threshold": float(best), "stage": stage, "objective": objective,
             **({"keeps_no_harm": bool(feasible.any())} if objective == "no-harm" else {}),
             "auc": {k: float(v) for k, v in areas.items()},

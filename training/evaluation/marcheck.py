@@ -40,7 +40,7 @@ from masc_gadget.acquisition.policies import center_out_rank, make_policy, run_e
 from masc_gadget.core.metrics import slice_metrics
 from masc_gadget.core.ood import SCORES, ood_score
 from training.data import SliceSet, data_dirs, load_split
-from training.evaluation.calibration import auc_interval, calibrate, cross_validated, fallback_ssim, roc, served_under
+from training.evaluation.calibration import auc_interval, calibrate, cross_validated, fallback_rows, roc, served_under
 from training.evaluation.stats import mean_std, subject_tests
 from training.scoring import do_nothing, harmed, line_masks, score_masks
 
@@ -192,7 +192,7 @@ def _summary(rows: dict[str, np.ndarray], subjects: list[str], reference: dict[s
                        "auc_interval": auc_interval(rows[f"score_{kind}"], harm, subjects)} for kind in SCORES},
     }
     if ood is not None and "score" in ood:  # the end-of-scan rule
-        served = fallback_ssim(rows, ood["score"], ood["threshold"])
+        served = fallback_rows(rows, ood["score"], ood["threshold"])
         kept = rows[f"identity_score_{ood['score']}"] > ood["threshold"]  # served as acquired: SSIM 1
         summary["fallback"] = {"score": ood["score"], "threshold": ood["threshold"],
                                "fraction": float((rows[f"score_{ood['score']}"] > ood["threshold"]).mean()),
@@ -261,6 +261,12 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
     measured = _measure(mars, data, split, initial, budget, policy, batch_size, own_policies, snr, after)
     measured.calibrate_on = list(calibrate_on or names)
     stored = {name: entry["early"] for name, entry in (ood or {}).items() if "early" in (entry or {})}
+    for name, rule in list(stored.items()):  # a stored rule is served only where it scores
+        if (rule.get("after_lines") or initial) != (after or initial):
+            log.warning("mar-check: %s's stored early rule scores after %s lines, this check after %s: not served "
+                        "under it (give --early-lines %s)", name, rule.get("after_lines") or initial,
+                        after or initial, rule.get("after_lines") or initial)
+            del stored[name]
     calibration = None
     if do_calibrate:
         calibration = _calibration(mars, measured, data, split, after, objective)

@@ -106,3 +106,7 @@ def test_a_stored_early_rule_serves_its_slices_as_they_come(tiny_dataset, pertur
     assert served["rule"] == rule and served["fallback_fraction"] == 1.0
     assert served["subject_mean_gain"] == pytest.approx(0.0, abs=1e-9)  # switched at the initial lines: doing nothing
     assert "the stored rule" in (tmp_path / "b" / "report.md").read_text()
+    # a rule that scores after other line counts than the check is not served under it
+    elsewhere = mar_check({"p": mar}, str(tiny_dataset), "train", 1, 2, tmp_path / "c", policies=policies,
+                          ood={"p": {"early": {**rule, "after_lines": 3}}})
+    assert "served_early" not in elsewhere["folders"][tiny_dataset.name]["p"]["summary"]
