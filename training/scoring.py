@@ -30,7 +30,7 @@ import torch
 from masc_gadget.acquisition.episode import initial_lines
 from masc_gadget.core.kspace import zero_filled as zero_filled_recon
 from masc_gadget.core.metrics import METRICS, roi_metrics, slice_metrics
-from masc_gadget.core.ood import OodCalibration, ood_score
+from masc_gadget.core.ood import Initial, OodCalibration, ood_score
 from masc_gadget.core.served import ServedImages, served_images
 from training.data import SliceSet
 
@@ -61,7 +61,7 @@ def score_batch(zero_filled: torch.Tensor, corrected: torch.Tensor | None, targe
                 roi: torch.Tensor | None = None, ood: OodCalibration | None = None, mask: torch.Tensor | None = None,
                 mar: Callable[[torch.Tensor], torch.Tensor] | None = None, metrics: Sequence[str] = METRICS,
                 kinds: Sequence[str] = (), switched: torch.Tensor | None = None,
-                early_score: torch.Tensor | None = None) -> BatchScores:
+                early_score: torch.Tensor | None = None, initial: Initial | None = None) -> BatchScores:
     """Score B slices' served images.
 
     Args:
@@ -74,6 +74,7 @@ def score_batch(zero_filled: torch.Tensor, corrected: torch.Tensor | None, targe
         mar: the MAR network (the ``flip`` score runs it again).
         metrics: the whole-image metrics kept (of :data:`~masc_gadget.core.metrics.METRICS`).
         kinds: OOD score kinds computed for every slice, whatever the rule (``masc check mar``).
+        initial: the image of the initial lines and their mask (the ``holdout`` score).
         switched, early_score: (B,) with an early rule, its verdicts
             (:func:`masc_gadget.core.served.served_images`).
     """
@@ -85,7 +86,7 @@ def score_batch(zero_filled: torch.Tensor, corrected: torch.Tensor | None, targe
     scores = {}
     if kinds and corrected is not None:
         with torch.no_grad():
-            scores = {kind: ood_score(kind, zero_filled, corrected, mask, mar) for kind in kinds}
+            scores = {kind: ood_score(kind, zero_filled, corrected, mask, mar, initial) for kind in kinds}
     return BatchScores(served, {k: whole[k] for k in metrics}, {k: plain[k] for k in metrics}, local, scores)
 
 
@@ -124,11 +125,12 @@ class SliceScores:
 def score_masks(data: SliceSet, masks: np.ndarray | torch.Tensor, mar: torch.nn.Module | None, *,
                 roi: torch.Tensor | None = None, ood: OodCalibration | None = None, recon: Recon = zero_filled_recon,
                 metrics: Sequence[str] = METRICS, kinds: Sequence[str] = (), batch_size: int = 32,
-                device: torch.device | str | None = None) -> SliceScores:
+                device: torch.device | str | None = None, initial: int | None = None) -> SliceScores:
     """The served image of every slice of ``data`` (its metal k-space) acquired with the lines
     ``masks`` (N, PE) bool, scored against ``data.target`` (:func:`score_batch`); in batches of
     ``batch_size`` on ``device`` (default: the network's, else the CPU). ``mar`` is put in eval
-    mode; None scores the zero-filled image alone."""
+    mode; None scores the zero-filled image alone. ``initial``: the protocol's initial line
+    count, which the ``holdout`` score among ``kinds`` predicts from."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     masks = torch.as_tensor(masks)
@@ -143,10 +145,18 @@ def score_masks(data: SliceSet, masks: np.ndarray | torch.Tensor, mar: torch.nn.
     for start in range(0, len(data), batch_size):
         index = list(range(start, min(start + batch_size, len(data))))
         mask = masks[index].to(device)
-        zf = recon(data.kspace_metal[index].to(device), mask)
+        kspace = data.kspace_metal[index].to(device)
+        zf = recon(kspace, mask)
+        first = None
+        if "holdout" in kinds:
+            if initial is None:
+                raise ValueError("the holdout score needs the protocol's initial line count (initial=)")
+            rows = torch.zeros_like(mask)
+            rows[:, torch.as_tensor(initial_lines(data.n_pe, initial), device=device)] = True
+            first = (recon(kspace, rows), rows)
         scores = score_batch(zf, None if mar is None else mar(zf), data.target[index].to(device),
                              roi=None if roi is None else roi[index].to(device), ood=ood, mask=mask, mar=mar,
-                             metrics=metrics, kinds=kinds)
+                             metrics=metrics, kinds=kinds, initial=first)
         for name in parts:
             for key, value in getattr(scores, name).items():
                 parts[name].setdefault(key, []).append(value)

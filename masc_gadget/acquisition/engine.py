@@ -52,10 +52,10 @@ import torch
 from masc_gadget.acquisition.batcher import DecisionBatcher, DecisionRequest, QueueFull, split_rows
 from masc_gadget.acquisition.contract import EngineSettings, SliceResult, is_int
 from masc_gadget.acquisition.decision import Decision
-from masc_gadget.acquisition.episode import AcquisitionState, EpisodeBatch
+from masc_gadget.acquisition.episode import AcquisitionState, EpisodeBatch, initial_lines
 from masc_gadget.acquisition.policies import SamplingPolicy, select_next, select_trains, slice_rng
 from masc_gadget.core.coils import coil_combine
-from masc_gadget.core.ood import early_switch, fallback_rule, switch_point
+from masc_gadget.core.ood import Initial, early_switch, fallback_rule, switch_point
 from masc_gadget.core.served import served_images
 from masc_gadget.device import resolve_device
 
@@ -241,6 +241,17 @@ class AcquisitionEngine:
         with torch.no_grad():
             zf, corrected = self._forward(kspace, mask, with_mar)
             return zf.cpu().numpy(), None if corrected is None else corrected.float().cpu().numpy()
+
+    def _initial(self, kspace: np.ndarray) -> Initial | None:
+        """For the ``holdout`` score (None for the others): the zero-filled images of B slices'
+        initial lines alone, kspace (B, n_coils, n_pe, n_readout), and those lines' mask."""
+        if self.ood is None or self.ood.score != "holdout":
+            return None
+        first = np.zeros((len(kspace), self.settings.n_pe), dtype=bool)
+        first[:, initial_lines(self.settings.n_pe, self.settings.initial)] = True
+        with torch.no_grad():
+            zf, _ = self._forward(kspace, first, with_mar=False)
+        return zf.float(), torch.from_numpy(first).to(zf.device)
 
     def _served(self, keys: Sequence[int], kspace: np.ndarray, mask: np.ndarray, switched: np.ndarray,
                 early_score: np.ndarray, with_mar: bool = True) -> _Served:
@@ -508,7 +519,8 @@ class AcquisitionEngine:
                 on = self.device
                 flagged, scores = early_switch(self.ood, torch.from_numpy(zf[rows]).to(on),
                                                torch.from_numpy(mar[rows]).to(on),
-                                               torch.from_numpy(mask[rows]).to(on), self.mar)
+                                               torch.from_numpy(mask[rows]).to(on), self.mar,
+                                               self._initial(kspace[rows]))
                 early[rows] = scores.cpu().numpy()
                 for i, flag in zip(rows, flagged.tolist()):
                     if flag:

@@ -17,6 +17,16 @@ much, or how inconsistently, the network changed it:
     Test-time augmentation: the output for the readout-mirrored input, mirrored back, against the
     output, ``||g - flip(g(flip ZF))|| / ||g||``. Mirroring along the readout leaves the line mask
     unchanged, so a network on familiar ground answers alike; one pass more.
+``holdout``
+    An early rule's score after lines beyond the initial ones (``after_lines``): the network's
+    output for the image of the protocol's initial centre lines alone, sent through the scan's
+    sampling, against the acquired lines it did not see (H: the acquired lines beyond the
+    initial ones), ``||P_H F g(ZF_0) - P_H F ZF|| / ||P_H F ZF||``. It asks whether the network
+    predicts k-space it was not given, which is what it does for every line a scan skips: a
+    network that invents wrong structure predicts its held-out lines badly. One pass more; in
+    early rules only (an end-of-scan fallback serves the zero-filled image of the slice's own
+    lines, which can harm). On validation it finds harm within a domain where the others do not
+    (docs/mar-safety.md).
 
 Which score the gadget uses, and the threshold above which it returns the zero-filled image
 instead, are chosen on a validation split by ``masc check mar`` and stored in the MAR
@@ -54,10 +64,14 @@ import torch
 
 from masc_gadget.core.kspace import fft2c, zero_filled
 
-__all__ = ["SCORES", "STAGES", "OodCalibration", "early_calibration_of", "early_switch", "calibration_of", "consistency_score", "fallback_rule", "flip_score",
-           "ood_score", "residual_score", "switch_point"]
+__all__ = ["EARLY_SCORES", "SCORES", "STAGES", "Initial", "OodCalibration", "early_calibration_of", "early_switch", "calibration_of", "consistency_score", "fallback_rule", "flip_score",
+           "holdout_score", "initial_of", "ood_score", "residual_score", "switch_point"]
 
 SCORES = ("consistency", "residual", "flip")
+"""The scores of any rule, computed from the final image alone."""
+EARLY_SCORES = (*SCORES, "holdout")
+"""The scores of an early rule: :data:`SCORES` and ``holdout``, which also needs the image of
+the initial lines and is defined once a slice has lines beyond them."""
 STAGES = ("end", "early")
 
 
@@ -87,11 +101,54 @@ def flip_score(mar: Callable[[torch.Tensor], torch.Tensor], zero_filled_image: t
     return _relative(corrected, mirrored, corrected)
 
 
+Initial = tuple[torch.Tensor, torch.Tensor]
+"""The image of a slice's initial centre lines and their mask: ((B, H, W) real, (B, H) or (H,)
+bool), what the ``holdout`` score predicts from."""
+
+
+@torch.no_grad()
+def holdout_score(mar: Callable[[torch.Tensor], torch.Tensor], initial: Initial, zero_filled_image: torch.Tensor,
+                  mask: torch.Tensor) -> torch.Tensor:
+    """(B,) ``||P_H F g(ZF_0) - P_H F ZF|| / ||P_H F ZF||`` (module docstring): ``initial`` the
+    image of the initial lines and their mask, ``mask`` (B, H) the acquired lines. ValueError
+    when a slice has no line beyond the initial ones (nothing held out)."""
+    image, first = initial
+    held = mask.bool() & ~first.bool().expand_as(mask)
+    if not bool(held.any(dim=1).all()):
+        raise ValueError("the holdout score needs lines beyond the initial ones on every slice "
+                         "(an early rule with after_lines > initial)")
+    seen = fft2c(zero_filled_image.to(torch.complex64))
+    predicted = fft2c(mar(image.float()).to(torch.complex64))
+    rows = held[:, :, None].to(seen.real.dtype)
+    num = ((predicted - seen).abs() ** 2 * rows).flatten(1).sum(dim=1)
+    den = (seen.abs() ** 2 * rows).flatten(1).sum(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+    return (num / den).sqrt().float()
+
+
+def initial_of(rule: OodCalibration | None, kspace: torch.Tensor, initial: int) -> Initial | None:
+    """What the ``holdout`` score predicts from (None for another rule): the zero-filled images of
+    B slices' ``initial`` centre lines alone, from their k-space (B, H, W) complex (single coil),
+    and those lines' mask (H,)."""
+    if rule is None or rule.score != "holdout":
+        return None
+    from masc_gadget.acquisition.episode import initial_lines  # acquisition imports this module
+
+    first = torch.zeros(kspace.shape[-2], dtype=torch.bool, device=kspace.device)
+    first[torch.as_tensor(initial_lines(kspace.shape[-2], initial), device=kspace.device)] = True
+    return zero_filled(kspace, first.expand(len(kspace), -1)), first
+
+
 def ood_score(kind: str, zero_filled_image: torch.Tensor, corrected: torch.Tensor, mask: torch.Tensor,
-              mar: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """(B,) the score ``kind`` (one of :data:`SCORES`) of B slices, float32; non-finite
-    outputs score +inf."""
-    if kind == "consistency":
+              mar: Callable[[torch.Tensor], torch.Tensor] | None = None, initial: Initial | None = None
+              ) -> torch.Tensor:
+    """(B,) the score ``kind`` (one of :data:`EARLY_SCORES`) of B slices, float32; non-finite
+    outputs score +inf. ``holdout`` needs the network and ``initial``, the image of the initial
+    lines and their mask."""
+    if kind == "holdout":
+        if mar is None or initial is None:
+            raise ValueError("the holdout score needs the MAR network and the image of the initial lines")
+        score = holdout_score(mar, initial, zero_filled_image, mask)
+    elif kind == "consistency":
         score = consistency_score(zero_filled_image, corrected, mask)
     elif kind == "residual":
         score = residual_score(zero_filled_image, corrected)
@@ -100,20 +157,21 @@ def ood_score(kind: str, zero_filled_image: torch.Tensor, corrected: torch.Tenso
             raise ValueError("the flip score needs the MAR network")
         score = flip_score(mar, zero_filled_image, corrected)
     else:
-        raise ValueError(f"unknown OOD score {kind!r}: choose from {', '.join(SCORES)}")
+        raise ValueError(f"unknown OOD score {kind!r}: choose from {', '.join(EARLY_SCORES)}")
     return torch.where(torch.isfinite(score), score, torch.full_like(score, float("inf")))
 
 
 @torch.no_grad()
 def early_switch(rule: OodCalibration, zero_filled_image: torch.Tensor, corrected: torch.Tensor,
-                 mask: torch.Tensor, mar: Callable[[torch.Tensor], torch.Tensor] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The early rule at the policy's first decision: ((B,) bool flagged, (B,) float32 scores) for
-    B slices from the images of their initial lines (zero-filled, and the MAR output the policy
-    is shown), ``mask`` (B, H) those lines. A slice whose output is not finite is flagged."""
+                 mask: torch.Tensor, mar: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 initial: Initial | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The early rule at its switch point: ((B,) bool flagged, (B,) float32 scores) for B slices
+    from the images of their lines so far (zero-filled, and the MAR output the policy is shown),
+    ``mask`` (B, H) those lines; ``initial``: the image of the initial lines and their mask (the
+    ``holdout`` score). A slice whose output is not finite is flagged."""
     if rule.stage != "early":
         raise ValueError(f"early_switch needs an early rule, got stage {rule.stage!r}")
-    score = ood_score(rule.score, zero_filled_image.float(), corrected.float(), mask, mar)
+    score = ood_score(rule.score, zero_filled_image.float(), corrected.float(), mask, mar, initial)
     return score > rule.threshold, score
 
 
@@ -132,8 +190,11 @@ class OodCalibration:
     and the first ones its policy chose (None: at the initial lines; :func:`switch_point`)."""
 
     def __post_init__(self) -> None:
-        if self.score not in SCORES:
-            raise ValueError(f"unknown OOD score {self.score!r}: choose from {', '.join(SCORES)}")
+        if self.score not in EARLY_SCORES:
+            raise ValueError(f"unknown OOD score {self.score!r}: choose from {', '.join(EARLY_SCORES)}")
+        if self.score not in SCORES and (self.stage != "early" or self.after_lines is None):
+            raise ValueError(f"the {self.score} score is an early rule's after lines beyond the initial ones "
+                             f"(stage early, after_lines), got stage {self.stage!r}, after_lines {self.after_lines!r}")
         if self.stage not in STAGES:
             raise ValueError(f"unknown OOD stage {self.stage!r}: choose from {', '.join(STAGES)}")
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) or not self.threshold > 0:
@@ -179,6 +240,9 @@ def switch_point(rule: OodCalibration | None, initial: int, lines_per_decision: 
     if rule is None or rule.stage != "early":
         return None
     chosen = max(0, (rule.after_lines or initial) - initial)
+    if rule.score not in SCORES and chosen == 0:
+        raise ValueError(f"the {rule.score} score needs lines beyond the {initial} initial ones: this rule scores "
+                         f"after {rule.after_lines} (export the network with a rule calibrated for this protocol)")
     return initial + -(-chosen // lines_per_decision) * lines_per_decision
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from masc_gadget.core.ood import SCORES
+from masc_gadget.core.ood import EARLY_SCORES
 from training.evaluation.stats import mean_std, subject_folds, subject_tests
 from training.scoring import harmed
 
@@ -143,8 +143,9 @@ def calibrate(rows: dict[str, np.ndarray], stage: str = "end", objective: str = 
         raise ValueError("the no-harm objective needs each slice's subject")
     prefix = STAGE_KEYS[stage][0]
     harm = harmed(rows["mar_ssim"], rows["nothing_ssim"])
-    areas = {kind: roc(rows[f"{prefix}{kind}"], harm)["auc"] for kind in SCORES}
-    kind = max(SCORES, key=lambda k: -1.0 if math.isnan(areas[k]) else areas[k])
+    kinds = [k for k in EARLY_SCORES if f"{prefix}{k}" in rows]  # holdout: a later early switch only
+    areas = {kind: roc(rows[f"{prefix}{kind}"], harm)["auc"] for kind in kinds}
+    kind = max(kinds, key=lambda k: -1.0 if math.isnan(areas[k]) else areas[k])
     candidates = np.unique(np.concatenate([rows[f"{prefix}{kind}"], [np.inf]]))
     every = max(float(candidates[0]) / 2, float(np.finfo(np.float32).tiny))  # flags every slice
     feasible = np.ones(len(candidates), dtype=bool)

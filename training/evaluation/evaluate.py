@@ -22,7 +22,7 @@ from masc_gadget.config import Config, to_dict
 from masc_gadget.device import resolve_device
 from masc_gadget.core.kspace import zero_filled
 from masc_gadget.core.metrics import METRICS
-from masc_gadget.core.ood import OodCalibration, early_switch, fallback_rule, switch_point
+from masc_gadget.core.ood import OodCalibration, early_switch, fallback_rule, initial_of, switch_point
 from masc_gadget.acquisition.policies import (FixedOrder, SamplingPolicy, make_policy, select_next, select_trains,
                                               slice_rng)
 from training.data import SliceSet, load_split, spread_subset
@@ -177,7 +177,8 @@ def _play_batch(p: _Play, data: SliceSet, index: list[int], seed: int, device: t
         if mar is not None and needed:
             images[True] = mar(images[False])
         if at_switch:  # the engine's decision pass at the switch point
-            flagged, verdict = early_switch(p.ood, images[False], images[True], episodes.mask, mar)
+            flagged, verdict = early_switch(p.ood, images[False], images[True], episodes.mask, mar,
+                                            initial_of(p.ood, kspace, p.initial))
             episodes.switch(None, flagged.cpu().numpy(), verdict.cpu().numpy())
         if p.score:  # what the gadget returns
             scores = score_batch(images[False], images.get(True), target, ood=p.ood, mask=episodes.mask, mar=mar,

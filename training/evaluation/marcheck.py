@@ -38,7 +38,7 @@ import torch
 
 from masc_gadget.acquisition.policies import center_out_rank, make_policy, run_episode
 from masc_gadget.core.metrics import slice_metrics
-from masc_gadget.core.ood import SCORES, ood_score
+from masc_gadget.core.ood import EARLY_SCORES, SCORES, ood_score
 from training.data import SliceSet, data_dirs, load_split
 from training.evaluation.calibration import auc_interval, calibrate, cross_validated, fallback_rows, roc, served_under
 from training.evaluation.stats import mean_std, subject_tests
@@ -158,15 +158,17 @@ def early_rows(mar: torch.nn.Module, data: SliceSet, initial: int, batch_size: i
     """Per slice: every OOD score of the network's output for the image of the initial centre
     lines (``early_score_<kind>``), what the early rule reads at the policy's first decision.
     With the slices' own ``lines`` ((n, initial + budget), acquisition order) and ``after`` >
-    ``initial``: the scores of the image of each slice's first ``after`` lines instead, and the
+    ``initial``: the scores (``holdout`` among them) of the image of each slice's first ``after``
+    lines instead, and the
     SSIM and PSNR of the image it is served when switched then (``switched_ssim``, ``switched_psnr``,
     :func:`switched_lines`)."""
     if lines is None or after is None or after <= initial:
         masks = line_masks(len(data), data.n_pe, initial, np.zeros(0, dtype=np.int64))
     else:
         masks = line_masks(len(data), data.n_pe, initial, lines[:, :after])
-    scored = score_masks(data, masks, mar, metrics=("ssim",), kinds=SCORES, batch_size=batch_size,
-                         device=torch.device("cpu"))
+    later = lines is not None and after is not None and after > initial  # lines beyond the initial: holdout
+    scored = score_masks(data, masks, mar, metrics=("ssim",), kinds=EARLY_SCORES if later else SCORES,
+                         batch_size=batch_size, device=torch.device("cpu"), initial=initial)
     rows = {f"early_score_{kind}": value for kind, value in scored.ood.items()}
     if lines is not None and after is not None and after > initial:
         kept = switched_lines(lines, after, data.n_pe)
@@ -415,7 +417,8 @@ def _folder_summaries(m: _Measured, folder: str, reference: str | None, ood: dic
                                                                             subjects)
         entries[name]["summary"]["early_roc"] = {
             kind: {**roc(own[f"early_score_{kind}"], harm),
-                   "auc_interval": auc_interval(own[f"early_score_{kind}"], harm, subjects)} for kind in SCORES}
+                   "auc_interval": auc_interval(own[f"early_score_{kind}"], harm, subjects)}
+            for kind in EARLY_SCORES if f"early_score_{kind}" in own}
     return entries
 
 
@@ -543,7 +546,7 @@ def render_report(results: dict[str, Any]) -> str:
                                  f"(p {_p(kept['p_ttest'])} over subjects)")
                 lines.append(f"- {name}: " + ", ".join(
                     f"{k} {_f(areas[k]['auc'], 2)} ({_f(areas[k]['auc_interval'][0], 2)}-"
-                    f"{_f(areas[k]['auc_interval'][1], 2)})" for k in SCORES)
+                    f"{_f(areas[k]['auc_interval'][1], 2)})" for k in areas)
                     + f" ({areas[SCORES[0]]['n_harmed']} harmed, {areas[SCORES[0]]['n_helped']} helped)")
         refs = [(n, e["summary"]) for n, e in by_name.items() if "vs_reference_ssim" in e["summary"]]
         if refs:
@@ -591,16 +594,22 @@ def roc_figure(results: dict[str, Any], path: Path) -> None:
             pooled[name] = {kind: roc(np.concatenate([sl[f"score_{kind}"] for sl in slices]), harm)
                             for kind in SCORES}
         panels["all folders, pooled"] = pooled
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), squeeze=False)
-    styles = {"consistency": "-", "residual": "--", "flip": ":"}
-    for ax, (folder, by_name) in zip(axes[0], panels.items()):
+    early = {folder: {name: entry["summary"]["early_roc"] for name, entry in by_name.items()
+                      if "early_roc" in entry["summary"]} for folder, by_name in results["folders"].items()}
+    rows = [("end of scan", panels)] + ([("early switch", early)] if any(early.values()) else [])
+    fig, axes = plt.subplots(len(rows), len(panels), figsize=(4.2 * len(panels), 4 * len(rows)), squeeze=False)
+    styles = {"consistency": "-", "residual": "--", "flip": ":", "holdout": "-."}
+    cells = [(ax, stage, folder, by_name) for axs, (stage, row) in zip(axes, rows)
+             for ax, (folder, by_name) in zip(axs, row.items())]
+    for ax in axes[1][len(early):] if len(rows) > 1 else []:
+        ax.axis("off")  # no early panel for the pooled folders
+    for ax, stage, folder, by_name in cells:
         for i, (name, curves) in enumerate(by_name.items()):
-            for kind in SCORES:
-                r = curves[kind]
+            for kind, r in curves.items():
                 if r["fpr"]:
                     ax.plot(r["fpr"], r["tpr"], styles[kind], color=f"C{i}", label=f"{name} {kind} ({r['auc']:.2f})")
         ax.plot([0, 1], [0, 1], color="0.7", lw=0.8)
-        ax.set(title=f"{folder}: harmed vs helped slices", xlabel="false positive rate (helped slices flagged)",
+        ax.set(title=f"{folder}, {stage}: harmed vs helped", xlabel="false positive rate (helped slices flagged)",
                ylabel="true positive rate (harmed slices flagged)", xlim=(0, 1), ylim=(0, 1))
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7, loc="lower right")

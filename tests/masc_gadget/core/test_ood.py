@@ -155,3 +155,51 @@ def test_an_early_switch_serves_the_switched_slices_zero_filled():
         served_images(zf, corrected, ood=rule, mask=mask)
     with pytest.raises(ValueError, match="needs an early rule"):
         early_switch(OodCalibration("residual", 0.4), zf, corrected, mask)
+
+
+def test_the_holdout_score_is_how_badly_the_network_predicts_the_lines_it_was_not_given():
+    """``holdout``: the network's output for the initial lines' image, against the acquired lines
+    beyond them; 0 for a network that predicts them exactly, 1 for one that predicts nothing,
+    above 1 for one that invents structure."""
+    from masc_gadget.core.ood import holdout_score, initial_of
+
+    n = 16
+    gen = torch.Generator().manual_seed(3)
+    image = torch.zeros(2, n, n)
+    image[:, 4:12, 3:13] = 1.0 + 0.5 * torch.rand(2, 8, 10, generator=gen)
+    kspace = fft2c(image.to(torch.complex64))
+    rule = OodCalibration("holdout", 0.5, "early", after_lines=5)
+    first_image, first = initial_of(rule, kspace, 2)
+    assert first.tolist() == [i in (7, 8) for i in range(n)]
+    assert torch.allclose(first_image, zero_filled(kspace, first.expand(2, -1)))
+    mask = first.expand(2, -1).clone()
+    mask[:, [3, 6, 11]] = True  # three lines beyond the initial ones
+    zf = zero_filled(kspace, mask)
+    exact = holdout_score(lambda x: zf, (first_image, first), zf, mask)  # predicts what was acquired
+    nothing = holdout_score(lambda x: torch.zeros_like(x), (first_image, first), zf, mask)
+    invented = zf.clone()
+    invented[:, 0:3, 0:3] += 4 * zf.max()
+    wild = holdout_score(lambda x: invented, (first_image, first), zf, mask)
+    assert torch.allclose(exact, torch.zeros(2), atol=1e-5) and torch.allclose(nothing, torch.ones(2), atol=1e-5)
+    assert (wild > 1.5).all()
+    assert torch.equal(ood_score("holdout", zf, zf, mask, lambda x: zf, (first_image, first)), exact)
+    flagged, score = early_switch(rule, zf, zf, mask, lambda x: torch.zeros_like(x), (first_image, first))
+    assert flagged.all() and torch.allclose(score, torch.ones(2), atol=1e-5)
+    assert initial_of(OodCalibration("flip", 0.5, "early"), kspace, 2) is None  # other scores need none
+
+
+def test_the_holdout_score_needs_lines_beyond_the_initial_ones_and_an_early_rule():
+    from masc_gadget.core.ood import initial_of, switch_point
+
+    zf, mask = _scan()
+    with pytest.raises(ValueError, match="needs the MAR network and the image of the initial lines"):
+        ood_score("holdout", zf, zf, mask, lambda x: x)
+    with pytest.raises(ValueError, match="needs lines beyond the initial ones"):
+        ood_score("holdout", zf, zf, mask, lambda x: x, (zf, mask[0]))  # every acquired line is initial
+    for stage, after in (("end", None), ("early", None)):
+        with pytest.raises(ValueError, match="holdout score is an early rule's after lines beyond the initial"):
+            OodCalibration("holdout", 0.5, stage, after)
+    with pytest.raises(ValueError, match="needs lines beyond the 6 initial ones"):
+        switch_point(OodCalibration("holdout", 0.5, "early", 6), initial=6)
+    assert switch_point(OodCalibration("holdout", 0.5, "early", 6), initial=2, lines_per_decision=3) == 8
+    assert initial_of(None, torch.zeros(1, 8, 8, dtype=torch.complex64), 2) is None

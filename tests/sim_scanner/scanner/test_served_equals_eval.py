@@ -138,23 +138,26 @@ def test_the_ood_fallback_is_served_and_scored_alike(tiny_dataset, tmp_path, per
     assert np.abs(np.subtract(mar, nomar))[~fell_back].max() > 1e-3
 
 
-def _with_early_rule(checkpoint, mar, data, out, after=()):
-    """``checkpoint`` with an early rule (residual score) whose threshold lies between the two
+def _with_early_rule(checkpoint, mar, data, out, after=(), score="residual"):
+    """``checkpoint`` with an early rule (``score``) whose threshold lies between the two
     middle slices of ``data``: about half are flagged, scored on the initial lines' image, or
     with ``after`` (the first lines a slice chooses) on the image of those lines too, the rule's
     ``after_lines``. Returns (calibrated path, early scores, threshold)."""
     from masc_gadget.core.kspace import zero_filled
-    from masc_gadget.core.ood import residual_score
+    from masc_gadget.core.ood import OodCalibration, initial_of, ood_score
     from masc_gadget.models.checkpoint import load_checkpoint
     from training.scoring import line_masks
 
+    after_lines = INITIAL + len(after) if after else None
+    rule = OodCalibration(score, 1.0, "early", after_lines)
     with torch.no_grad():
-        zf = zero_filled(data.kspace_metal, torch.as_tensor(line_masks(len(data), N, INITIAL, list(after))))
-        scores = residual_score(zf, mar(zf))
+        mask = torch.as_tensor(line_masks(len(data), N, INITIAL, list(after)))
+        zf = zero_filled(data.kspace_metal, mask)
+        scores = ood_score(score, zf, mar(zf), mask, mar, initial_of(rule, data.kspace_metal, INITIAL))
     ranked = scores.sort().values
     threshold = float(ranked[len(ranked) // 2 - 1] + ranked[len(ranked) // 2]) / 2
     ck = load_checkpoint(checkpoint)
-    early = {"score": "residual", "threshold": threshold, **({"after_lines": INITIAL + len(after)} if after else {})}
+    early = {"score": score, "threshold": threshold, **({"after_lines": after_lines} if after else {})}
     calibrated = save_checkpoint(out, ck.state_dicts, {
         **ck.metadata, "ood": {"score": "flip", "threshold": 1e-9, "early": early}})
     return calibrated, scores, threshold
@@ -237,12 +240,14 @@ def test_a_fixed_order_decided_ahead_takes_the_early_switch_alike(tiny_dataset, 
     _assert_switched_alike(served, slices, rows["fixed-order"], rows["fixed-order+nomar"], switched, safe, order)
 
 
+@pytest.mark.parametrize("score", ["residual", "holdout"])
 def test_a_fixed_order_switched_after_its_first_lines_is_played_served_and_scored_alike(tiny_dataset, tmp_path,
-                                                                                      learned_checkpoints):
+                                                                                      learned_checkpoints, score):
     """An early rule with ``after_lines`` (``masc check mar --early-lines``): the gadget sends
     the fixed order's plan up to the switch point, scores the image of those lines, then sends
     the rest, the order's or centre-out's next free lines (served zero-filled); masc eval plays
-    and scores exactly the same."""
+    and scores exactly the same. ``holdout`` (the shipped rule's score) also makes the image of
+    the initial lines alone from the lines it holds."""
     from masc_gadget.acquisition.episode import initial_lines
     from masc_gadget.acquisition.policies import center_out_rank
     from masc_gadget.models.checkpoint import load_checkpoint, load_mar
@@ -253,7 +258,7 @@ def test_a_fixed_order_switched_after_its_first_lines_is_played_served_and_score
     order = [int(x) for x in initial_lines(N, INITIAL)] + load_checkpoint(fixed).metadata["order"]
     first = order[INITIAL:INITIAL + 1]  # the switch after the initial lines and the order's first choice
     calibrated, scores, threshold = _with_early_rule(fixed, load_mar(fixed)[0], data, tmp_path / "later.pt",
-                                                     after=first)
+                                                     after=first, score=score)
     served = _scan(tiny_dataset, tmp_path / "scan", "fixed-order",
                    [f"acquisition.seed={SEED}", f"gadget.policy_checkpoint={calibrated}"])
     slices, rows = _eval_rows(tiny_dataset, "fixed-order", calibrated)

@@ -204,6 +204,10 @@ def test_the_early_switch_serves_doing_nothing_and_never_harms():
 
     cv = cross_validated({k: np.tile(v, 2) for k, v in rows.items()}, ["a"] * 4 + ["b"] * 4, 2, "early")
     assert cv["stage"] == "early" and cv["harmed_fraction"] == 0.0
+    # a later switch's rows carry the holdout score: chosen when it ranks harm best, never at the end
+    rows["early_score_holdout"] = np.array([0.9, 0.8, 0.1, 0.2])
+    rows["early_score_consistency"] = np.array([0.4, 0.1, 0.2, 0.3])
+    assert calibrate(rows, "early")["score"] == "holdout" and calibrate(rows)["score"] != "holdout"
 
 
 def test_a_later_switch_is_calibrated_on_the_first_lines_and_carried_by_the_rule(tiny_dataset, perturbed_mar, tmp_path):
@@ -226,6 +230,10 @@ def test_a_later_switch_is_calibrated_on_the_first_lines_and_carried_by_the_rule
     early = later["calibration"]["p"]["early"]
     assert later["early_lines"] == 2 and early["after_lines"] == 2
     assert "after_lines" not in first["calibration"]["p"]["early"]
+    # with lines beyond the initial ones the holdout score joins the early scores, not before
+    assert set(early["auc"]) == {"consistency", "residual", "flip", "holdout"}
+    assert set(first["calibration"]["p"]["early"]["auc"]) == {"consistency", "residual", "flip"}
+    assert "holdout" in later["folders"][tiny_dataset.name]["p"]["summary"]["early_roc"]
     assert "its first 2 lines (--early-lines)" in (tmp_path / "l" / "report.md").read_text()
     kept = later["folders"][tiny_dataset.name]["p"]["summary"]["switched_vs_nothing"]  # the fallback, still safe?
     from training.data import load_split
