@@ -242,7 +242,8 @@ def switch_point(rule: OodCalibration | None, initial: int, lines_per_decision: 
     chosen = max(0, (rule.after_lines or initial) - initial)
     if rule.score not in SCORES and chosen == 0:
         raise ValueError(f"the {rule.score} score needs lines beyond the {initial} initial ones: this rule scores "
-                         f"after {rule.after_lines} (export the network with a rule calibrated for this protocol)")
+                         f"after {rule.after_lines}: calibrate and export the network's rule for this protocol "
+                         f"(masc check mar --early-lines), or serve it with gadget.mar_fallback=off")
     return initial + -(-chosen // lines_per_decision) * lines_per_decision
 
 

@@ -419,7 +419,22 @@ def _folder_summaries(m: _Measured, folder: str, reference: str | None, ood: dic
             kind: {**roc(own[f"early_score_{kind}"], harm),
                    "auc_interval": auc_interval(own[f"early_score_{kind}"], harm, subjects)}
             for kind in EARLY_SCORES if f"early_score_{kind}" in own}
+        entries[name]["summary"]["early_roc_within"] = _within_subjects(own, harm, subjects)
     return entries
+
+
+def _within_subjects(own: dict[str, np.ndarray], harm: np.ndarray, subjects: list[str]) -> dict[str, Any]:
+    """Per subject with harmed and helped slices: the early scores' ROC area among its slices
+    alone (does a score rank harm within one volume, not only between volumes?)."""
+    codes = np.asarray(subjects)
+    out = {}
+    for subject in sorted(set(subjects)):
+        rows = codes == subject
+        if 0 < harm[rows].sum() < rows.sum():
+            out[subject] = {"n_slices": int(rows.sum()), "n_harmed": int(harm[rows].sum()),
+                            **{kind: roc(own[f"early_score_{kind}"][rows], harm[rows])["auc"]
+                               for kind in EARLY_SCORES if f"early_score_{kind}" in own}}
+    return out
 
 
 def _f(value: float, digits: int = 3) -> str:
@@ -548,6 +563,12 @@ def render_report(results: dict[str, Any]) -> str:
                     f"{k} {_f(areas[k]['auc'], 2)} ({_f(areas[k]['auc_interval'][0], 2)}-"
                     f"{_f(areas[k]['auc_interval'][1], 2)})" for k in areas)
                     + f" ({areas[SCORES[0]]['n_harmed']} harmed, {areas[SCORES[0]]['n_helped']} helped)")
+                within = by_name[name]["summary"].get("early_roc_within", {})
+                if within:
+                    lines.append("  - within one subject (those with harmed and helped slices): " + "; ".join(
+                        f"{subject} ({w['n_slices']} slices, {w['n_harmed']} harmed): "
+                        + ", ".join(f"{k} {_f(w[k], 2)}" for k in w if k not in ("n_slices", "n_harmed"))
+                        for subject, w in within.items()))
         refs = [(n, e["summary"]) for n, e in by_name.items() if "vs_reference_ssim" in e["summary"]]
         if refs:
             lines += ["", "Against the reference network (same lines, served images):", ""]

@@ -142,22 +142,24 @@ def _with_early_rule(checkpoint, mar, data, out, after=(), score="residual"):
     """``checkpoint`` with an early rule (``score``) whose threshold lies between the two
     middle slices of ``data``: about half are flagged, scored on the initial lines' image, or
     with ``after`` (the first lines a slice chooses) on the image of those lines too, the rule's
-    ``after_lines``. Returns (calibrated path, early scores, threshold)."""
+    ``after_lines``; ``after`` (slices, k): each slice's own. Returns (calibrated path, early
+    scores, threshold)."""
     from masc_gadget.core.kspace import zero_filled
     from masc_gadget.core.ood import OodCalibration, initial_of, ood_score
     from masc_gadget.models.checkpoint import load_checkpoint
     from training.scoring import line_masks
 
-    after_lines = INITIAL + len(after) if after else None
+    after = np.asarray(after, dtype=np.int64)  # (k,) on every slice, or (slices, k): each its own
+    after_lines = INITIAL + after.shape[-1] if after.size else None
     rule = OodCalibration(score, 1.0, "early", after_lines)
     with torch.no_grad():
-        mask = torch.as_tensor(line_masks(len(data), N, INITIAL, list(after)))
+        mask = torch.as_tensor(line_masks(len(data), N, INITIAL, after))
         zf = zero_filled(data.kspace_metal, mask)
         scores = ood_score(score, zf, mar(zf), mask, mar, initial_of(rule, data.kspace_metal, INITIAL))
     ranked = scores.sort().values
     threshold = float(ranked[len(ranked) // 2 - 1] + ranked[len(ranked) // 2]) / 2
     ck = load_checkpoint(checkpoint)
-    early = {"score": score, "threshold": threshold, **({"after_lines": after_lines} if after else {})}
+    early = {"score": score, "threshold": threshold, **({"after_lines": after_lines} if after_lines else {})}
     calibrated = save_checkpoint(out, ck.state_dicts, {
         **ck.metadata, "ood": {"score": "flip", "threshold": 1e-9, "early": early}})
     return calibrated, scores, threshold
@@ -269,3 +271,40 @@ def test_a_fixed_order_switched_after_its_first_lines_is_played_served_and_score
     assert switched.any() and not switched.all() and switched_lines != order
     _assert_switched_alike(served, slices, rows["fixed-order"], rows["fixed-order+nomar"], switched, switched_lines,
                            order)
+
+
+def test_masc_switched_after_its_first_line_by_the_holdout_score_is_played_served_and_scored_alike(
+        tiny_dataset, tmp_path, masc_checkpoint):
+    """The shipped models' rule on a policy that reads the image: MASC chooses its first line
+    from the image, the holdout score of the image of those lines (the network's prediction of
+    that line from the initial lines' image) flags about half the slices, which continue with
+    centre-out's next lines and are served zero-filled; masc eval plays and scores the same."""
+    from masc_gadget.acquisition.learned import load_masc
+    from masc_gadget.acquisition.policies import center_out_rank
+    from training.data import load_split
+
+    data = load_split(tiny_dataset, "test")
+    _, mar, _ = load_masc(masc_checkpoint, "cpu")
+    slices, own_rows = _eval_rows(tiny_dataset, "masc", masc_checkpoint)
+    own = own_rows["masc"]["lines"]
+    assert [o[:INITIAL] for o in own] == [own[0][:INITIAL]] * len(own)  # the initial lines lead every slice
+    first = np.array([o[INITIAL:INITIAL + 1] for o in own])  # each slice's own first choice
+    calibrated, scores, threshold = _with_early_rule(masc_checkpoint, mar, data, tmp_path / "masc_holdout.pt",
+                                                     after=first, score="holdout")
+    served = _scan(tiny_dataset, tmp_path / "scan", "masc",
+                   [f"acquisition.seed={SEED}", f"gadget.policy_checkpoint={calibrated}"])
+    slices, rows = _eval_rows(tiny_dataset, "masc", calibrated)
+    centre_out = [int(x) for x in np.argsort(center_out_rank(N), kind="stable")]
+    switched = (scores > threshold).numpy()
+    assert switched.any() and not switched.all()
+    mar_ssim, nomar = rows["masc"]["per_slice"]["ssim"], rows["masc+nomar"]["per_slice"]["ssim"]
+    for i, label in enumerate(slices):
+        sl = served[label]
+        assert sl.lines == rows["masc"]["lines"][i], label
+        assert abs(sl.metrics["ssim"] - mar_ssim[i]) < 1e-5, label
+        kept = own[i][:INITIAL + 1]
+        if switched[i]:  # the lines it kept, then centre-out's next ones, served zero-filled
+            assert sl.lines == kept + [x for x in centre_out if x not in kept][:BUDGET - 1], label
+            assert abs(mar_ssim[i] - nomar[i]) < 1e-6, label
+        else:  # MASC's own lines and its MAR image
+            assert sl.lines == own[i], label

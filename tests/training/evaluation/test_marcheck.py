@@ -234,6 +234,8 @@ def test_a_later_switch_is_calibrated_on_the_first_lines_and_carried_by_the_rule
     assert set(early["auc"]) == {"consistency", "residual", "flip", "holdout"}
     assert set(first["calibration"]["p"]["early"]["auc"]) == {"consistency", "residual", "flip"}
     assert "holdout" in later["folders"][tiny_dataset.name]["p"]["summary"]["early_roc"]
+    for subject, within in later["folders"][tiny_dataset.name]["p"]["summary"]["early_roc_within"].items():
+        assert 0 < within["n_harmed"] < within["n_slices"] and 0 <= within["holdout"] <= 1, subject
     assert "its first 2 lines (--early-lines)" in (tmp_path / "l" / "report.md").read_text()
     kept = later["folders"][tiny_dataset.name]["p"]["summary"]["switched_vs_nothing"]  # the fallback, still safe?
     from training.data import load_split
@@ -244,3 +246,15 @@ def test_a_later_switch_is_calibrated_on_the_first_lines_and_carried_by_the_rule
     assert OodCalibration.early_from_metadata(first["calibration"]["p"], "x.pt").after_lines is None
     with pytest.raises(ValueError, match=r"early_lines must be in \[1, 3\]"):
         mar_check({"p": mar}, str(tiny_dataset), "val", 1, 2, tmp_path / "x", policies=policies, early_lines=5)
+
+
+def test_the_early_scores_are_also_ranked_within_each_subject_with_both_kinds_of_slice():
+    from training.evaluation.marcheck import _within_subjects
+
+    own = {"early_score_holdout": np.array([0.9, 0.1, 0.8, 0.2, 0.5, 0.6]),
+           "early_score_flip": np.array([0.1, 0.9, 0.8, 0.2, 0.5, 0.6])}
+    harm = np.array([True, False, True, False, True, True])
+    within = _within_subjects(own, harm, ["a", "a", "b", "b", "c", "c"])  # c: harmed only, no ranking
+    assert set(within) == {"a", "b"}
+    assert within["a"] == {"n_slices": 2, "n_harmed": 1, "holdout": 1.0, "flip": 0.0}
+    assert within["b"]["holdout"] == within["b"]["flip"] == 1.0
