@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from masc_gadget.config import quote
+from masc_gadget.core.kspace import initial_lines
 
 
 @dataclass(frozen=True)
@@ -92,20 +93,6 @@ def check_episode(n_pe: int, initial: int, budget: int) -> None:
         raise ValueError(
             f"initial + budget must be <= number of PE lines ({n_pe}), got {initial} + {budget}"
         )
-
-
-def initial_lines(n_pe: int, initial: int) -> np.ndarray:
-    """The ``initial`` lines centred on the k-space centre ``n_pe // 2``: (initial,) int64, sorted.
-
-    An even count has one more line below the centre than above it, e.g. n_pe=200:
-    initial=2 -> [99, 100], initial=3 -> [99, 100, 101], initial=4 -> [98, 99, 100, 101].
-    """
-    if not 1 <= initial <= n_pe:
-        raise ValueError(
-            f"initial must be between 1 and the number of PE lines ({n_pe}), got {initial}"
-        )
-    start = n_pe // 2 - initial // 2
-    return np.arange(start, start + initial, dtype=np.int64)
 
 
 @dataclass(frozen=True, eq=False)

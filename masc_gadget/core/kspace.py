@@ -25,6 +25,7 @@ __all__ = [
     "apply_line_mask",
     "fft2c",
     "ifft2c",
+    "initial_lines",
     "lines_to_mask",
     "magnitude",
     "to_hybrid",
@@ -257,3 +258,17 @@ def lines_to_mask(
             raise ValueError(f"line indices must be in [0, {n_pe}), got {bad}")
     mask = torch.zeros(*index.shape[:-1], n_pe, dtype=torch.bool, device=index.device)
     return mask.scatter_(-1, index, True)
+
+
+def initial_lines(n_pe: int, initial: int) -> np.ndarray:
+    """The ``initial`` lines centred on the k-space centre ``n_pe // 2``: (initial,) int64, sorted.
+
+    An even count has one more line below the centre than above it, e.g. n_pe=200:
+    initial=2 -> [99, 100], initial=3 -> [99, 100, 101], initial=4 -> [98, 99, 100, 101].
+    """
+    if not 1 <= initial <= n_pe:
+        raise ValueError(
+            f"initial must be between 1 and the number of PE lines ({n_pe}), got {initial}"
+        )
+    start = n_pe // 2 - initial // 2
+    return np.arange(start, start + initial, dtype=np.int64)

@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from masc_gadget.core.kspace import fft2c, zero_filled
+from masc_gadget.core.kspace import fft2c, initial_lines, zero_filled
 
 __all__ = ["EARLY_SCORES", "SCORES", "STAGES", "Initial", "OodCalibration", "early_calibration_of", "early_switch", "calibration_of", "consistency_score", "fallback_rule", "flip_score",
            "holdout_score", "initial_of", "ood_score", "residual_score", "switch_point"]
@@ -131,8 +131,6 @@ def initial_of(rule: OodCalibration | None, kspace: torch.Tensor, initial: int) 
     and those lines' mask (H,)."""
     if rule is None or rule.score != "holdout":
         return None
-    from masc_gadget.acquisition.episode import initial_lines  # acquisition imports this module
-
     first = torch.zeros(kspace.shape[-2], dtype=torch.bool, device=kspace.device)
     first[torch.as_tensor(initial_lines(kspace.shape[-2], initial), device=kspace.device)] = True
     return zero_filled(kspace, first.expand(len(kspace), -1)), first
