@@ -522,6 +522,10 @@ class AcquisitionEngine:
                                                torch.from_numpy(mask[rows]).to(on), self.mar,
                                                self._initial(kspace[rows]))
                 early[rows] = scores.cpu().numpy()
+                if np.isnan(early[rows]).any():
+                    log.warning("%d slice(s) not scored by the early rule (%s): their initial lines were not among "
+                                "their first %d lines (an open-loop stream in file order?); never switched",
+                                int(np.isnan(early[rows]).sum()), self.ood.score, self.switch_at)
                 for i, flag in zip(rows, flagged.tolist()):
                     if flag:
                         states[i] = dataclasses.replace(states[i], switched=True)

@@ -110,10 +110,13 @@ bool), what the ``holdout`` score predicts from."""
 def holdout_score(mar: Callable[[torch.Tensor], torch.Tensor], initial: Initial, zero_filled_image: torch.Tensor,
                   mask: torch.Tensor) -> torch.Tensor:
     """(B,) ``||P_H F g(ZF_0) - P_H F ZF|| / ||P_H F ZF||`` (module docstring): ``initial`` the
-    image of the initial lines and their mask, ``mask`` (B, H) the acquired lines. ValueError
-    when a slice has no line beyond the initial ones (nothing held out)."""
+    image of the initial lines and their mask, ``mask`` (B, H) the acquired lines. NaN (not
+    scored) for a slice that lacks some initial line (an open-loop stream in file order: its first
+    lines are k-space edges); ValueError when a slice has no line beyond the initial ones (nothing
+    held out)."""
     image, first = initial
-    held = mask.bool() & ~first.bool().expand_as(mask)
+    first = first.bool().expand_as(mask)
+    held = mask.bool() & ~first
     if not bool(held.any(dim=1).all()):
         raise ValueError("the holdout score needs lines beyond the initial ones on every slice "
                          "(an early rule with after_lines > initial)")
@@ -122,7 +125,8 @@ def holdout_score(mar: Callable[[torch.Tensor], torch.Tensor], initial: Initial,
     rows = held[:, :, None].to(seen.real.dtype)
     num = ((predicted - seen).abs() ** 2 * rows).flatten(1).sum(dim=1)
     den = (seen.abs() ** 2 * rows).flatten(1).sum(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
-    return (num / den).sqrt().float()
+    score = (num / den).sqrt().float()
+    return torch.where((first & ~mask.bool()).any(dim=1), torch.full_like(score, math.nan), score)
 
 
 def initial_of(rule: OodCalibration | None, kspace: torch.Tensor, initial: int) -> Initial | None:
@@ -141,11 +145,13 @@ def ood_score(kind: str, zero_filled_image: torch.Tensor, corrected: torch.Tenso
               ) -> torch.Tensor:
     """(B,) the score ``kind`` (one of :data:`EARLY_SCORES`) of B slices, float32; non-finite
     outputs score +inf. ``holdout`` needs the network and ``initial``, the image of the initial
-    lines and their mask."""
+    lines and their mask; it is NaN (not scored, never flagged) for a slice without them."""
+    unscored = torch.zeros(zero_filled_image.shape[0], dtype=torch.bool, device=zero_filled_image.device)
     if kind == "holdout":
         if mar is None or initial is None:
             raise ValueError("the holdout score needs the MAR network and the image of the initial lines")
         score = holdout_score(mar, initial, zero_filled_image, mask)
+        unscored = (initial[1].bool().expand_as(mask) & ~mask.bool()).any(dim=1)
     elif kind == "consistency":
         score = consistency_score(zero_filled_image, corrected, mask)
     elif kind == "residual":
@@ -156,7 +162,7 @@ def ood_score(kind: str, zero_filled_image: torch.Tensor, corrected: torch.Tenso
         score = flip_score(mar, zero_filled_image, corrected)
     else:
         raise ValueError(f"unknown OOD score {kind!r}: choose from {', '.join(EARLY_SCORES)}")
-    return torch.where(torch.isfinite(score), score, torch.full_like(score, float("inf")))
+    return torch.where(torch.isfinite(score) | unscored, score, torch.full_like(score, float("inf")))
 
 
 @torch.no_grad()

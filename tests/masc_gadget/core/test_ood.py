@@ -186,6 +186,11 @@ def test_the_holdout_score_is_how_badly_the_network_predicts_the_lines_it_was_no
     flagged, score = early_switch(rule, zf, zf, mask, lambda x: torch.zeros_like(x), (first_image, first))
     assert flagged.all() and torch.allclose(score, torch.ones(2), atol=1e-5)
     assert initial_of(OodCalibration("flip", 0.5, "early"), kspace, 2) is None  # other scores need none
+    edges = torch.zeros(2, n, dtype=torch.bool)  # an open-loop stream in file order: no initial line yet
+    edges[:, :5] = True
+    zf_edges = zero_filled(kspace, edges)
+    flagged, score = early_switch(rule, zf_edges, zf_edges, edges, lambda x: torch.zeros_like(x), (first_image, first))
+    assert torch.isnan(score).all() and not flagged.any()  # not scored, never switched
 
 
 def test_the_holdout_score_needs_lines_beyond_the_initial_ones_and_an_early_rule():
