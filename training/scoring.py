@@ -30,7 +30,7 @@ import torch
 from masc_gadget.acquisition.episode import initial_lines
 from masc_gadget.core.kspace import zero_filled as zero_filled_recon
 from masc_gadget.core.metrics import METRICS, roi_metrics, slice_metrics
-from masc_gadget.core.ood import Initial, OodCalibration, ood_score
+from masc_gadget.core.ood import Initial, OodCalibration, initial_image, ood_score
 from masc_gadget.core.served import ServedImages, served_images
 from training.data import SliceSet
 
@@ -147,13 +147,9 @@ def score_masks(data: SliceSet, masks: np.ndarray | torch.Tensor, mar: torch.nn.
         mask = masks[index].to(device)
         kspace = data.kspace_metal[index].to(device)
         zf = recon(kspace, mask)
-        first = None
-        if "holdout" in kinds:
-            if initial is None:
-                raise ValueError("the holdout score needs the protocol's initial line count (initial=)")
-            rows = torch.zeros_like(mask)
-            rows[:, torch.as_tensor(initial_lines(data.n_pe, initial), device=device)] = True
-            first = (recon(kspace, rows), rows)
+        if "holdout" in kinds and initial is None:
+            raise ValueError("the holdout score needs the protocol's initial line count (initial=)")
+        first = initial_image(kspace, initial, recon) if "holdout" in kinds else None
         scores = score_batch(zf, None if mar is None else mar(zf), data.target[index].to(device),
                              roi=None if roi is None else roi[index].to(device), ood=ood, mask=mask, mar=mar,
                              metrics=metrics, kinds=kinds, initial=first)

@@ -65,7 +65,7 @@ import torch
 from masc_gadget.core.kspace import fft2c, initial_lines, zero_filled
 
 __all__ = ["EARLY_SCORES", "SCORES", "STAGES", "Initial", "OodCalibration", "early_calibration_of", "early_switch", "calibration_of", "consistency_score", "fallback_rule", "flip_score",
-           "holdout_score", "initial_of", "ood_score", "residual_score", "switch_point"]
+           "holdout_score", "initial_image", "initial_of", "ood_score", "residual_score", "switch_point"]
 
 SCORES = ("consistency", "residual", "flip")
 """The scores of any rule, computed from the final image alone."""
@@ -126,18 +126,27 @@ def holdout_score(mar: Callable[[torch.Tensor], torch.Tensor], initial: Initial,
     num = ((predicted - seen).abs() ** 2 * rows).flatten(1).sum(dim=1)
     den = (seen.abs() ** 2 * rows).flatten(1).sum(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
     score = (num / den).sqrt().float()
-    return torch.where((first & ~mask.bool()).any(dim=1), torch.full_like(score, math.nan), score)
+    return torch.where(_lacks_initial(first, mask), torch.full_like(score, math.nan), score)
+
+
+def _lacks_initial(first: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: the slices of ``mask`` (B, H) without every line of ``first`` ((H,) or (B, H))."""
+    return (first.bool().expand_as(mask) & ~mask.bool()).any(dim=1)
+
+
+def initial_image(kspace: torch.Tensor, initial: int,
+                  recon: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = zero_filled) -> Initial:
+    """What the ``holdout`` score predicts from: the images (``recon``, zero-filled by default) of
+    B slices' ``initial`` centre lines alone, from their k-space (B, H, W) complex (single coil),
+    and those lines' mask (H,)."""
+    first = torch.zeros(kspace.shape[-2], dtype=torch.bool, device=kspace.device)
+    first[torch.as_tensor(initial_lines(kspace.shape[-2], initial), device=kspace.device)] = True
+    return recon(kspace, first.expand(len(kspace), -1)), first
 
 
 def initial_of(rule: OodCalibration | None, kspace: torch.Tensor, initial: int) -> Initial | None:
-    """What the ``holdout`` score predicts from (None for another rule): the zero-filled images of
-    B slices' ``initial`` centre lines alone, from their k-space (B, H, W) complex (single coil),
-    and those lines' mask (H,)."""
-    if rule is None or rule.score != "holdout":
-        return None
-    first = torch.zeros(kspace.shape[-2], dtype=torch.bool, device=kspace.device)
-    first[torch.as_tensor(initial_lines(kspace.shape[-2], initial), device=kspace.device)] = True
-    return zero_filled(kspace, first.expand(len(kspace), -1)), first
+    """:func:`initial_image` for an early rule scored by ``holdout``, None for another rule."""
+    return initial_image(kspace, initial) if rule is not None and rule.score == "holdout" else None
 
 
 def ood_score(kind: str, zero_filled_image: torch.Tensor, corrected: torch.Tensor, mask: torch.Tensor,
@@ -151,7 +160,7 @@ def ood_score(kind: str, zero_filled_image: torch.Tensor, corrected: torch.Tenso
         if mar is None or initial is None:
             raise ValueError("the holdout score needs the MAR network and the image of the initial lines")
         score = holdout_score(mar, initial, zero_filled_image, mask)
-        unscored = (initial[1].bool().expand_as(mask) & ~mask.bool()).any(dim=1)
+        unscored = _lacks_initial(initial[1], mask)
     elif kind == "consistency":
         score = consistency_score(zero_filled_image, corrected, mask)
     elif kind == "residual":
