@@ -189,7 +189,11 @@ class AcquisitionEngine:
         self.batcher = batcher
         self._batch_key = (id(policy), id(self.mar), self.sees_mar, str(self.device),
                            settings.n_pe, settings.n_readout, settings.n_coils, settings.coil_combine,
-                           settings.lines_per_decision, self.ahead)
+                           settings.lines_per_decision, self.ahead, settings.initial,
+                           self.ood if self.early else None)
+        """Engines whose requests may share a decision pass (:meth:`run_group`, which runs the
+        first one's :meth:`decision_pass`): the same models, matrix, protocol and early rule
+        (``mar_fallback`` is a per-connection setting)."""
         # the first engine of a model, matrix and device of a serving host warms them up; the
         # host's next engines start at once (its warm-up already ran the same passes)
         done = warmed is not None and self._batch_key in warmed

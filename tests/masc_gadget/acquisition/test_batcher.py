@@ -224,3 +224,57 @@ def test_a_full_queue_costs_a_decision_not_the_scan():
     assert engine.on_line(0, 7, row) == [] and engine.on_line(0, 8, row) == []
     assert engine.on_line(0, 9, row) == []  # the scanner's own line: asked again, refused again
     assert engine.acquired(0) == [7, 8, 9] and len(calls) == 2
+
+
+def test_engines_of_one_model_with_different_early_rules_are_not_batched_together():
+    """Regression: the batch key named the models but not the early rule, so a connection that
+    turned the fallback off (``mar_fallback`` is a per-connection setting) and one that kept it,
+    in one pass, were both decided under the first one's rule: the second's flagged slice was
+    not switched to centre-out."""
+    import torch
+
+    from masc_gadget.acquisition.engine import AcquisitionEngine, EngineSettings
+    from masc_gadget.core.ood import OodCalibration
+    from masc_gadget.models.unet import MarModelConfig, build_mar
+
+    torch.manual_seed(0)
+    mar = build_mar(MarModelConfig(width=4)).eval()
+    with torch.no_grad():  # built as the identity: perturbed, so that it changes an image
+        for p in mar.parameters():
+            p.add_(0.05 * torch.randn(p.shape))
+    mar.ood = OodCalibration("consistency", 1e9)
+    mar.ood_early = OodCalibration("residual", 1e-9, "early")  # flags every slice it scores
+    policy = _GatedBrightest()
+    policy.gate.set()
+    n = 32
+
+    def settings(fallback):
+        return EngineSettings(n_pe=n, n_readout=n, initial=2, budget=3, seed=0, device="cpu", mar_fallback=fallback)
+
+    def first_decision(engine, seed):
+        k = _kspace(seed, n)
+        engine.on_line(0, 15, k[15])
+        return [d.line for d in engine.on_line(0, 16, k[16])]
+
+    expected = {f: first_decision(AcquisitionEngine(settings(f), policy, mar), 1) for f in ("off", "auto")}
+    assert expected["off"] != expected["auto"]  # the switch changes the line
+    batcher = DecisionBatcher(AcquisitionEngine.run_group)
+    try:
+        lead, off, auto = (AcquisitionEngine(settings(f), policy, mar, batcher=batcher) for f in ("off", "off", "auto"))
+        got = {}
+        policy.gate.clear()
+        threads = [threading.Thread(target=lambda: first_decision(lead, 2))]
+        threads += [threading.Thread(target=lambda e=e, f=f: got.__setitem__(f, first_decision(e, 1)))
+                    for e, f in ((off, "off"), (auto, "auto"))]
+        threads[0].start()
+        time.sleep(0.1)  # the lead's pass is running (gated); the other two queue behind it
+        for t in threads[1:]:
+            t.start()
+            time.sleep(0.05)
+        time.sleep(0.2)
+        policy.gate.set()
+        for t in threads:
+            t.join(10)
+    finally:
+        batcher.close()
+    assert got == expected
