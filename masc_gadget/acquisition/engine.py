@@ -513,7 +513,9 @@ class AcquisitionEngine:
         early = np.full(len(states), np.nan, dtype=np.float32)
         scoring = self.early and unscored is not None and bool(np.any(unscored))
         if self.policy.needs_image or scoring:
-            zf, mar = self._reconstruct(kspace, mask, with_mar=self.sees_mar or scoring)
+            # holdout reads the network's output for the initial lines' image, not for this one
+            wants_output = scoring and self.ood.score != "holdout"
+            zf, mar = self._reconstruct(kspace, mask, with_mar=self.sees_mar or wants_output)
             finite = _finite(zf) if mar is None else _finite(zf) & _finite(mar)
             if self.policy.needs_image:
                 images = mar if self.sees_mar and mar is not None else zf
@@ -522,7 +524,7 @@ class AcquisitionEngine:
             if rows.size:
                 on = self.device
                 flagged, scores = early_switch(self.ood, torch.from_numpy(zf[rows]).to(on),
-                                               torch.from_numpy(mar[rows]).to(on),
+                                               None if mar is None else torch.from_numpy(mar[rows]).to(on),
                                                torch.from_numpy(mask[rows]).to(on), self.mar,
                                                self._initial(kspace[rows]))
                 early[rows] = scores.cpu().numpy()

@@ -149,18 +149,21 @@ def initial_of(rule: OodCalibration | None, kspace: torch.Tensor, initial: int) 
     return initial_image(kspace, initial) if rule is not None and rule.score == "holdout" else None
 
 
-def ood_score(kind: str, zero_filled_image: torch.Tensor, corrected: torch.Tensor, mask: torch.Tensor,
+def ood_score(kind: str, zero_filled_image: torch.Tensor, corrected: torch.Tensor | None, mask: torch.Tensor,
               mar: Callable[[torch.Tensor], torch.Tensor] | None = None, initial: Initial | None = None
               ) -> torch.Tensor:
     """(B,) the score ``kind`` (one of :data:`EARLY_SCORES`) of B slices, float32; non-finite
     outputs score +inf. ``holdout`` needs the network and ``initial``, the image of the initial
-    lines and their mask; it is NaN (not scored, never flagged) for a slice without them."""
+    lines and their mask, and not ``corrected`` (the others do); it is NaN (not scored, never
+    flagged) for a slice without the initial lines."""
     unscored = torch.zeros(zero_filled_image.shape[0], dtype=torch.bool, device=zero_filled_image.device)
     if kind == "holdout":
         if mar is None or initial is None:
             raise ValueError("the holdout score needs the MAR network and the image of the initial lines")
         score = holdout_score(mar, initial, zero_filled_image, mask)
         unscored = _lacks_initial(initial[1], mask)
+    elif corrected is None:
+        raise ValueError(f"the {kind} score needs the MAR output (corrected)")
     elif kind == "consistency":
         score = consistency_score(zero_filled_image, corrected, mask)
     elif kind == "residual":
@@ -175,16 +178,17 @@ def ood_score(kind: str, zero_filled_image: torch.Tensor, corrected: torch.Tenso
 
 
 @torch.no_grad()
-def early_switch(rule: OodCalibration, zero_filled_image: torch.Tensor, corrected: torch.Tensor,
+def early_switch(rule: OodCalibration, zero_filled_image: torch.Tensor, corrected: torch.Tensor | None,
                  mask: torch.Tensor, mar: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  initial: Initial | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The early rule at its switch point: ((B,) bool flagged, (B,) float32 scores) for B slices
-    from the images of their lines so far (zero-filled, and the MAR output the policy is shown),
-    ``mask`` (B, H) those lines; ``initial``: the image of the initial lines and their mask (the
-    ``holdout`` score). A slice whose output is not finite is flagged."""
+    from the images of their lines so far (zero-filled, and the MAR output the policy is shown:
+    None for ``holdout``, which reads the output for ``initial``, the image of the initial lines
+    and their mask). A slice whose output is not finite is flagged."""
     if rule.stage != "early":
         raise ValueError(f"early_switch needs an early rule, got stage {rule.stage!r}")
-    score = ood_score(rule.score, zero_filled_image.float(), corrected.float(), mask, mar, initial)
+    score = ood_score(rule.score, zero_filled_image.float(), None if corrected is None else corrected.float(), mask,
+                      mar, initial)
     return score > rule.threshold, score
 
 

@@ -573,3 +573,31 @@ def test_a_policy_that_reads_no_image_decides_a_slice_ahead_with_the_same_lines(
 
 def test_a_policy_that_reads_the_image_is_still_asked_line_by_line():
     assert not make_engine(BrightestRow(), decide_ahead=True).ahead
+
+
+def test_the_holdout_rule_costs_one_network_pass_at_the_switch_point():
+    """A policy that reads no image, under an early rule scored by ``holdout`` after 3 lines: at
+    the switch point the engine runs the network once, on the image of the initial lines (not
+    also on the image of the lines so far, which the score does not read), and decides the rest
+    of the plan from its verdict."""
+    from masc_gadget.core.ood import OodCalibration
+
+    torch.manual_seed(0)
+    mar = build_mar(MarModelConfig(width=4)).eval()
+    calls = []
+    mar.register_forward_hook(lambda module, args, out: calls.append(tuple(args[0].shape)))
+    mar.ood = OodCalibration("consistency", 1e9)
+    mar.ood_early = OodCalibration("holdout", 1e-9, "early", after_lines=INITIAL + 1)  # flags what it scores
+    engine = make_engine("equispaced", mar=mar, n_pe=32, n_readout=32)
+    assert engine.switch_at == INITIAL + 1
+    k = np.fft.fftshift(np.fft.fft2(np.random.default_rng(0).random((32, 32)))).astype(np.complex64)
+    lines = [int(x) for x in initial_lines(32, INITIAL)]
+    for line in lines[:-1]:
+        assert engine.on_line(0, line, k[line]) == []
+    warm = len(calls)
+    (first,) = engine.on_line(0, lines[-1], k[lines[-1]])  # the first decision: no network pass
+    assert len(calls) == warm
+    calls.clear()
+    decided = engine.on_line(0, first.line, k[first.line])  # the switch point: the verdict, then the rest
+    assert calls == [(1, 32, 32)]
+    assert engine._slices[0].episode.switched[0] and decided  # flagged: continues with centre-out's lines
