@@ -160,6 +160,22 @@ def _kspace(seed, n=16):
     return (rng.standard_normal((n, n)) + 1j * rng.standard_normal((n, n))).astype(np.complex64)
 
 
+def _queued_behind_the_first(policy, jobs):
+    """Run ``jobs`` (callables) in threads: the first one's pass runs while ``policy``'s gate is
+    closed, the others queue behind it in order (one shared pass); then the gate opens."""
+    policy.gate.clear()
+    threads = [threading.Thread(target=job) for job in jobs]
+    threads[0].start()
+    time.sleep(0.1)  # the first pass is running (gated); the others queue behind it
+    for t in threads[1:]:
+        t.start()
+        time.sleep(0.05)
+    time.sleep(0.2)
+    policy.gate.set()
+    for t in threads:
+        t.join(10)
+
+
 def test_engines_sharing_a_batcher_decide_as_alone_in_fewer_passes():
     from masc_gadget.acquisition.engine import AcquisitionEngine, EngineSettings
 
@@ -176,7 +192,6 @@ def test_engines_sharing_a_batcher_decide_as_alone_in_fewer_passes():
     try:
         engines = [AcquisitionEngine(settings, policy, batcher=batcher) for _ in range(4)]
         policy.batches.clear()
-        policy.gate.clear()
         got = [None] * 4
 
         def scan(i):
@@ -184,15 +199,7 @@ def test_engines_sharing_a_batcher_decide_as_alone_in_fewer_passes():
             engines[i].on_line(0, 7, k[7])
             got[i] = [d.line for d in engines[i].on_line(0, 8, k[8])]
 
-        threads = [threading.Thread(target=scan, args=(i,)) for i in range(4)]
-        threads[0].start()
-        time.sleep(0.1)  # the first pass is running (gated); the others queue behind it
-        for t in threads[1:]:
-            t.start()
-        time.sleep(0.2)
-        policy.gate.set()
-        for t in threads:
-            t.join(10)
+        _queued_behind_the_first(policy, [lambda i=i: scan(i) for i in range(4)])
     finally:
         batcher.close()
     assert got == expected
@@ -262,19 +269,8 @@ def test_engines_of_one_model_with_different_early_rules_are_not_batched_togethe
     try:
         lead, off, auto = (AcquisitionEngine(settings(f), policy, mar, batcher=batcher) for f in ("off", "off", "auto"))
         got = {}
-        policy.gate.clear()
-        threads = [threading.Thread(target=lambda: first_decision(lead, 2))]
-        threads += [threading.Thread(target=lambda e=e, f=f: got.__setitem__(f, first_decision(e, 1)))
-                    for e, f in ((off, "off"), (auto, "auto"))]
-        threads[0].start()
-        time.sleep(0.1)  # the lead's pass is running (gated); the other two queue behind it
-        for t in threads[1:]:
-            t.start()
-            time.sleep(0.05)
-        time.sleep(0.2)
-        policy.gate.set()
-        for t in threads:
-            t.join(10)
+        _queued_behind_the_first(policy, [lambda: first_decision(lead, 2)] + [
+            lambda e=e, f=f: got.__setitem__(f, first_decision(e, 1)) for e, f in ((off, "off"), (auto, "auto"))])
     finally:
         batcher.close()
     assert got == expected
