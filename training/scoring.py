@@ -20,7 +20,7 @@ beside it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -30,7 +30,7 @@ import torch
 from masc_gadget.acquisition.episode import initial_lines
 from masc_gadget.core.kspace import zero_filled as zero_filled_recon
 from masc_gadget.core.metrics import METRICS, roi_metrics, slice_metrics
-from masc_gadget.core.ood import Initial, OodCalibration, initial_image, ood_score
+from masc_gadget.core.ood import GIVEN_SCORES, Initial, OodCalibration, given_image, initial_image, ood_score
 from masc_gadget.core.served import ServedImages, served_images
 from training.data import SliceSet
 
@@ -61,7 +61,7 @@ def score_batch(zero_filled: torch.Tensor, corrected: torch.Tensor | None, targe
                 roi: torch.Tensor | None = None, ood: OodCalibration | None = None, mask: torch.Tensor | None = None,
                 mar: Callable[[torch.Tensor], torch.Tensor] | None = None, metrics: Sequence[str] = METRICS,
                 kinds: Sequence[str] = (), switched: torch.Tensor | None = None,
-                early_score: torch.Tensor | None = None, initial: Initial | None = None) -> BatchScores:
+                early_score: torch.Tensor | None = None, given: Mapping[str, Initial] | None = None) -> BatchScores:
     """Score B slices' served images.
 
     Args:
@@ -74,7 +74,8 @@ def score_batch(zero_filled: torch.Tensor, corrected: torch.Tensor | None, targe
         mar: the MAR network (the ``flip`` score runs it again).
         metrics: the whole-image metrics kept (of :data:`~masc_gadget.core.metrics.METRICS`).
         kinds: OOD score kinds computed for every slice, whatever the rule (``masc check mar``).
-        initial: the image of the initial lines and their mask (the ``holdout`` score).
+        given: per score of :data:`~masc_gadget.core.ood.GIVEN_SCORES` among ``kinds``, the image
+            of the lines it gives the network and their mask (:func:`~masc_gadget.core.ood.initial_of`).
         switched, early_score: (B,) with an early rule, its verdicts
             (:func:`masc_gadget.core.served.served_images`).
     """
@@ -86,7 +87,8 @@ def score_batch(zero_filled: torch.Tensor, corrected: torch.Tensor | None, targe
     scores = {}
     if kinds and corrected is not None:
         with torch.no_grad():
-            scores = {kind: ood_score(kind, zero_filled, corrected, mask, mar, initial) for kind in kinds}
+            scores = {kind: ood_score(kind, zero_filled, corrected, mask, mar, (given or {}).get(kind))
+                      for kind in kinds}
     return BatchScores(served, {k: whole[k] for k in metrics}, {k: plain[k] for k in metrics}, local, scores)
 
 
@@ -130,7 +132,8 @@ def score_masks(data: SliceSet, masks: np.ndarray | torch.Tensor, mar: torch.nn.
     ``masks`` (N, PE) bool, scored against ``data.target`` (:func:`score_batch`); in batches of
     ``batch_size`` on ``device`` (default: the network's, else the CPU). ``mar`` is put in eval
     mode; None scores the zero-filled image alone. ``initial``: the protocol's initial line
-    count, which the ``holdout`` score among ``kinds`` predicts from."""
+    count, from which the scores among ``kinds`` that give the network some of the lines
+    (:data:`~masc_gadget.core.ood.GIVEN_SCORES`) take them."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     masks = torch.as_tensor(masks)
@@ -147,12 +150,14 @@ def score_masks(data: SliceSet, masks: np.ndarray | torch.Tensor, mar: torch.nn.
         mask = masks[index].to(device)
         kspace = data.kspace_metal[index].to(device)
         zf = recon(kspace, mask)
-        if "holdout" in kinds and initial is None:
-            raise ValueError("the holdout score needs the protocol's initial line count (initial=)")
-        first = initial_image(kspace, initial, recon) if "holdout" in kinds else None
+        wanted = [kind for kind in kinds if kind in GIVEN_SCORES]
+        if wanted and initial is None:
+            raise ValueError(f"the {wanted[0]} score needs the protocol's initial line count (initial=)")
+        given = {kind: initial_image(kspace, initial, recon) if kind == "holdout"
+                 else given_image(kspace, mask, initial, recon) for kind in wanted}
         scores = score_batch(zf, None if mar is None else mar(zf), data.target[index].to(device),
                              roi=None if roi is None else roi[index].to(device), ood=ood, mask=mask, mar=mar,
-                             metrics=metrics, kinds=kinds, initial=first)
+                             metrics=metrics, kinds=kinds, given=given)
         for name in parts:
             for key, value in getattr(scores, name).items():
                 parts[name].setdefault(key, []).append(value)

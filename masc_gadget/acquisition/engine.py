@@ -55,7 +55,7 @@ from masc_gadget.acquisition.decision import Decision
 from masc_gadget.acquisition.episode import AcquisitionState, EpisodeBatch, initial_lines
 from masc_gadget.acquisition.policies import SamplingPolicy, select_next, select_trains, slice_rng
 from masc_gadget.core.coils import coil_combine
-from masc_gadget.core.ood import Initial, early_switch, fallback_rule, switch_point
+from masc_gadget.core.ood import GIVEN_SCORES, Initial, early_switch, fallback_rule, inner_lines, switch_point
 from masc_gadget.core.served import served_images
 from masc_gadget.device import resolve_device
 
@@ -246,16 +246,21 @@ class AcquisitionEngine:
             zf, corrected = self._forward(kspace, mask, with_mar)
             return zf.cpu().numpy(), None if corrected is None else corrected.float().cpu().numpy()
 
-    def _initial(self, kspace: np.ndarray) -> Initial | None:
-        """For the ``holdout`` score (None for the others): the zero-filled images of B slices'
-        initial lines alone, kspace (B, n_coils, n_pe, n_readout), and those lines' mask."""
-        if self.ood is None or self.ood.score != "holdout":
+    def _initial(self, kspace: np.ndarray, mask: np.ndarray) -> Initial | None:
+        """For the scores that give the network some of a slice's lines (:data:`GIVEN_SCORES`;
+        None for the others): the zero-filled images, coils combined, of B slices' initial lines
+        alone (``holdout``) or of their :func:`inner_lines` of the acquired ``mask`` (B, n_pe)
+        (``halves``), kspace (B, n_coils, n_pe, n_readout), and those lines' mask."""
+        if self.ood is None or self.ood.score not in GIVEN_SCORES:
             return None
-        first = np.zeros((len(kspace), self.settings.n_pe), dtype=bool)
-        first[:, initial_lines(self.settings.n_pe, self.settings.initial)] = True
+        if self.ood.score == "holdout":
+            given = np.zeros((len(kspace), self.settings.n_pe), dtype=bool)
+            given[:, initial_lines(self.settings.n_pe, self.settings.initial)] = True
+        else:
+            given = inner_lines(torch.from_numpy(mask), self.settings.initial).numpy()
         with torch.no_grad():
-            zf, _ = self._forward(kspace, first, with_mar=False)
-        return zf.float(), torch.from_numpy(first).to(zf.device)
+            zf, _ = self._forward(kspace, given, with_mar=False)
+        return zf.float(), torch.from_numpy(given).to(zf.device)
 
     def _served(self, keys: Sequence[int], kspace: np.ndarray, mask: np.ndarray, switched: np.ndarray,
                 early_score: np.ndarray, with_mar: bool = True) -> _Served:
@@ -513,8 +518,8 @@ class AcquisitionEngine:
         early = np.full(len(states), np.nan, dtype=np.float32)
         scoring = self.early and unscored is not None and bool(np.any(unscored))
         if self.policy.needs_image or scoring:
-            # holdout reads the network's output for the initial lines' image, not for this one
-            wants_output = scoring and self.ood.score != "holdout"
+            # holdout and halves read the network's output for the image of the lines they give it
+            wants_output = scoring and self.ood.score not in GIVEN_SCORES
             zf, mar = self._reconstruct(kspace, mask, with_mar=self.sees_mar or wants_output)
             finite = _finite(zf) if mar is None else _finite(zf) & _finite(mar)
             if self.policy.needs_image:
@@ -526,7 +531,7 @@ class AcquisitionEngine:
                 flagged, scores = early_switch(self.ood, torch.from_numpy(zf[rows]).to(on),
                                                None if mar is None else torch.from_numpy(mar[rows]).to(on),
                                                torch.from_numpy(mask[rows]).to(on), self.mar,
-                                               self._initial(kspace[rows]))
+                                               self._initial(kspace[rows], mask[rows]))
                 early[rows] = scores.cpu().numpy()
                 if np.isnan(early[rows]).any():
                     log.warning("%d slice(s) not scored by the early rule (%s): their initial lines were not among "

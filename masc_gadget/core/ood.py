@@ -27,6 +27,15 @@ much, or how inconsistently, the network changed it:
     early rules only (an end-of-scan fallback serves the zero-filled image of the slice's own
     lines, which can harm). On validation it finds harm within a domain where the others do not
     (docs/mar-safety.md).
+``halves``
+    An early rule's score after lines beyond the initial ones, like ``holdout``, with the lines
+    split in two: the network is given the initial lines and the inner half (rounded down) of the
+    acquired lines beyond them, by distance from the k-space centre (G), and its output ``g(ZF_G)``
+    is judged twice: how badly it predicts the outer half it was not given (the ``holdout``
+    residual on ``H = M - G``), and how far it leaves the lines it was given (the
+    ``consistency`` residual of ``g(ZF_G)`` against ``ZF_G``); the score is their geometric mean.
+    A network that invents structure either contradicts its own lines or mispredicts the
+    others; one pass more, as ``holdout`` (docs/results.md, "A second look at hip harm").
 
 Which score the gadget uses, and the threshold above which it returns the zero-filled image
 instead, are chosen on a validation split by ``masc check mar`` and stored in the MAR
@@ -64,14 +73,18 @@ import torch
 
 from masc_gadget.core.kspace import fft2c, initial_lines, zero_filled
 
-__all__ = ["EARLY_SCORES", "SCORES", "STAGES", "Initial", "OodCalibration", "early_calibration_of", "early_switch", "calibration_of", "consistency_score", "fallback_rule", "flip_score",
-           "holdout_score", "initial_image", "initial_of", "ood_score", "residual_score", "switch_point"]
+__all__ = ["EARLY_SCORES", "GIVEN_SCORES", "SCORES", "STAGES", "Initial", "OodCalibration", "early_calibration_of", "early_switch", "calibration_of", "consistency_score", "fallback_rule", "flip_score",
+           "given_image", "halves_score", "holdout_score", "initial_image", "initial_of", "inner_lines", "ood_score",
+           "residual_score", "switch_point"]
 
 SCORES = ("consistency", "residual", "flip")
 """The scores of any rule, computed from the final image alone."""
-EARLY_SCORES = (*SCORES, "holdout")
-"""The scores of an early rule: :data:`SCORES` and ``holdout``, which also needs the image of
-the initial lines and is defined once a slice has lines beyond them."""
+GIVEN_SCORES = ("holdout", "halves")
+"""The scores that run the network on the image of some of a slice's lines (its initial lines;
+for ``halves`` also the inner half of the others) and judge its output against the rest: defined
+once a slice has lines beyond the initial ones, in early rules only."""
+EARLY_SCORES = (*SCORES, *GIVEN_SCORES)
+"""The scores of an early rule: :data:`SCORES` and :data:`GIVEN_SCORES`."""
 STAGES = ("end", "early")
 
 
@@ -106,6 +119,21 @@ Initial = tuple[torch.Tensor, torch.Tensor]
 bool), what the ``holdout`` score predicts from."""
 
 
+def _held_out(output: torch.Tensor, zero_filled_image: torch.Tensor, given: torch.Tensor,
+              mask: torch.Tensor) -> torch.Tensor:
+    """(B,) ``||P_H F output - P_H F ZF|| / ||P_H F ZF||`` with H = ``mask`` - ``given`` ((B, H) bool)."""
+    held = mask.bool() & ~given
+    if not bool(held.any(dim=1).all()):
+        raise ValueError("the holdout and halves scores need lines beyond the initial ones on every slice "
+                         "(an early rule with after_lines > initial)")
+    seen = fft2c(zero_filled_image.to(torch.complex64))
+    predicted = fft2c(output.to(torch.complex64))
+    rows = held[:, :, None].to(seen.real.dtype)
+    num = ((predicted - seen).abs() ** 2 * rows).flatten(1).sum(dim=1)
+    den = (seen.abs() ** 2 * rows).flatten(1).sum(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+    return (num / den).sqrt().float()
+
+
 @torch.no_grad()
 def holdout_score(mar: Callable[[torch.Tensor], torch.Tensor], initial: Initial, zero_filled_image: torch.Tensor,
                   mask: torch.Tensor) -> torch.Tensor:
@@ -116,17 +144,25 @@ def holdout_score(mar: Callable[[torch.Tensor], torch.Tensor], initial: Initial,
     held out)."""
     image, first = initial
     first = first.bool().expand_as(mask)
-    held = mask.bool() & ~first
-    if not bool(held.any(dim=1).all()):
-        raise ValueError("the holdout score needs lines beyond the initial ones on every slice "
-                         "(an early rule with after_lines > initial)")
-    seen = fft2c(zero_filled_image.to(torch.complex64))
-    predicted = fft2c(mar(image.float()).to(torch.complex64))
-    rows = held[:, :, None].to(seen.real.dtype)
-    num = ((predicted - seen).abs() ** 2 * rows).flatten(1).sum(dim=1)
-    den = (seen.abs() ** 2 * rows).flatten(1).sum(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
-    score = (num / den).sqrt().float()
+    score = _held_out(mar(image.float()), zero_filled_image, first, mask)
     return torch.where(_lacks_initial(first, mask), torch.full_like(score, math.nan), score)
+
+
+@torch.no_grad()
+def halves_score(mar: Callable[[torch.Tensor], torch.Tensor], given: Initial, zero_filled_image: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+    """(B,) the geometric mean of ``||P_H F g(ZF_G) - P_H F ZF|| / ||P_H F ZF||`` and
+    ``||ZF_G(F g(ZF_G)) - ZF_G|| / ||ZF_G||`` (module docstring): ``given`` the image of the
+    given lines G (:func:`given_image`) and their mask (B, H), ``mask`` (B, H) the acquired lines,
+    H = M - G. NaN for a slice that lacks some initial line; ValueError when a slice has nothing
+    held out."""
+    image, inner = given
+    inner = inner.bool().expand_as(mask)
+    output = mar(image.float())
+    held = _held_out(output, zero_filled_image, inner, mask)
+    kept = consistency_score(image.float(), output, inner)
+    score = (held * kept).sqrt()
+    return torch.where(_lacks_initial(inner, mask), torch.full_like(score, math.nan), score)
 
 
 def _lacks_initial(first: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -144,23 +180,61 @@ def initial_image(kspace: torch.Tensor, initial: int,
     return recon(kspace, first.expand(len(kspace), -1)), first
 
 
-def initial_of(rule: OodCalibration | None, kspace: torch.Tensor, initial: int) -> Initial | None:
-    """:func:`initial_image` for an early rule scored by ``holdout``, None for another rule."""
-    return initial_image(kspace, initial) if rule is not None and rule.score == "holdout" else None
+def inner_lines(mask: torch.Tensor, initial: int) -> torch.Tensor:
+    """(B, H) bool: the lines the ``halves`` score gives the network, from the acquired ``mask``
+    (B, H): the protocol's ``initial`` centre lines and the inner half (rounded down) of the
+    acquired lines beyond them, nearest the centre ``H // 2`` first (at equal distance the line
+    below the centre first)."""
+    mask = mask.bool()
+    n_pe = mask.shape[-1]
+    first = torch.zeros(n_pe, dtype=torch.bool, device=mask.device)
+    first[torch.as_tensor(initial_lines(n_pe, initial), device=mask.device)] = True
+    beyond = mask & ~first
+    index = torch.arange(n_pe, device=mask.device)
+    centre = n_pe // 2
+    key = torch.where(index < centre, 2 * (centre - index), 2 * (index - centre) + 1).expand_as(mask)
+    key = torch.where(beyond, key, torch.full_like(key, 2 * n_pe + 2))  # the others last
+    rank = torch.empty_like(key)
+    rank.scatter_(1, key.argsort(dim=1), index.expand_as(mask).contiguous())
+    return first | (beyond & (rank < (beyond.sum(dim=1, keepdim=True) // 2)))
+
+
+def given_image(kspace: torch.Tensor, mask: torch.Tensor, initial: int,
+                recon: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = zero_filled) -> Initial:
+    """What the ``halves`` score gives the network: the images (``recon``, zero-filled by
+    default) of B slices' :func:`inner_lines` of the acquired ``mask`` (B, H), from their k-space
+    (B, H, W) complex (single coil), and those lines' mask (B, H)."""
+    inner = inner_lines(mask, initial)
+    return recon(kspace, inner), inner
+
+
+def initial_of(rule: OodCalibration | None, kspace: torch.Tensor, initial: int,
+               mask: torch.Tensor | None = None) -> Initial | None:
+    """What ``rule``'s score gives the network, for an early rule scored by one of
+    :data:`GIVEN_SCORES` (:func:`initial_image`; :func:`given_image` of the acquired ``mask``
+    for ``halves``); None for another rule."""
+    if rule is None or rule.score not in GIVEN_SCORES:
+        return None
+    if rule.score == "holdout":
+        return initial_image(kspace, initial)
+    if mask is None:
+        raise ValueError("the halves score needs the acquired lines (mask) to split them")
+    return given_image(kspace, mask, initial)
 
 
 def ood_score(kind: str, zero_filled_image: torch.Tensor, corrected: torch.Tensor | None, mask: torch.Tensor,
               mar: Callable[[torch.Tensor], torch.Tensor] | None = None, initial: Initial | None = None
               ) -> torch.Tensor:
     """(B,) the score ``kind`` (one of :data:`EARLY_SCORES`) of B slices, float32; non-finite
-    outputs score +inf. ``holdout`` needs the network and ``initial``, the image of the initial
-    lines and their mask, and not ``corrected`` (the others do); it is NaN (not scored, never
-    flagged) for a slice without the initial lines."""
+    outputs score +inf. :data:`GIVEN_SCORES` need the network and ``initial``, the image of the
+    lines they give it and their mask (:func:`initial_of`), and not ``corrected`` (the others do);
+    they are NaN (not scored, never flagged) for a slice without the initial lines."""
     unscored = torch.zeros(zero_filled_image.shape[0], dtype=torch.bool, device=zero_filled_image.device)
-    if kind == "holdout":
+    if kind in GIVEN_SCORES:
         if mar is None or initial is None:
-            raise ValueError("the holdout score needs the MAR network and the image of the initial lines")
-        score = holdout_score(mar, initial, zero_filled_image, mask)
+            raise ValueError(f"the {kind} score needs the MAR network and the image of the lines it is given "
+                             f"(initial_of)")
+        score = (holdout_score if kind == "holdout" else halves_score)(mar, initial, zero_filled_image, mask)
         unscored = _lacks_initial(initial[1], mask)
     elif corrected is None:
         raise ValueError(f"the {kind} score needs the MAR output (corrected)")
@@ -183,8 +257,8 @@ def early_switch(rule: OodCalibration, zero_filled_image: torch.Tensor, correcte
                  initial: Initial | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The early rule at its switch point: ((B,) bool flagged, (B,) float32 scores) for B slices
     from the images of their lines so far (zero-filled, and the MAR output the policy is shown:
-    None for ``holdout``, which reads the output for ``initial``, the image of the initial lines
-    and their mask). A slice whose output is not finite is flagged."""
+    None for :data:`GIVEN_SCORES`, which read the output for ``initial``, the image of the lines
+    they give the network and their mask). A slice whose output is not finite is flagged."""
     if rule.stage != "early":
         raise ValueError(f"early_switch needs an early rule, got stage {rule.stage!r}")
     score = ood_score(rule.score, zero_filled_image.float(), None if corrected is None else corrected.float(), mask,

@@ -178,7 +178,7 @@ def _play_batch(p: _Play, data: SliceSet, index: list[int], seed: int, device: t
             images[True] = mar(images[False])
         if at_switch:  # the engine's decision pass at the switch point
             flagged, verdict = early_switch(p.ood, images[False], images[True], episodes.mask, mar,
-                                            initial_of(p.ood, kspace, p.initial))
+                                            initial_of(p.ood, kspace, p.initial, episodes.mask))
             episodes.switch(None, flagged.cpu().numpy(), verdict.cpu().numpy())
         if p.score:  # what the gadget returns
             scores = score_batch(images[False], images.get(True), target, ood=p.ood, mask=episodes.mask, mar=mar,

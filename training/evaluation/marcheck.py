@@ -619,7 +619,7 @@ def roc_figure(results: dict[str, Any], path: Path) -> None:
                       if "early_roc" in entry["summary"]} for folder, by_name in results["folders"].items()}
     rows = [("end of scan", panels)] + ([("early switch", early)] if any(early.values()) else [])
     fig, axes = plt.subplots(len(rows), len(panels), figsize=(4.2 * len(panels), 4 * len(rows)), squeeze=False)
-    styles = {"consistency": "-", "residual": "--", "flip": ":", "holdout": "-."}
+    styles = {"consistency": "-", "residual": "--", "flip": ":", "holdout": "-.", "halves": (0, (5, 1))}
     cells = [(ax, stage, folder, by_name) for axs, (stage, row) in zip(axes, rows)
              for ax, (folder, by_name) in zip(axs, row.items())]
     for ax in axes[1][len(early):] if len(rows) > 1 else []:
@@ -628,7 +628,7 @@ def roc_figure(results: dict[str, Any], path: Path) -> None:
         for i, (name, curves) in enumerate(by_name.items()):
             for kind, r in curves.items():
                 if r["fpr"]:
-                    ax.plot(r["fpr"], r["tpr"], styles[kind], color=f"C{i}", label=f"{name} {kind} ({r['auc']:.2f})")
+                    ax.plot(r["fpr"], r["tpr"], linestyle=styles[kind], color=f"C{i}", label=f"{name} {kind} ({r['auc']:.2f})")
         ax.plot([0, 1], [0, 1], color="0.7", lw=0.8)
         ax.set(title=f"{folder}, {stage}: harmed vs helped", xlabel="false positive rate (helped slices flagged)",
                ylabel="true positive rate (harmed slices flagged)", xlim=(0, 1), ylim=(0, 1))

@@ -575,11 +575,12 @@ def test_a_policy_that_reads_the_image_is_still_asked_line_by_line():
     assert not make_engine(BrightestRow(), decide_ahead=True).ahead
 
 
-def test_the_holdout_rule_costs_one_network_pass_at_the_switch_point():
-    """A policy that reads no image, under an early rule scored by ``holdout`` after 3 lines: at
-    the switch point the engine runs the network once, on the image of the initial lines (not
-    also on the image of the lines so far, which the score does not read), and decides the rest
-    of the plan from its verdict."""
+@pytest.mark.parametrize("score", ["holdout", "halves"])
+def test_a_rule_that_gives_the_network_some_lines_costs_one_network_pass_at_the_switch_point(score):
+    """A policy that reads no image, under an early rule scored by ``holdout`` or ``halves`` after
+    3 lines: at the switch point the engine runs the network once, on the image of the lines the
+    score gives it (not also on the image of the lines so far, which the score does not read),
+    and decides the rest of the plan from its verdict."""
     from masc_gadget.core.ood import OodCalibration
 
     torch.manual_seed(0)
@@ -587,7 +588,7 @@ def test_the_holdout_rule_costs_one_network_pass_at_the_switch_point():
     calls = []
     mar.register_forward_hook(lambda module, args, out: calls.append(tuple(args[0].shape)))
     mar.ood = OodCalibration("consistency", 1e9)
-    mar.ood_early = OodCalibration("holdout", 1e-9, "early", after_lines=INITIAL + 1)  # flags what it scores
+    mar.ood_early = OodCalibration(score, 1e-9, "early", after_lines=INITIAL + 1)  # flags what it scores
     engine = make_engine("equispaced", mar=mar, n_pe=32, n_readout=32)
     assert engine.switch_at == INITIAL + 1
     k = np.fft.fftshift(np.fft.fft2(np.random.default_rng(0).random((32, 32)))).astype(np.complex64)

@@ -197,9 +197,9 @@ def test_the_holdout_score_needs_lines_beyond_the_initial_ones_and_an_early_rule
     from masc_gadget.core.ood import initial_of, switch_point
 
     zf, mask = _scan()
-    with pytest.raises(ValueError, match="needs the MAR network and the image of the initial lines"):
+    with pytest.raises(ValueError, match="needs the MAR network and the image of the lines it is given"):
         ood_score("holdout", zf, zf, mask, lambda x: x)
-    with pytest.raises(ValueError, match="needs lines beyond the initial ones"):
+    with pytest.raises(ValueError, match="need lines beyond the initial ones"):
         ood_score("holdout", zf, zf, mask, lambda x: x, (zf, mask[0]))  # every acquired line is initial
     for stage, after in (("end", None), ("early", None)):
         with pytest.raises(ValueError, match="holdout score is an early rule's after lines beyond the initial"):
@@ -208,3 +208,49 @@ def test_the_holdout_score_needs_lines_beyond_the_initial_ones_and_an_early_rule
         switch_point(OodCalibration("holdout", 0.5, "early", 6), initial=6)
     assert switch_point(OodCalibration("holdout", 0.5, "early", 6), initial=2, lines_per_decision=3) == 8
     assert initial_of(None, torch.zeros(1, 8, 8, dtype=torch.complex64), 2) is None
+
+
+def test_the_halves_score_gives_the_network_the_initial_and_inner_lines_and_judges_both_parts():
+    """``halves``: the network is given the initial lines and the inner half of the others (by
+    distance from the centre, the line below first at equal distance); the score is the geometric
+    mean of how badly it predicts the outer half and how far it leaves the lines it was given."""
+    from masc_gadget.core.ood import consistency_score, halves_score, holdout_score, initial_of, inner_lines
+
+    n = 16
+    mask = torch.zeros(3, n, dtype=torch.bool)
+    mask[:, [7, 8]] = True  # initial lines of 16: 7, 8 (centre 8)
+    mask[0, [10, 2, 5, 14]] = True  # beyond, nearest first: 10 (2 above), 5 (3 below), 2 / 14 (6)
+    mask[1, [9, 6, 3]] = True  # three beyond: one given (9), the outer two held out
+    mask[2, [6, 10]] = True  # a tie at distance 2: the line below the centre is given
+    inner = inner_lines(mask, 2)
+    assert [row.nonzero().flatten().tolist() for row in inner] == [[5, 7, 8, 10], [7, 8, 9], [6, 7, 8]]
+
+    gen = torch.Generator().manual_seed(4)
+    image = torch.zeros(3, n, n)
+    image[:, 4:12, 3:13] = 1.0 + 0.5 * torch.rand(3, 8, 10, generator=gen)
+    kspace = fft2c(image.to(torch.complex64))
+    rule = OodCalibration("halves", 0.5, "early", after_lines=6)
+    given = initial_of(rule, kspace, 2, mask)
+    assert torch.equal(given[1], inner) and torch.allclose(given[0], zero_filled(kspace, inner))
+    zf = zero_filled(kspace, mask)
+    exact = lambda x: zf  # noqa: E731  (predicts the held-out lines exactly)
+    held = holdout_score(exact, (given[0], inner), zf, mask)
+    kept = consistency_score(given[0], zf, inner)
+    assert torch.allclose(halves_score(exact, given, zf, mask), (held * kept).sqrt())
+    assert torch.allclose(held, torch.zeros(3), atol=1e-5) and (kept > 0).all()
+    invented = zf.clone()
+    invented[:, 0:3, 0:3] += 4 * zf.max()
+    wild, calm = halves_score(lambda x: invented, given, zf, mask), halves_score(lambda x: zf + 1e-3, given, zf, mask)
+    assert (wild > calm).all()
+    assert torch.allclose(wild, (holdout_score(lambda x: invented, (given[0], inner), zf, mask)
+                                 * consistency_score(given[0], invented, inner)).sqrt())
+    assert torch.equal(ood_score("halves", zf, None, mask, lambda x: invented, given), wild)
+    edges = torch.zeros(3, n, dtype=torch.bool)  # no initial line yet: not scored
+    edges[:, :5] = True
+    score = ood_score("halves", zero_filled(kspace, edges), None, edges, lambda x: x,
+                      initial_of(rule, kspace, 2, edges))
+    assert torch.isnan(score).all()
+    with pytest.raises(ValueError, match="needs the acquired lines"):
+        initial_of(rule, kspace, 2)
+    with pytest.raises(ValueError, match="halves score is an early rule's after lines beyond the initial"):
+        OodCalibration("halves", 0.5, "early")

@@ -155,7 +155,7 @@ def _with_early_rule(checkpoint, mar, data, out, after=(), score="residual"):
     with torch.no_grad():
         mask = torch.as_tensor(line_masks(len(data), N, INITIAL, after))
         zf = zero_filled(data.kspace_metal, mask)
-        scores = ood_score(score, zf, mar(zf), mask, mar, initial_of(rule, data.kspace_metal, INITIAL))
+        scores = ood_score(score, zf, mar(zf), mask, mar, initial_of(rule, data.kspace_metal, INITIAL, mask))
     ranked = scores.sort().values
     threshold = float(ranked[len(ranked) // 2 - 1] + ranked[len(ranked) // 2]) / 2
     ck = load_checkpoint(checkpoint)
@@ -242,14 +242,15 @@ def test_a_fixed_order_decided_ahead_takes_the_early_switch_alike(tiny_dataset, 
     _assert_switched_alike(served, slices, rows["fixed-order"], rows["fixed-order+nomar"], switched, safe, order)
 
 
-@pytest.mark.parametrize("score", ["residual", "holdout"])
+@pytest.mark.parametrize("score", ["residual", "holdout", "halves"])
 def test_a_fixed_order_switched_after_its_first_lines_is_played_served_and_scored_alike(tiny_dataset, tmp_path,
                                                                                       learned_checkpoints, score):
     """An early rule with ``after_lines`` (``masc check mar --early-lines``): the gadget sends
     the fixed order's plan up to the switch point, scores the image of those lines, then sends
     the rest, the order's or centre-out's next free lines (served zero-filled); masc eval plays
-    and scores exactly the same. ``holdout`` (the shipped rule's score) also makes the image of
-    the initial lines alone from the lines it holds."""
+    and scores exactly the same. ``holdout`` also makes the image of the initial lines alone from
+    the lines it holds; ``halves`` the image of the initial lines and
+    the inner half of the others (none of one: the tiny protocol has 2 lines to choose)."""
     from masc_gadget.acquisition.episode import initial_lines
     from masc_gadget.acquisition.policies import center_out_rank
     from masc_gadget.models.checkpoint import load_checkpoint, load_mar

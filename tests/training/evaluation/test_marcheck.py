@@ -230,8 +230,8 @@ def test_a_later_switch_is_calibrated_on_the_first_lines_and_carried_by_the_rule
     early = later["calibration"]["p"]["early"]
     assert later["early_lines"] == 2 and early["after_lines"] == 2
     assert "after_lines" not in first["calibration"]["p"]["early"]
-    # with lines beyond the initial ones the holdout score joins the early scores, not before
-    assert set(early["auc"]) == {"consistency", "residual", "flip", "holdout"}
+    # with lines beyond the initial ones the holdout and halves scores join the early scores, not before
+    assert set(early["auc"]) == {"consistency", "residual", "flip", "holdout", "halves"}
     assert set(first["calibration"]["p"]["early"]["auc"]) == {"consistency", "residual", "flip"}
     assert "holdout" in later["folders"][tiny_dataset.name]["p"]["summary"]["early_roc"]
     for subject, within in later["folders"][tiny_dataset.name]["p"]["summary"]["early_roc_within"].items():
