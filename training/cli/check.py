@@ -58,6 +58,10 @@ def register_mar_check(subparsers: argparse._SubParsersAction, common: argparse.
     mc.add_argument("--calibrate-on", metavar="FOLDER[,FOLDER...]",
                     help="the data folders (by name) whose slices calibrate the rule (default: every one); the "
                          "others are held-out domains, served under the rule as calibrated")
+    mc.add_argument("--early-scores", metavar="SCORE[,SCORE...]",
+                    help="the scores the early rule may be calibrated with (default: every one; the best ROC "
+                         "area on the calibration slices wins): consistency, residual, flip, and with --early-lines "
+                         "beyond the initial lines holdout, halves")
     mc.add_argument("--out", required=True, metavar="DIR", help="results.json, report.md, roc.png")
     mc.set_defaults(func=cmd_mar_check)
 
@@ -114,7 +118,8 @@ def cmd_mar_check(args: argparse.Namespace) -> int:
               snr=snr if snr[0] > 0 else None,
               reference=args.reference, ood=ood, do_calibrate=args.calibrate, policies=policies,
               folds=args.cross_validate, early_lines=args.early_lines, objective=args.objective,
-              calibrate_on=[f.strip() for f in args.calibrate_on.split(",") if f.strip()] if args.calibrate_on else None)
+              calibrate_on=[f.strip() for f in args.calibrate_on.split(",") if f.strip()] if args.calibrate_on else None,
+              early_scores=[s.strip() for s in args.early_scores.split(",")] if args.early_scores else None)
     print((Path(args.out) / "report.md").read_text())
     return 0
 

@@ -132,18 +132,21 @@ def _keeps_no_harm(rows: dict[str, np.ndarray], kind: str, threshold: float, sta
 
 
 def calibrate(rows: dict[str, np.ndarray], stage: str = "end", objective: str = "served",
-              subjects: Sequence[str] | None = None) -> dict[str, Any]:
-    """The score with the largest ROC area on ``rows`` (pooled validation slices) and the
-    threshold the ``objective`` picks (module docstring) with the ``stage`` fallback
-    (:data:`STAGE_KEYS`; ties: the highest threshold, i.e. the fewest fallbacks); ``no-harm``
-    needs each slice's ``subjects``."""
+              subjects: Sequence[str] | None = None, scores: Sequence[str] | None = None) -> dict[str, Any]:
+    """The score with the largest ROC area on ``rows`` (pooled validation slices), among
+    ``scores`` (default: every score the rows carry), and the threshold the ``objective`` picks
+    (module docstring) with the ``stage`` fallback (:data:`STAGE_KEYS`; ties: the highest
+    threshold, i.e. the fewest fallbacks); ``no-harm`` needs each slice's ``subjects``."""
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown calibration objective {objective!r}: choose from {', '.join(OBJECTIVES)}")
     if objective == "no-harm" and (subjects is None or len(subjects) != len(rows["mar_ssim"])):
         raise ValueError("the no-harm objective needs each slice's subject")
     prefix = STAGE_KEYS[stage][0]
     harm = harmed(rows["mar_ssim"], rows["nothing_ssim"])
-    kinds = [k for k in EARLY_SCORES if f"{prefix}{k}" in rows]  # holdout: a later early switch only
+    kinds = [k for k in EARLY_SCORES if f"{prefix}{k}" in rows and (not scores or k in scores)]
+    if not kinds:  # holdout and halves: a later early switch only
+        raise ValueError(f"none of the scores {', '.join(scores or EARLY_SCORES)} is measured at this stage ({stage}): "
+                         f"choose among {', '.join(k for k in EARLY_SCORES if f'{prefix}{k}' in rows)}")
     areas = {kind: roc(rows[f"{prefix}{kind}"], harm)["auc"] for kind in kinds}
     kind = max(kinds, key=lambda k: -1.0 if math.isnan(areas[k]) else areas[k])
     candidates = np.unique(np.concatenate([rows[f"{prefix}{kind}"], [np.inf]]))
@@ -212,7 +215,8 @@ def served_under(rows: dict[str, np.ndarray], subjects: list[str], rules: list[d
 
 def cross_validated(rows: dict[str, np.ndarray], subjects: list[str], folds: int, stage: str = "end",
                     objective: str = "served", pool: dict[str, np.ndarray] | None = None,
-                    pool_subjects: Sequence[str] | None = None, prefix: str = "") -> dict[str, Any]:
+                    pool_subjects: Sequence[str] | None = None, prefix: str = "",
+                    scores: Sequence[str] | None = None) -> dict[str, Any]:
     """The served image when the OOD rule (its ``stage``) is calibrated without the subject it
     serves: the subjects (volumes) split into ``folds``
     (:func:`~training.evaluation.stats.subject_folds`), each fold served under the score and
@@ -220,7 +224,8 @@ def cross_validated(rows: dict[str, np.ndarray], subjects: list[str], folds: int
     The calibration slices are ``rows`` themselves, or ``pool`` (those of every folder the
     shipped rule is calibrated on), whose subjects ``pool_subjects`` name these ``prefix +
     subject``; a fold none of whose subjects is in the pool is served under the rule of the
-    whole pool. :func:`served_under` of the folds' rules."""
+    whole pool; ``scores``: those :func:`calibrate` may choose among. :func:`served_under` of the
+    folds' rules."""
     if pool is None:
         pool, pool_subjects, prefix = rows, subjects, ""
     if pool_subjects is None or len(pool_subjects) != len(pool["mar_ssim"]):
@@ -231,6 +236,6 @@ def cross_validated(rows: dict[str, np.ndarray], subjects: list[str], folds: int
     chosen = []
     for fold in range(folds):
         held = np.isin(pool_subjects, [prefix + s for s in set(np.asarray(subjects)[fold_of == fold])])
-        rule = calibrate({k: pool[k][~held] for k in keys}, stage, objective, list(pool_subjects[~held]))
+        rule = calibrate({k: pool[k][~held] for k in keys}, stage, objective, list(pool_subjects[~held]), scores)
         chosen.append({"score": rule["score"], "threshold": rule["threshold"]})
     return {"folds": folds, "objective": objective, **served_under(rows, subjects, chosen, fold_of, stage)}

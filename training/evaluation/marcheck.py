@@ -228,7 +228,8 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
               ood: dict[str, dict[str, Any]] | None = None, do_calibrate: bool = False,
               batch_size: int = 32, policies: dict[str, Any] | None = None, folds: int = 0,
               snr: tuple[float, float] | None = None, early_lines: int | None = None,
-              objective: str = "served", calibrate_on: list[str] | None = None) -> dict[str, Any]:
+              objective: str = "served", calibrate_on: list[str] | None = None,
+              early_scores: list[str] | None = None) -> dict[str, Any]:
     """Run the check of every network in ``mars`` (name -> MarNet) on ``split`` of each folder of
     ``data``; ``reference`` names the network the others are compared with; ``ood`` gives each
     network's stored calibration (name -> {score, threshold}); ``policies``: the learned policy
@@ -242,7 +243,8 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
     ``masc eval`` play (:func:`masc_gadget.core.ood.switch_point`). ``objective``: how the
     threshold is picked (:data:`~training.evaluation.calibration.OBJECTIVES`);
     ``calibrate_on``: the folders (names) whose slices calibrate the rule (None: every one); a
-    folder left out is a held-out domain, served under the rule as calibrated. Writes
+    folder left out is a held-out domain, served under the rule as calibrated; ``early_scores``:
+    the scores the early rule may be calibrated with (None: every one, the best ROC area). Writes
     ``OUT/results.json``, ``OUT/report.md``, ``OUT/roc.png`` (and ``OUT/ood.json`` with
     ``do_calibrate``)."""
     out = Path(out)
@@ -255,13 +257,19 @@ def mar_check(mars: dict[str, torch.nn.Module], data: str | list[str], split: st
     if unknown:
         raise ValueError(f"calibrate_on names {', '.join(unknown)}, not among the data folders ({', '.join(names)})")
     after = early_lines if early_lines is not None and early_lines > initial else None
+    offered = EARLY_SCORES if after else SCORES
+    if early_scores is not None and (not early_scores or set(early_scores) - set(offered)):
+        raise ValueError(f"early_scores must name scores of this early rule ({', '.join(offered)}; holdout and "
+                         f"halves with early_lines > initial), got {', '.join(early_scores) or 'none'}")
     results: dict[str, Any] = {"split": split, "policy": policy, "lines": [initial, budget], "folders": {},
                                "objective": objective, "calibrated_on_folders": list(calibrate_on or names),
+                               **({"early_scores": list(early_scores)} if early_scores else {}),
                                **({"early_lines": after} if after else {})}
     stored_early = any("early" in (entry or {}) for entry in (ood or {}).values())
     own_policies = policies if (do_calibrate or folds > 1 or stored_early) else None
     measured = _measure(mars, data, split, initial, budget, policy, batch_size, own_policies, snr, after)
     measured.calibrate_on = list(calibrate_on or names)
+    measured.early_scores = list(early_scores) if early_scores else None
     stored = {name: entry["early"] for name, entry in (ood or {}).items() if "early" in (entry or {})}
     for name, rule in list(stored.items()):  # a stored rule is served only where it scores
         if (rule.get("after_lines") or initial) != (after or initial):
@@ -295,6 +303,8 @@ class _Measured:
     own: dict[str, dict[str, dict[str, np.ndarray]]] = field(default_factory=dict)
     subjects: dict[str, list[str]] = field(default_factory=dict)
     calibrate_on: list[str] = field(default_factory=list)
+    early_scores: list[str] | None = None
+    """The scores the early rule may be calibrated with (None: every one)."""
 
     def pooled(self, name: str, stage: str) -> tuple[dict[str, np.ndarray], list[str]]:
         """The rows network ``name`` is calibrated on over the :attr:`calibrate_on` folders, and
@@ -362,7 +372,7 @@ def _calibration(mars: dict[str, torch.nn.Module], m: _Measured, data: str | lis
         calibration[name] = {**calibrate(rows, "end", objective, subjects), "calibrated_on": calibrated_on}
         rows, subjects = m.pooled(name, "early")
         if rows:  # the early switch, for a network that carries its policy
-            calibration[name]["early"] = {**calibrate(rows, "early", objective, subjects),
+            calibration[name]["early"] = {**calibrate(rows, "early", objective, subjects, m.early_scores),
                                           **({"after_lines": after} if after else {})}
     return calibration
 
@@ -398,7 +408,8 @@ def _folder_summaries(m: _Measured, folder: str, reference: str | None, ood: dic
                     continue
                 summary[key] = {"lines": lines, "held_out": held_out,
                                 **cross_validated(served_rows, subjects, folds, stage, objective=objective,
-                                                  pool=pool, pool_subjects=pool_subjects, prefix=f"{folder}/")}
+                                                  pool=pool, pool_subjects=pool_subjects, prefix=f"{folder}/",
+                                                  scores=m.early_scores if stage == "early" else None)}
     if folds > 1 and len(set(subjects)) < folds:
         log.warning("mar-check: %s has %d subjects, fewer than %d folds: not cross-validated", folder,
                     len(set(subjects)), folds)

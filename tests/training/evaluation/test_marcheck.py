@@ -208,6 +208,13 @@ def test_the_early_switch_serves_doing_nothing_and_never_harms():
     rows["early_score_holdout"] = np.array([0.9, 0.8, 0.1, 0.2])
     rows["early_score_consistency"] = np.array([0.4, 0.1, 0.2, 0.3])
     assert calibrate(rows, "early")["score"] == "holdout" and calibrate(rows)["score"] != "holdout"
+    # --early-scores: the calibration chooses among the scores it is given, and names what it lacks
+    assert calibrate(rows, "early", scores=["consistency", "flip"])["score"] == "consistency"
+    with pytest.raises(ValueError, match="none of the scores halves is measured at this stage"):
+        calibrate(rows, "early", scores=["halves"])
+    cv = cross_validated({k: np.tile(v, 2) for k, v in rows.items()}, ["a"] * 4 + ["b"] * 4, 2, "early",
+                         scores=["flip"])
+    assert {rule["score"] for rule in cv["rules"]} == {"flip"}
 
 
 def test_a_later_switch_is_calibrated_on_the_first_lines_and_carried_by_the_rule(tiny_dataset, perturbed_mar, tmp_path):
@@ -246,6 +253,13 @@ def test_a_later_switch_is_calibrated_on_the_first_lines_and_carried_by_the_rule
     assert OodCalibration.early_from_metadata(first["calibration"]["p"], "x.pt").after_lines is None
     with pytest.raises(ValueError, match=r"early_lines must be in \[1, 3\]"):
         mar_check({"p": mar}, str(tiny_dataset), "val", 1, 2, tmp_path / "x", policies=policies, early_lines=5)
+    # --early-scores: the rule is calibrated with the score asked for; one it cannot have is refused first
+    forced = mar_check({"p": mar}, str(tiny_dataset), "val", 1, 2, tmp_path / "h", do_calibrate=True,
+                       policies=policies, early_lines=2, early_scores=["halves"])
+    assert forced["calibration"]["p"]["early"]["score"] == "halves" and forced["early_scores"] == ["halves"]
+    with pytest.raises(ValueError, match="early_scores must name scores of this early rule"):
+        mar_check({"p": mar}, str(tiny_dataset), "val", 1, 2, tmp_path / "x", policies=policies,
+                  early_scores=["holdout"])  # no lines beyond the initial ones: no holdout
 
 
 def test_the_early_scores_are_also_ranked_within_each_subject_with_both_kinds_of_slice():
