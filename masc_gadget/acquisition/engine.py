@@ -117,6 +117,7 @@ class _Slice:
     issued: set[int] = field(default_factory=set)  # every line the engine asked for
     pending: set[int] = field(default_factory=set)  # lines of the last train not arrived yet
     awaiting: bool = False  # a train was issued and lines of it are still to come
+    unscorable: bool = False  # the early rule could not score it at its switch point: never scored again
 
 
 
@@ -459,7 +460,7 @@ class AcquisitionEngine:
                     return [], []
         rngs = [b.episode.rngs[0] for b in bufs]
         kspace = mask = None
-        waiting = np.array([self.early and not b.episode.scored(0)[0] for b in bufs], dtype=bool)
+        waiting = np.array([self.early and not b.episode.scored(0)[0] and not b.unscorable for b in bufs], dtype=bool)
         have = np.array([len(b.episode.lines(0)) for b in bufs])
         unscored = waiting & (have >= (self.switch_at or 0))  # due for the early rule now
         if self.policy.needs_image or unscored.any():  # the policy's image, or the early rule's
@@ -477,9 +478,11 @@ class AcquisitionEngine:
                 return [], []
         else:
             lines, finite, early = self.decision_pass(kspace, mask, states, rngs, unscored, k=k)
-        for b, score in zip(bufs, early):
+        for b, score, due, ok in zip(bufs, early, unscored, finite):
             if not np.isnan(score):
                 b.episode.switch(0, [score > self.ood.threshold], [score])
+            elif due and ok:  # scored at its switch point or never (an open-loop stream): no later pass
+                b.unscorable = True
         if self.ahead and (waiting & ~unscored).any():  # a plan up to the switch point; the rest after the verdict
             lines = lines.copy()
             for i in np.flatnonzero(waiting & ~unscored):

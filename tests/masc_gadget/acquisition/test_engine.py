@@ -602,3 +602,28 @@ def test_a_rule_that_gives_the_network_some_lines_costs_one_network_pass_at_the_
     decided = engine.on_line(0, first.line, k[first.line])  # the switch point: the verdict, then the rest
     assert calls == [(1, 32, 32)]
     assert engine._slices[0].episode.switched[0] and decided  # flagged: continues with centre-out's lines
+
+
+def test_a_slice_the_early_rule_cannot_score_at_its_switch_point_is_never_scored_later(caplog):
+    """An open-loop stream in file order: at the switch point the slice's lines are k-space edges,
+    not its initial centre lines, so ``holdout`` cannot score it. It is then never scored: no
+    network pass and no warning on every later line, and not switched once the centre lines
+    arrive (the verdict belongs to the switch point)."""
+    from masc_gadget.core.ood import OodCalibration
+
+    torch.manual_seed(0)
+    mar = build_mar(MarModelConfig(width=4)).eval()
+    calls = []
+    mar.register_forward_hook(lambda module, args, out: calls.append(tuple(args[0].shape)))
+    mar.ood = OodCalibration("consistency", 1e9)
+    mar.ood_early = OodCalibration("holdout", 1e-9, "early", after_lines=INITIAL + 1)  # flags what it scores
+    engine = make_engine("equispaced", mar=mar, n_pe=32, n_readout=32)
+    k = np.fft.fftshift(np.fft.fft2(np.random.default_rng(0).random((32, 32)))).astype(np.complex64)
+    with caplog.at_level("WARNING", logger="masc_gadget.acquisition.engine"):
+        for line in range(31):  # every line but the last in file order, whatever the engine asks for
+            engine.on_line(0, line, k[line])
+            if line == 0:
+                calls.clear()  # a slice's first line warms the network up
+    warned = [r for r in caplog.records if "not scored by the early rule" in r.getMessage()]
+    assert len(warned) == 1 and len(calls) == 1  # tried once, at the switch point (was: on every line after it)
+    assert not engine._slices[0].episode.switched[0] and not engine._slices[0].episode.scored(0)[0]
