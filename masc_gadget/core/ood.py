@@ -115,8 +115,9 @@ def flip_score(mar: Callable[[torch.Tensor], torch.Tensor], zero_filled_image: t
 
 
 Initial = tuple[torch.Tensor, torch.Tensor]
-"""The image of a slice's initial centre lines and their mask: ((B, H, W) real, (B, H) or (H,)
-bool), what the ``holdout`` score predicts from."""
+"""The image of the lines a score of :data:`GIVEN_SCORES` gives the network, and their mask:
+((B, H, W) real, (B, H) or (H,) bool); the initial centre lines for ``holdout``
+(:func:`initial_image`), those and the inner half of the others for ``halves`` (:func:`given_image`)."""
 
 
 def _held_out(output: torch.Tensor, zero_filled_image: torch.Tensor, given: torch.Tensor,
