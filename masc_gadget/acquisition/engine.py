@@ -52,10 +52,10 @@ import torch
 from masc_gadget.acquisition.batcher import DecisionBatcher, DecisionRequest, QueueFull, split_rows
 from masc_gadget.acquisition.contract import EngineSettings, SliceResult, is_int
 from masc_gadget.acquisition.decision import Decision
-from masc_gadget.acquisition.episode import AcquisitionState, EpisodeBatch, initial_lines
+from masc_gadget.acquisition.episode import AcquisitionState, EpisodeBatch
 from masc_gadget.acquisition.policies import SamplingPolicy, select_next, select_trains, slice_rng
 from masc_gadget.core.coils import coil_combine
-from masc_gadget.core.ood import GIVEN_SCORES, Initial, early_switch, fallback_rule, inner_lines, switch_point
+from masc_gadget.core.ood import GIVEN_SCORES, Initial, early_switch, fallback_rule, given_lines, switch_point
 from masc_gadget.core.served import served_images
 from masc_gadget.device import resolve_device
 
@@ -254,11 +254,7 @@ class AcquisitionEngine:
         (``halves``), kspace (B, n_coils, n_pe, n_readout), and those lines' mask."""
         if self.ood is None or self.ood.score not in GIVEN_SCORES:
             return None
-        if self.ood.score == "holdout":
-            given = np.zeros((len(kspace), self.settings.n_pe), dtype=bool)
-            given[:, initial_lines(self.settings.n_pe, self.settings.initial)] = True
-        else:
-            given = inner_lines(torch.from_numpy(mask), self.settings.initial).numpy()
+        given = given_lines(self.ood.score, torch.from_numpy(mask), self.settings.initial).numpy()
         with torch.no_grad():
             zf, _ = self._forward(kspace, given, with_mar=False)
         return zf.float(), torch.from_numpy(given).to(zf.device)

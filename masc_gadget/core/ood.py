@@ -74,7 +74,7 @@ import torch
 from masc_gadget.core.kspace import fft2c, initial_lines, zero_filled
 
 __all__ = ["EARLY_SCORES", "GIVEN_SCORES", "SCORES", "STAGES", "Initial", "OodCalibration", "early_calibration_of", "early_switch", "calibration_of", "consistency_score", "fallback_rule", "flip_score",
-           "given_image", "halves_score", "holdout_score", "initial_image", "initial_of", "inner_lines", "ood_score",
+           "given_image", "given_lines", "halves_score", "holdout_score", "initial_image", "initial_of", "inner_lines", "ood_score",
            "residual_score", "switch_point"]
 
 SCORES = ("consistency", "residual", "flip")
@@ -198,6 +198,19 @@ def inner_lines(mask: torch.Tensor, initial: int) -> torch.Tensor:
     rank = torch.empty_like(key)
     rank.scatter_(1, key.argsort(dim=1), index.expand_as(mask).contiguous())
     return first | (beyond & (rank < (beyond.sum(dim=1, keepdim=True) // 2)))
+
+
+def given_lines(score: str, mask: torch.Tensor, initial: int) -> torch.Tensor:
+    """(B, H) bool: the lines the score ``score`` (of :data:`GIVEN_SCORES`) gives the network,
+    from the acquired ``mask`` (B, H): the protocol's ``initial`` centre lines (``holdout``), or
+    those and the inner half of the others (``halves``, :func:`inner_lines`)."""
+    if score == "halves":
+        return inner_lines(mask, initial)
+    if score != "holdout":
+        raise ValueError(f"the {score} score gives the network no lines: choose from {', '.join(GIVEN_SCORES)}")
+    first = torch.zeros(mask.shape[-1], dtype=torch.bool, device=mask.device)
+    first[torch.as_tensor(initial_lines(mask.shape[-1], initial), device=mask.device)] = True
+    return first.expand_as(mask).clone()
 
 
 def given_image(kspace: torch.Tensor, mask: torch.Tensor, initial: int,

@@ -224,6 +224,12 @@ def test_the_halves_score_gives_the_network_the_initial_and_inner_lines_and_judg
     mask[2, [6, 10]] = True  # a tie at distance 2: the line below the centre is given
     inner = inner_lines(mask, 2)
     assert [row.nonzero().flatten().tolist() for row in inner] == [[5, 7, 8, 10], [7, 8, 9], [6, 7, 8]]
+    from masc_gadget.core.ood import given_lines
+
+    assert torch.equal(given_lines("halves", mask, 2), inner)
+    assert [row.nonzero().flatten().tolist() for row in given_lines("holdout", mask, 2)] == [[7, 8]] * 3
+    with pytest.raises(ValueError, match="gives the network no lines"):
+        given_lines("flip", mask, 2)
 
     gen = torch.Generator().manual_seed(4)
     image = torch.zeros(3, n, n)
